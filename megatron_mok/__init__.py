@@ -1,0 +1,19 @@
+"""megatron_mok: a pull-based, deterministic MoE token dispatcher for NVLink domains.
+
+The public surface is small:
+
+- :class:`Buffer` -- one per expert-parallel process group; owns the workspace and runs
+  ``dispatch`` / ``combine`` (differentiable) on the chosen backend.
+- :class:`DispatchResult` -- what ``dispatch`` returns (expert-major rows and their layout).
+- :class:`DispatchHandle` -- the layout, reused by ``combine`` and by both backward passes.
+
+``docs/CONTRACT.md`` states the semantics every backend implements. The package imports
+without the compiled CUDA library; asking for ``backend="cuda"`` without it raises an error
+that says how to build it.
+"""
+
+from .version import __version__
+from .handle import DispatchHandle, DispatchResult
+from .buffer import Buffer, available_backends
+
+__all__ = ["Buffer", "DispatchHandle", "DispatchResult", "available_backends", "__version__"]

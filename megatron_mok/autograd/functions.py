@@ -1,0 +1,47 @@
+"""``torch.autograd.Function`` wrappers around a backend (as Megatron's ``fused_a2a.py``).
+
+Both backward passes reuse the forward's :class:`~megatron_mok.DispatchHandle`, so they
+communicate along the same layout with no new routing exchange:
+
+- dispatch backward: ``grad_x = combine(grad_tokens)`` and the prob gradient of each row
+  travels back to its slot (``grad_topk_weights [T, K]``).
+- combine backward: ``grad_expert_out = dispatch_cached(grad_y)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DispatchFunction(torch.autograd.Function):
+    """``(x [T,H], topk_weights [T,K]) -> (tokens [R,H], probs [R])``; the handle is
+    returned through ``out_handle`` (a one-element list), since it is not a tensor."""
+
+    @staticmethod
+    def forward(ctx, backend, out_handle, x, topk_weights, topk_idx):
+        tokens, probs, handle = backend.dispatch(x, topk_idx, topk_weights)
+        ctx.backend, ctx.handle = backend, handle
+        out_handle.append(handle)
+        return tokens, probs
+
+    @staticmethod
+    def backward(ctx, grad_tokens, grad_probs):
+        want_w = ctx.needs_input_grad[3]
+        grad_x, grad_w = ctx.backend.combine(
+            grad_tokens.contiguous(), ctx.handle,
+            grad_probs=grad_probs.contiguous() if want_w else None)
+        return None, None, grad_x, grad_w, None
+
+
+class CombineFunction(torch.autograd.Function):
+    """``expert_out [R,H] -> y [T,H]`` along ``handle``."""
+
+    @staticmethod
+    def forward(ctx, backend, handle, expert_out):
+        y, _ = backend.combine(expert_out, handle)
+        ctx.backend, ctx.handle = backend, handle
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return None, None, ctx.backend.dispatch_cached(grad_y.contiguous(), ctx.handle)

@@ -1,0 +1,185 @@
+"""The pure-torch reference backend: the contract of ``docs/CONTRACT.md``, written plainly.
+
+It runs anywhere torch.distributed runs (CPU + gloo, GPU + NCCL) and is the oracle the CUDA
+backend is tested against, bitwise. It exchanges data only through ``all_gather`` of raw
+bytes (see :mod:`megatron_mok.comm`), so it moves far more than it must: every rank gathers
+every rank's padded tokens. It is for correctness, never for speed.
+
+Every floating-point sum is written as an explicit loop in the contract's order (slot by
+slot, rank by rank) in float32, so the result does not depend on how torch schedules a
+reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..comm import all_gather_exact, all_gather_ints
+from ..handle import DispatchHandle
+
+
+@dataclass
+class ReferenceLayout:
+    """Backend-private part of a :class:`DispatchHandle` (shapes for ``R`` rows, ``n`` tasks).
+
+    A *task* is one source token ``(s, t)`` with at least one row on this rank.
+    """
+
+    counts: torch.Tensor        # [W] int64, tokens per source rank in this dispatch
+    row_k: torch.Tensor         # [R] int64, the slot k of each row
+    task_key: torch.Tensor      # [n] int64, s * T_max + t of each task, ascending
+    task_rows: torch.Tensor     # [n, K] int64, the task's rows in row order, -1 padded
+    hit: torch.Tensor           # [W, T] bool, hit[d, t]: token t of this rank has rows on d
+
+
+def build_layout(all_idx: torch.Tensor, counts: torch.Tensor, rank: int, num_local_experts: int):
+    """The receiver-side layout from every rank's routing.
+
+    Args:
+        all_idx: ``[W, T_max, K]`` int64, every rank's ``topk_idx`` padded with -1.
+        counts: ``[W]`` int64, tokens per rank.
+        rank: this rank.
+        num_local_experts: experts per rank.
+
+    Returns:
+        ``(row_e, row_s, row_t, row_k)``: ``[R]`` int64 each, rows in contract order.
+    """
+    world, t_max, topk = all_idx.shape
+    dev = all_idx.device
+    lo = rank * num_local_experts
+    s_ix = torch.arange(world, device=dev).view(world, 1, 1).expand(world, t_max, topk)
+    t_ix = torch.arange(t_max, device=dev).view(1, t_max, 1).expand(world, t_max, topk)
+    k_ix = torch.arange(topk, device=dev).view(1, 1, topk).expand(world, t_max, topk)
+    live = t_ix < counts.view(world, 1, 1)
+    mine = live & (all_idx >= lo) & (all_idx < lo + num_local_experts)
+    e, s, t, k = all_idx[mine] - lo, s_ix[mine], t_ix[mine], k_ix[mine]
+    # Each (s, t, k) is one slot, so keys are unique and the sort order is unique too.
+    key = ((e * world + s) * t_max + t) * topk + k
+    order = torch.sort(key).indices
+    return e[order], s[order], t[order], k[order]
+
+
+def group_rows_by_task(row_s: torch.Tensor, row_t: torch.Tensor, t_max: int, topk: int):
+    """Group rows by source token, keeping row order inside each group.
+
+    Returns ``(task_key [n], task_rows [n, K])``; ``task_rows`` lists each task's rows in
+    row order (local expert ascending, then slot), padded with -1.
+    """
+    dev = row_s.device
+    key = row_s * t_max + row_t
+    sorted_key, perm = torch.sort(key, stable=True)   # stable: keeps row order per token
+    task_key, sizes = torch.unique_consecutive(sorted_key, return_counts=True)
+    starts = torch.cumsum(sizes, 0) - sizes
+    pos = torch.arange(key.numel(), device=dev) - torch.repeat_interleave(starts, sizes)
+    task_of = torch.repeat_interleave(torch.arange(task_key.numel(), device=dev), sizes)
+    task_rows = torch.full((task_key.numel(), topk), -1, dtype=torch.int64, device=dev)
+    task_rows[task_of, pos] = perm
+    return task_key, task_rows
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, buf):
+        self.buf = buf
+
+    # ----------------------------------------------------------------------------- dispatch
+    def dispatch(self, x, topk_idx, topk_weights):
+        b = self.buf
+        W, t_max, K = b.world_size, b.max_tokens_per_rank, b.topk
+        T = x.shape[0]
+        counts = all_gather_ints([T], b.group, W, x.device).view(W)
+        idx = torch.full((t_max, K), -1, dtype=torch.int64, device=x.device)
+        idx[:T] = topk_idx.to(torch.int64)
+        w = torch.zeros(t_max, K, dtype=torch.float32, device=x.device)
+        w[:T] = topk_weights
+        all_idx = all_gather_exact(idx, b.group, W)
+        all_w = all_gather_exact(w, b.group, W)
+        all_x = self._gather_tokens(x)
+
+        row_e, row_s, row_t, row_k = build_layout(all_idx, counts, b.rank, b.num_local_experts)
+        R = row_e.numel()
+        out_rows = b._out_rows(R)
+        tokens = x.new_zeros(out_rows, b.hidden)
+        tokens[:R] = all_x[row_s, row_t]
+        probs = torch.zeros(out_rows, dtype=torch.float32, device=x.device)
+        probs[:R] = all_w[row_s, row_t, row_k]
+        tpe = torch.bincount(row_e, minlength=b.num_local_experts).to(torch.int64)
+
+        task_key, task_rows = group_rows_by_task(row_s, row_t, t_max, K)
+        my_idx = idx[:T]
+        hit = torch.zeros(W, T, dtype=torch.bool, device=x.device)
+        routed = my_idx >= 0
+        dest = torch.where(routed, my_idx // b.num_local_experts, torch.zeros_like(my_idx))
+        tok = torch.arange(T, device=x.device).view(T, 1).expand(T, K)
+        hit[dest[routed], tok[routed]] = True
+
+        src_rank = torch.full((out_rows,), -1, dtype=torch.int64, device=x.device)
+        src_token = torch.full((out_rows,), -1, dtype=torch.int64, device=x.device)
+        src_rank[:R], src_token[:R] = row_s, row_t
+        layout = ReferenceLayout(counts=counts, row_k=row_k, task_key=task_key,
+                                 task_rows=task_rows, hit=hit)
+        handle = DispatchHandle(
+            buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=out_rows,
+            src_rank=src_rank, src_token=src_token, tokens_per_expert=tpe,
+            num_rows_device=torch.tensor([R], dtype=torch.int64, device=x.device),
+            state=layout)
+        return tokens, probs, handle
+
+    def dispatch_cached(self, x, handle: DispatchHandle):
+        """Rows of ``x`` (``[T, H]`` on every rank) in the layout of ``handle``."""
+        all_x = self._gather_tokens(x)
+        R = handle.num_rows
+        out = x.new_zeros(handle.num_out_rows, self.buf.hidden)
+        out[:R] = all_x[handle.src_rank[:R], handle.src_token[:R]]
+        return out
+
+    # ------------------------------------------------------------------------------ combine
+    def combine(self, expert_out, handle: DispatchHandle, grad_probs: Optional[torch.Tensor] = None):
+        """``y [T, H]`` per the contract; with ``grad_probs [R]`` also ``grad_topk_weights [T, K]``."""
+        b = self.buf
+        W, t_max, K, H = b.world_size, b.max_tokens_per_rank, b.topk, b.hidden
+        lay: ReferenceLayout = handle.state
+        dev = expert_out.device
+        T = handle.num_tokens
+
+        # 1. Expert side: one partial per source token, rows summed in row order from +0.0.
+        partial = torch.zeros(W * t_max, H, dtype=torch.float32, device=dev)
+        for j in range(K):
+            rows = lay.task_rows[:, j]
+            live = rows >= 0
+            partial[lay.task_key[live]] += expert_out[rows[live]].float()
+        partial = partial.to(b.combine_partial_dtype)
+        all_partial = all_gather_exact(partial, b.group, W).view(W, W, t_max, H)
+        mine = all_partial[:, b.rank, :T]                     # [W, T, H]
+
+        # 2. Owner: the partials of the ranks holding rows of t, in rank order, from +0.0.
+        y = torch.zeros(T, H, dtype=torch.float32, device=dev)
+        for d in range(W):
+            y[lay.hit[d]] += mine[d][lay.hit[d]].float()
+        y = y.to(b.dtype)
+
+        grad_w = None
+        if grad_probs is not None:
+            R = handle.num_rows
+            side = torch.zeros(W * t_max, K, dtype=torch.float32, device=dev)
+            key = handle.src_rank[:R] * t_max + handle.src_token[:R]
+            side[key, lay.row_k] = grad_probs[:R].float()
+            all_side = all_gather_exact(side, b.group, W).view(W, W, t_max, K)[:, b.rank, :T]
+            grad_w = torch.zeros(T, K, dtype=torch.float32, device=dev)
+            for d in range(W):          # exactly one rank holds each routed slot
+                grad_w += all_side[d]
+        return y, grad_w
+
+    def destroy(self):
+        pass
+
+    # -------------------------------------------------------------------------------- utils
+    def _gather_tokens(self, x):
+        b = self.buf
+        padded = x.new_zeros(b.max_tokens_per_rank, b.hidden)
+        padded[: x.shape[0]] = x
+        return all_gather_exact(padded, b.group, b.world_size)

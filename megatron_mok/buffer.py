@@ -1,0 +1,185 @@
+"""The user-facing object: one :class:`Buffer` per expert-parallel process group."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import validation
+from .autograd import CombineFunction, DispatchFunction
+from .comm import group_rank_size
+from .handle import DispatchHandle, DispatchResult
+
+BACKENDS = ("auto", "reference", "cuda")
+
+
+def available_backends() -> list:
+    """Backends usable in this process: always ``reference``; ``cuda`` when the compiled
+    library loads and a CUDA device is visible."""
+    from .cuda import library
+
+    names = ["reference"]
+    if torch.cuda.is_available() and library.is_available():
+        names.append("cuda")
+    return names
+
+
+class Buffer:
+    """Dispatch/combine engine for one expert-parallel group (see ``docs/CONTRACT.md``).
+
+    Args:
+        group: the expert-parallel ``ProcessGroup`` (``None``: the default group, or a
+            single process when torch.distributed is not initialised).
+        num_experts: ``E``, global experts; rank ``r`` owns ``[r*E/W, (r+1)*E/W)``.
+        hidden: ``H``, the token width.
+        topk: ``K``, routed slots per token.
+        max_tokens_per_rank: ``T_max``, the most tokens any rank passes to one dispatch.
+        dtype: token dtype (bfloat16, float16 or float32).
+        backend: ``"auto"`` (``cuda`` for CUDA tensors when the library is built, else
+            ``reference``), ``"reference"`` or ``"cuda"``.
+        combine_partial_dtype: dtype of the per-rank partial sums combine moves between
+            ranks; ``None`` = ``dtype`` (half the bytes), ``torch.float32`` = round once.
+        max_recv_tokens: static-shape mode: ``dispatch`` returns exactly this many rows
+            (zero padding after the ``R`` real ones) and the CUDA path never syncs the host
+            (CUDA-graph capturable); more than this many rows is an error, raised at the
+            next host read, never silent loss.
+        num_sms: CUDA backend: SMs its communication kernels may occupy (default 24).
+        ring_bytes: CUDA backend: size of each staging ring in bytes (default 256 MiB).
+        timeout_s: CUDA backend: a spin-wait that sees no progress for this long reports
+            rank, peer and what it waited for, and the call raises (default 60 s).
+    """
+
+    def __init__(self, group=None, *, num_experts: int, hidden: int, topk: int,
+                 max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16,
+                 backend: str = "auto", combine_partial_dtype: Optional[torch.dtype] = None,
+                 max_recv_tokens: Optional[int] = None, num_sms: Optional[int] = None,
+                 ring_bytes: Optional[int] = None, timeout_s: Optional[float] = None,
+                 device: Optional[torch.device] = None):
+        self.group = group
+        self.rank, self.world_size = group_rank_size(group)
+        validation.check_buffer_args(self.world_size, num_experts, hidden, topk,
+                                     max_tokens_per_rank, dtype)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        partial = dtype if combine_partial_dtype is None else combine_partial_dtype
+        if partial not in validation.SUPPORTED_DTYPES:
+            raise TypeError(f"combine_partial_dtype must be one of {validation.SUPPORTED_DTYPES}, "
+                            f"got {combine_partial_dtype}")
+        if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or max_recv_tokens < 0):
+            raise ValueError(f"max_recv_tokens must be None or an int >= 0, got {max_recv_tokens!r}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.world_size
+        self.hidden = hidden
+        self.topk = topk
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.dtype = dtype
+        self.combine_partial_dtype = partial
+        self.max_recv_tokens = max_recv_tokens
+        self.requested_backend = backend
+        self.num_sms, self.ring_bytes, self.timeout_s = num_sms, ring_bytes, timeout_s
+        self.device = torch.device(device) if device is not None else None
+        self._backends = {}
+        self._destroyed = False
+        if backend == "cuda":
+            self._get_backend("cuda")   # fail early, with the build hint, if unavailable
+
+    # ---------------------------------------------------------------------------- public API
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor) -> DispatchResult:
+        """Send each routed token to the ranks of its experts.
+
+        Args:
+            x: ``[T, H]`` tokens, the Buffer's dtype, contiguous; ``T`` may be 0.
+            topk_idx: ``[T, K]`` int32/int64 global expert ids, ``-1`` = slot not routed.
+            topk_weights: ``[T, K]`` float32 router weights.
+
+        Returns:
+            :class:`DispatchResult` with expert-major ``tokens [R, H]``, ``probs [R]``,
+            ``tokens_per_expert [E_local]``, ``src_rank``/``src_token [R]`` and the handle.
+            Gradients flow to ``x`` (through ``tokens``) and ``topk_weights`` (through ``probs``).
+        """
+        self._check_alive()
+        backend = self._backend_for(x)
+        validation.check_dispatch_inputs(self, x, topk_idx, topk_weights,
+                                         check_values=backend.name == "reference")
+        out_handle = []
+        tokens, probs = DispatchFunction.apply(backend, out_handle, x, topk_weights, topk_idx)
+        h = out_handle[0]
+        return DispatchResult(tokens=tokens, probs=probs, tokens_per_expert=h.tokens_per_expert,
+                              src_rank=h.src_rank, src_token=h.src_token, handle=h)
+
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Sum each token's expert rows back on its own rank (unweighted).
+
+        Args:
+            expert_out: ``[R, H]`` (the dispatch's row count), the Buffer's dtype, contiguous.
+            handle: the :class:`DispatchHandle` of the matching dispatch.
+
+        Returns:
+            ``y [T, H]`` in the Buffer's dtype; differentiable w.r.t. ``expert_out``.
+        """
+        self._check_alive()
+        validation.check_combine_inputs(self, expert_out, handle)
+        backend = self._backend_for(expert_out)
+        return CombineFunction.apply(backend, handle, expert_out)
+
+    def destroy(self) -> None:
+        """Free the workspace (peer memory on the CUDA backend). Idempotent."""
+        for b in self._backends.values():
+            b.destroy()
+        self._backends.clear()
+        self._destroyed = True
+
+    @property
+    def backend(self) -> str:
+        """The backend name ``auto`` resolves to for tensors on ``self.device`` (or CPU)."""
+        if self.requested_backend != "auto":
+            return self.requested_backend
+        dev = self.device or torch.device("cpu")
+        return "cuda" if dev.type == "cuda" and "cuda" in available_backends() else "reference"
+
+    def __repr__(self):
+        return (f"Buffer(rank={self.rank}/{self.world_size}, experts={self.num_experts}, "
+                f"hidden={self.hidden}, topk={self.topk}, T_max={self.max_tokens_per_rank}, "
+                f"dtype={self.dtype}, backend={self.requested_backend})")
+
+    # ------------------------------------------------------------------------------ internal
+    def _backend_for(self, t: torch.Tensor):
+        name = self.requested_backend
+        if name == "auto":
+            name = "cuda" if t.is_cuda and "cuda" in available_backends() else "reference"
+        if name == "cuda" and not t.is_cuda:
+            raise ValueError(f"backend='cuda' needs CUDA tensors, got a tensor on {t.device}")
+        return self._get_backend(name)
+
+    def _get_backend(self, name: str):
+        if name not in self._backends:
+            if name == "reference":
+                from .backends.reference import ReferenceBackend
+                self._backends[name] = ReferenceBackend(self)
+            else:
+                from .cuda.backend import CudaBackend
+                self._backends[name] = CudaBackend(self)
+        return self._backends[name]
+
+    def _check_device(self, device: torch.device, name: str) -> None:
+        if self.device is None:
+            self.device = device
+        elif device != self.device and not (device.type == self.device.type == "cuda"
+                                             and self.device.index is None):
+            raise ValueError(f"{name} is on {device}, but this Buffer works on {self.device}")
+
+    def _out_rows(self, num_rows: int) -> int:
+        """Rows to allocate for ``R`` received rows: ``R``, or ``max_recv_tokens``."""
+        if self.max_recv_tokens is None:
+            return num_rows
+        if num_rows > self.max_recv_tokens:
+            raise RuntimeError(
+                f"rank {self.rank} received {num_rows} rows, more than max_recv_tokens="
+                f"{self.max_recv_tokens}; raise max_recv_tokens (static-shape mode)")
+        return self.max_recv_tokens
+
+    def _check_alive(self):
+        if self._destroyed:
+            raise RuntimeError("this Buffer was destroyed")

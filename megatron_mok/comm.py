@@ -1,0 +1,47 @@
+"""Small, exact collectives used by the reference backend.
+
+Everything travels as raw bytes (``uint8`` views), so gloo and NCCL both carry any dtype
+bit-for-bit, and the reference backend needs nothing beyond ``all_gather``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def group_rank_size(group) -> tuple[int, int]:
+    """``(rank, world_size)`` of ``group``; ``(0, 1)`` when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_gather_exact(t: torch.Tensor, group, world_size: int) -> torch.Tensor:
+    """Gather ``t`` (same shape on every rank) into ``[W, *t.shape]``, bit-exact."""
+    t = t.contiguous()
+    if world_size == 1:
+        return t.unsqueeze(0).clone()
+    flat = t.view(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+    outs: List[torch.Tensor] = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(outs, flat, group=group)
+    return torch.stack(outs).view(t.dtype).view(world_size, *t.shape)
+
+
+def all_gather_ints(values: List[int], group, world_size: int, device) -> torch.Tensor:
+    """Gather a short list of host ints from every rank: ``[W, len(values)]`` int64 on ``device``."""
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    return all_gather_exact(t, group, world_size)
+
+
+def pad_rows(t: torch.Tensor, rows: int, fill: Optional[float] = 0) -> torch.Tensor:
+    """Pad ``t`` along dim 0 to ``rows`` rows with ``fill``."""
+    if t.shape[0] == rows:
+        return t
+    out = t.new_full((rows, *t.shape[1:]), fill)
+    out[: t.shape[0]] = t
+    return out

@@ -1,0 +1,62 @@
+"""Loads ``libmok_cuda.so``, the compiled kernels (``csrc/``), through ctypes.
+
+The library exports a plain C ABI (``csrc/api/mok_api.h``): no torch headers, so one build
+works with any torch version, and CI can compile it with nvcc alone. It is looked up in
+``$MOK_CUDA_LIB``, then next to this package (``megatron_mok/_lib/``), where
+``python setup.py build_ext --inplace`` or ``pip install .`` puts it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Optional
+
+_LIB_NAME = "libmok_cuda.so"
+_lib: Optional[ctypes.CDLL] = None
+_load_error: Optional[str] = None
+
+BUILD_HINT = (
+    "the MoK CUDA library is not built. Build it with nvcc >= 12.3 on PATH (or CUDA_HOME set): "
+    "`pip install --no-build-isolation -e .` or `python setup.py build_ext --inplace` in the "
+    "megatron_mok checkout (MOK_CUDA_ARCH=90a by default); or point MOK_CUDA_LIB at a built "
+    f"{_LIB_NAME}.")
+
+
+def library_path() -> Path:
+    env = os.environ.get("MOK_CUDA_LIB")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / "_lib" / _LIB_NAME
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    global _lib, _load_error
+    if _lib is not None or _load_error is not None:
+        return _lib
+    path = library_path()
+    if not path.exists():
+        _load_error = f"{path} does not exist"
+        return None
+    try:
+        _lib = ctypes.CDLL(str(path))
+    except OSError as e:  # wrong arch, missing driver, ...
+        _load_error = f"{path} failed to load: {e}"
+        return None
+    from .bindings import declare
+    declare(_lib)
+    return _lib
+
+
+def is_available() -> bool:
+    """True when the compiled library loads (it does not need a GPU to load)."""
+    return _load() is not None
+
+
+def get() -> ctypes.CDLL:
+    """The loaded library; raises ``RuntimeError`` with build instructions if absent."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"backend='cuda' is unavailable: {_load_error}. {BUILD_HINT}")
+    return lib

@@ -1,0 +1,92 @@
+"""Input checks shared by every backend. They run before any communication, so bad input
+raises on the rank that passed it instead of hanging its peers."""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_buffer_args(world_size: int, num_experts: int, hidden: int, topk: int,
+                      max_tokens_per_rank: int, dtype: torch.dtype) -> None:
+    if not isinstance(num_experts, int) or num_experts <= 0:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if num_experts % world_size != 0:
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by the group size {world_size}: "
+            "experts are split contiguously, E/W per rank")
+    if not isinstance(hidden, int) or hidden <= 0:
+        raise ValueError(f"hidden must be a positive int, got {hidden!r}")
+    if not isinstance(topk, int) or not 1 <= topk <= num_experts:
+        raise ValueError(f"topk must be an int in [1, num_experts={num_experts}], got {topk!r}")
+    if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 0:
+        raise ValueError(f"max_tokens_per_rank must be an int >= 0, got {max_tokens_per_rank!r}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+
+
+def check_dispatch_inputs(buf, x: torch.Tensor, topk_idx: torch.Tensor,
+                          topk_weights: torch.Tensor, check_values: bool = True) -> None:
+    """Shape/dtype/device checks for ``Buffer.dispatch``.
+
+    ``check_values`` reads ``topk_idx`` on the host to check the expert-id range; the CUDA
+    backend passes False and checks the range on the device instead (no host sync).
+    """
+    _check_tensor("x", x)
+    _check_tensor("topk_idx", topk_idx)
+    _check_tensor("topk_weights", topk_weights)
+    if x.dtype != buf.dtype:
+        raise TypeError(f"x must have the Buffer's dtype {buf.dtype}, got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != buf.hidden:
+        raise ValueError(f"x must be [T, hidden={buf.hidden}], got {tuple(x.shape)}")
+    num_tokens = x.shape[0]
+    if num_tokens > buf.max_tokens_per_rank:
+        raise ValueError(
+            f"x has T={num_tokens} tokens, more than max_tokens_per_rank={buf.max_tokens_per_rank}")
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous (call .contiguous())")
+    if topk_idx.dtype not in INDEX_DTYPES:
+        raise TypeError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
+    if tuple(topk_idx.shape) != (num_tokens, buf.topk):
+        raise ValueError(
+            f"topk_idx must be [T={num_tokens}, topk={buf.topk}], got {tuple(topk_idx.shape)}")
+    if topk_weights.dtype != torch.float32:
+        raise TypeError(f"topk_weights must be float32, got {topk_weights.dtype}")
+    if tuple(topk_weights.shape) != (num_tokens, buf.topk):
+        raise ValueError(
+            f"topk_weights must be [T={num_tokens}, topk={buf.topk}], got {tuple(topk_weights.shape)}")
+    for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    buf._check_device(x.device, "x")
+    if check_values and num_tokens > 0:
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < -1 or hi >= buf.num_experts:
+            raise ValueError(
+                f"topk_idx holds expert ids in [{lo}, {hi}], outside [-1, num_experts={buf.num_experts})")
+
+
+def check_combine_inputs(buf, expert_out: torch.Tensor, handle) -> None:
+    from .handle import DispatchHandle
+
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
+    if handle.buffer_id != id(buf):
+        raise ValueError("handle was made by another Buffer")
+    _check_tensor("expert_out", expert_out)
+    if expert_out.dtype != buf.dtype:
+        raise TypeError(f"expert_out must have the Buffer's dtype {buf.dtype}, got {expert_out.dtype}")
+    expected = (handle.num_out_rows, buf.hidden)
+    if tuple(expert_out.shape) != expected:
+        raise ValueError(f"expert_out must be {list(expected)} (rows of the dispatch), "
+                         f"got {tuple(expert_out.shape)}")
+    if not expert_out.is_contiguous():
+        raise ValueError("expert_out must be contiguous (call .contiguous())")
+    buf._check_device(expert_out.device, "expert_out")
+
+
+def _check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

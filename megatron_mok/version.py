@@ -1,0 +1,3 @@
+"""The package version, in one place (setup.py reads it from here)."""
+
+__version__ = "0.1.0"
