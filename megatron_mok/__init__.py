@@ -12,6 +12,10 @@ without the compiled CUDA library; asking for ``backend="cuda"`` without it rais
 that says how to build it.
 """
 
+from .cuda.peer_memory import disable_multicast_env as _disable_multicast_env
+
+_disable_multicast_env()  # before any NCCL / symmetric-memory initialisation we can precede
+
 from .version import __version__
 from .handle import DispatchHandle, DispatchResult
 from .buffer import Buffer, available_backends

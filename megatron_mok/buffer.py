@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from typing import Optional
 
 import torch
@@ -12,6 +14,17 @@ from .comm import group_rank_size
 from .handle import DispatchHandle, DispatchResult
 
 BACKENDS = ("auto", "reference", "cuda")
+_LIVE_BUFFERS: "weakref.WeakSet[Buffer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _destroy_live_buffers() -> None:
+    """Free every Buffer's peer memory at exit, before torch tears down its allocators."""
+    for buf in list(_LIVE_BUFFERS):
+        try:
+            buf.destroy()
+        except Exception:  # exiting: nothing useful to do with an error here
+            pass
 
 
 def available_backends() -> list:
@@ -63,9 +76,9 @@ class Buffer:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         partial = dtype if combine_partial_dtype is None else combine_partial_dtype
-        if partial not in validation.SUPPORTED_DTYPES:
-            raise TypeError(f"combine_partial_dtype must be one of {validation.SUPPORTED_DTYPES}, "
-                            f"got {combine_partial_dtype}")
+        if partial not in (dtype, torch.float32):
+            raise TypeError(f"combine_partial_dtype must be None, the token dtype ({dtype}) or "
+                            f"torch.float32, got {combine_partial_dtype}")
         if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or max_recv_tokens < 0):
             raise ValueError(f"max_recv_tokens must be None or an int >= 0, got {max_recv_tokens!r}")
         self.num_experts = num_experts
@@ -81,6 +94,7 @@ class Buffer:
         self.device = torch.device(device) if device is not None else None
         self._backends = {}
         self._destroyed = False
+        _LIVE_BUFFERS.add(self)
         if backend == "cuda":
             self._get_backend("cuda")   # fail early, with the build hint, if unavailable
 
@@ -123,6 +137,14 @@ class Buffer:
         validation.check_combine_inputs(self, expert_out, handle)
         backend = self._backend_for(expert_out)
         return CombineFunction.apply(backend, handle, expert_out)
+
+    def check_errors(self) -> None:
+        """Synchronise and raise if a CUDA kernel of this Buffer reported an error (timeout,
+        bad expert id, static-shape overflow). Eager dispatches check at their one host read;
+        static-shape (graph) users call this at a point of their choosing."""
+        for b in self._backends.values():
+            if hasattr(b, "check_errors"):
+                b.check_errors()
 
     def destroy(self) -> None:
         """Free the workspace (peer memory on the CUDA backend). Idempotent."""

@@ -1,0 +1,157 @@
+// C ABI entry points: check arguments, build the kernel contexts, launch.
+#include "api/mok_api.h"
+
+#include <string>
+
+#include "mok/launch.h"
+
+using namespace mok;
+
+struct MokContext {
+  CommContext comm;
+  bool peers_set = false;
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+int fail(const std::string& msg) {
+  g_last_error = msg;
+  return 1;
+}
+
+int check_launch(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) return fail(std::string(what) + ": " + cudaGetErrorString(e));
+  return 0;
+}
+
+int check_ready(const MokContext* ctx) {
+  if (ctx == nullptr) return fail("null MokContext");
+  if (!ctx->peers_set) return fail("mok_set_peers was not called");
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int partial_bytes, int topk,
+                       int num_local_experts, int max_tokens, int chunk_tokens, int meta_slots,
+                       int64_t disp_ring_chunks, int64_t comb_ring_chunks) {
+  if (world < 1 || world > kMaxRanks) { fail("world size must be in [1, 64]"); return nullptr; }
+  if (rank < 0 || rank >= world) { fail("rank outside [0, world)"); return nullptr; }
+  if (topk < 1 || topk > kMaxTopk) { fail("topk must be in [1, 32]"); return nullptr; }
+  if (hidden <= 0 || hidden % kCombineVec != 0) { fail("hidden must be a positive multiple of 8"); return nullptr; }
+  if (chunk_tokens < 1 || meta_slots < 1 || disp_ring_chunks < 1 || comb_ring_chunks < 1) {
+    fail("chunk_tokens, meta_slots and both ring sizes must be >= 1");
+    return nullptr;
+  }
+  auto* ctx = new MokContext();
+  WorkspaceConfig cfg{};
+  cfg.world_size = world;
+  cfg.rank = rank;
+  cfg.hidden = hidden;
+  cfg.elem_bytes = elem_bytes;
+  cfg.partial_bytes = partial_bytes;
+  cfg.topk = topk;
+  cfg.num_local_experts = num_local_experts;
+  cfg.max_tokens = max_tokens;
+  cfg.chunk_tokens = chunk_tokens;
+  cfg.meta_slots = meta_slots;
+  cfg.disp_ring_chunks = disp_ring_chunks;
+  cfg.comb_ring_chunks = comb_ring_chunks;
+  ctx->comm.ws = Workspace::make(cfg);
+  ctx->comm.rank = rank;
+  ctx->comm.world = world;
+  return ctx;
+}
+
+void mok_destroy(MokContext* ctx) { delete ctx; }
+
+size_t mok_workspace_bytes(const MokContext* ctx) { return ctx->comm.ws.total_bytes; }
+
+size_t mok_handle_scratch_bytes(const MokContext* ctx) {
+  return HandleArrays::make(ctx->comm.ws.cfg, nullptr).total_bytes;
+}
+
+size_t mok_error_offset(const MokContext* ctx) { return ctx->comm.ws.error; }
+
+size_t mok_handle_totals_offset(const MokContext* ctx) {
+  const HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, nullptr);
+  return reinterpret_cast<size_t>(h.totals);
+}
+
+int mok_set_peers(MokContext* ctx, const uint64_t* peer_bases, int n, double timeout_s) {
+  if (ctx == nullptr) return fail("null MokContext");
+  if (n != ctx->comm.world) return fail("mok_set_peers: need one base pointer per rank");
+  for (int i = 0; i < n; ++i) {
+    if (peer_bases[i] == 0) return fail("mok_set_peers: null peer pointer");
+    ctx->comm.peers.base[i] = reinterpret_cast<char*>(peer_bases[i]);
+  }
+  ctx->comm.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  ctx->peers_set = true;
+  return 0;
+}
+
+int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
+                        int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
+                        int64_t* tokens_per_expert, int64_t row_cap) {
+  if (int e = check_ready(ctx)) return e;
+  if (num_tokens < 0 || num_tokens > ctx->comm.ws.cfg.max_tokens)
+    return fail("num_tokens outside [0, max_tokens]");
+  HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
+  RoutingArgs r{topk_idx, idx_is_64, topk_weights, num_tokens, num_experts};
+  RowOutputs out{nullptr, nullptr, nullptr, tokens_per_expert, row_cap};
+  return check_launch(launch_dispatch_layout(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
+                      "dispatch layout launch");
+}
+
+int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
+                      int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap) {
+  if (int e = check_ready(ctx)) return e;
+  HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
+  RoutingArgs r{nullptr, 0, nullptr, 0, 0};
+  RowOutputs out{src_rank, src_token, probs, nullptr, row_cap};
+  return check_launch(launch_dispatch_fill(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
+                      "dispatch fill launch");
+}
+
+int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const void* x,
+                          int num_tokens, void* out_rows, int64_t row_cap,
+                          int num_blocks, int num_producers) {
+  if (int e = check_ready(ctx)) return e;
+  if (num_producers < 1 || num_blocks <= num_producers)
+    return fail("dispatch transfer needs 1 <= num_producers < num_blocks");
+  HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
+  TransferArgs t{num_tokens, num_blocks, num_producers, row_cap};
+  return check_launch(launch_dispatch_transfer(ctx->comm, h, t, x, out_rows, ctx->comm.ws.cfg.elem_bytes,
+                                               static_cast<cudaStream_t>(stream)),
+                      "dispatch transfer launch");
+}
+
+int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert_out,
+                const float* grad_probs, int num_tokens, void* y, float* grad_w,
+                int64_t row_cap, int dtype_code, int partial_code, int num_blocks,
+                int num_producers) {
+  if (int e = check_ready(ctx)) return e;
+  if (num_producers < 1 || num_blocks <= num_producers)
+    return fail("combine needs 1 <= num_producers < num_blocks");
+  if (partial_code != dtype_code && partial_code != kFP32)
+    return fail("the combine partial dtype must be the token dtype or float32");
+  HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
+  TransferArgs t{num_tokens, num_blocks, num_producers, row_cap};
+  return check_launch(launch_combine_transfer(ctx->comm, h, t, expert_out, grad_probs, y, grad_w,
+                                              dtype_code, partial_code, static_cast<cudaStream_t>(stream)),
+                      "combine launch");
+}
+
+const char* mok_last_error(void) { return g_last_error.c_str(); }
+
+int mok_sm_count(int device) {
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return -1;
+  return n;
+}
+
+}  // extern "C"

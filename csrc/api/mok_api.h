@@ -1,0 +1,43 @@
+/* The C ABI of libmok_cuda.so (loaded by megatron_mok/cuda/library.py through ctypes).
+ * Plain C types only: no torch headers, so one build serves every torch version.
+ * Every int-returning call returns 0 on success, else non-zero with mok_last_error() set.
+ * All tensor pointers are device pointers; `stream` is a cudaStream_t. */
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct MokContext MokContext;
+
+MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int partial_bytes, int topk,
+                       int num_local_experts, int max_tokens, int chunk_tokens, int meta_slots,
+                       int64_t disp_ring_chunks, int64_t comb_ring_chunks);
+void mok_destroy(MokContext* ctx);
+size_t mok_workspace_bytes(const MokContext* ctx);
+size_t mok_handle_scratch_bytes(const MokContext* ctx);
+size_t mok_error_offset(const MokContext* ctx);
+size_t mok_handle_totals_offset(const MokContext* ctx);
+int mok_set_peers(MokContext* ctx, const uint64_t* peer_bases, int n, double timeout_s);
+
+int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
+                        int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
+                        int64_t* tokens_per_expert, int64_t row_cap);
+int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
+                      int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap);
+int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const void* x,
+                          int num_tokens, void* out_rows, int64_t row_cap,
+                          int num_blocks, int num_producers);
+int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert_out,
+                const float* grad_probs, int num_tokens, void* y, float* grad_w,
+                int64_t row_cap, int dtype_code, int partial_code, int num_blocks,
+                int num_producers);
+
+const char* mok_last_error(void);
+int mok_sm_count(int device);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,50 @@
+// Launch constants and limits of the MoK kernels: the only place numbers like these live.
+#pragma once
+
+#include <cstdint>
+
+namespace mok {
+
+// Threads of a layout block (count/fill kernels) and of the one-block scan kernels.
+constexpr int kLayoutThreads = 256;
+constexpr int kScanThreads = 1024;
+// Threads of a combine block (16 warps; the fp32 accumulators need up to 128 registers).
+constexpr int kTransferThreads = 512;
+constexpr int kWarpSize = 32;
+// 16-byte vectors per lane in flight in the copy loops (4 independent loads: MOK_BRIEF).
+constexpr int kCopyUnroll = 4;
+// Elements per lane per step in the combine loops: one 16-byte bf16 vector.
+constexpr int kCombineVec = 8;
+// 8-element groups per lane in flight in the combine loops.
+constexpr int kCombineUnroll = 4;
+// Threads of a dispatch block: 32 warps, 4 loads in flight each (MOK_BRIEF section 3).
+constexpr int kDispatchThreads = 1024;
+// Largest world size: reader sets are 64-bit masks.
+constexpr int kMaxRanks = 64;
+// Largest topk a task can carry (rows of one token on one rank).
+constexpr int kMaxTopk = 32;
+// Spin loops read the clock only every this many polls.
+constexpr int kPollsPerClockRead = 64;
+
+// Error codes written to Workspace::error (first one wins); mirrored in Python
+// (megatron_mok/cuda/errors.py).
+enum ErrorCode : int32_t {
+  kOk = 0,
+  kTimeout = 1,         // a spin-wait saw no progress for timeout_ns
+  kBadExpert = 2,       // topk_idx outside [-1, E)
+  kRecvOverflow = 3,    // static-shape mode: more rows than max_recv_tokens
+  kAborted = 4,         // stopped because another block reported an error
+};
+
+// What a spin-wait was waiting for (Workspace::error.what).
+enum WaitKind : int32_t {
+  kWaitNone = 0,
+  kWaitRoutingReady = 1,     // a peer's routing (meta slot) for this dispatch
+  kWaitRoutingReleased = 2,  // peers to finish reading our previous routing in this slot
+  kWaitDispatchReady = 3,    // a peer's staged tokens (dispatch ring chunk)
+  kWaitDispatchReleased = 4, // peers to finish pulling the previous tokens in our ring slot
+  kWaitCombineReady = 5,     // a peer's partial sums (combine ring chunk)
+  kWaitCombineReleased = 6,  // the owner to finish pulling our previous partials
+};
+
+}  // namespace mok

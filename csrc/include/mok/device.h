@@ -1,0 +1,174 @@
+// Device helpers shared by the kernels: spin-waits that time out and report, and the
+// 8-element load/store/convert used by the combine sums.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdio>
+
+#include "config.h"
+#include "ptx.h"
+#include "workspace.h"
+
+namespace mok {
+
+// Everything a kernel needs to reach any rank's workspace. Passed by value.
+struct PeerTable {
+  char* base[kMaxRanks];
+};
+
+struct CommContext {
+  Workspace ws;
+  PeerTable peers;
+  int32_t rank;
+  int32_t world;
+  uint64_t timeout_ns;
+
+  __device__ char* local() const { return peers.base[rank]; }
+  __device__ ErrorReport* error() const { return ws.error_at(local()); }
+  __device__ SeqCounters* counters() const { return ws.counters_at(local()); }
+};
+
+// Called once per warp when it has finished its share of a kernel: the last warp of the grid
+// advances the call number `seq`. No block barrier, so warps that stopped early on an error
+// simply never count (the Buffer is unusable after an error anyway).
+__device__ inline void warp_done_advance(uint32_t* warps_done, uint64_t* seq) {
+  __syncwarp();
+  if (threadIdx.x % kWarpSize == 0) {
+    const uint32_t total = gridDim.x * gridDim.y * (blockDim.x / kWarpSize);
+    __threadfence();
+    if (atomicAdd(warps_done, 1u) + 1 == total) {
+      *warps_done = 0;
+      *seq += 1;
+      __threadfence();
+    }
+  }
+}
+
+// Record the first error of this rank's kernels; later ones only abort.
+__device__ inline void report_error(const CommContext& c, int32_t code, int32_t peer,
+                                    int32_t what, int64_t detail) {
+  ErrorReport* e = c.error();
+  if (atomicCAS(&e->code, 0, code) == 0) {
+    e->rank = c.rank;
+    e->peer = peer;
+    e->what = what;
+    e->detail = detail;
+    __threadfence_system();
+    if (code == kTimeout)
+      printf("[megatron_mok] rank %d: timed out after %llu ns waiting for peer %d (wait kind %d, "
+             "detail %lld)\n", c.rank, (unsigned long long)c.timeout_ns, peer, what, (long long)detail);
+  }
+}
+
+__device__ inline bool aborted(const CommContext& c) { return ld_volatile(&c.error()->code) != 0; }
+
+// Spin until *flag >= target (acquire, system scope). False on timeout or abort: the caller
+// must stop its work and return.
+__device__ inline bool wait_geq(const CommContext& c, const uint64_t* flag, uint64_t target,
+                                int32_t peer, int32_t what, int64_t detail) {
+  if (ld_acquire_sys(flag) >= target) return true;
+  const uint64_t start = globaltimer_ns();
+  for (int polls = 1;; ++polls) {
+    if (ld_acquire_sys(flag) >= target) return true;
+    if (polls % kPollsPerClockRead == 0) {
+      if (aborted(c)) return false;
+      if (globaltimer_ns() - start > c.timeout_ns) {
+        report_error(c, kTimeout, peer, what, detail);
+        return false;
+      }
+    }
+  }
+}
+
+// ---- 8-element vectors in float32 -----------------------------------------------------
+template <typename T>
+struct Vec8;
+
+template <>
+struct Vec8<__nv_bfloat16> {
+  __device__ static void load(const __nv_bfloat16* p, float* f) {
+    int4 v = ld_stream_16(reinterpret_cast<const int4*>(p));
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 t = __bfloat1622float2(h[i]);
+      f[2 * i] = t.x;
+      f[2 * i + 1] = t.y;
+    }
+  }
+  __device__ static void store(__nv_bfloat16* p, const float* f) {
+    int4 v;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    *reinterpret_cast<int4*>(p) = v;
+  }
+};
+
+template <>
+struct Vec8<__half> {
+  __device__ static void load(const __half* p, float* f) {
+    int4 v = ld_stream_16(reinterpret_cast<const int4*>(p));
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 t = __half22float2(h[i]);
+      f[2 * i] = t.x;
+      f[2 * i + 1] = t.y;
+    }
+  }
+  __device__ static void store(__half* p, const float* f) {
+    int4 v;
+    __half2* h = reinterpret_cast<__half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    *reinterpret_cast<int4*>(p) = v;
+  }
+};
+
+template <>
+struct Vec8<float> {
+  __device__ static void load(const float* p, float* f) {
+    int4 a = ld_stream_16(reinterpret_cast<const int4*>(p));
+    int4 b = ld_stream_16(reinterpret_cast<const int4*>(p) + 1);
+    const float* fa = reinterpret_cast<const float*>(&a);
+    const float* fb = reinterpret_cast<const float*>(&b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[i] = fa[i];
+      f[4 + i] = fb[i];
+    }
+  }
+  __device__ static void store(float* p, const float* f) {
+    int4 a, b;
+    float* fa = reinterpret_cast<float*>(&a);
+    float* fb = reinterpret_cast<float*>(&b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      fa[i] = f[i];
+      fb[i] = f[4 + i];
+    }
+    reinterpret_cast<int4*>(p)[0] = a;
+    reinterpret_cast<int4*>(p)[1] = b;
+  }
+};
+
+// Round f to T and back: the partial sum as the owner will see it.
+template <typename T>
+__device__ inline float round_to(float f);
+template <>
+__device__ inline float round_to<__nv_bfloat16>(float f) { return __bfloat162float(__float2bfloat16_rn(f)); }
+template <>
+__device__ inline float round_to<__half>(float f) { return __half2float(__float2half_rn(f)); }
+template <>
+__device__ inline float round_to<float>(float f) { return f; }
+
+__device__ inline unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+}  // namespace mok

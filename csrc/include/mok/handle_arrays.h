@@ -1,0 +1,70 @@
+// Per-dispatch layout arrays (the device half of a DispatchHandle), carved from one scratch
+// allocation that Python owns. Like Workspace, the carving lives here and nowhere else.
+//
+//   send_pos      [T_max, W] i32  q: index of my token t among my tokens that hit rank d, -1
+//   send_count    [W]        i32  my tokens that hit rank d
+//   chunk_readers [CPC]      u64  remote ranks that read my dispatch chunk j (bit mask)
+//   src_count     [W]        i32  tokens of each source in this dispatch
+//   chunk_rows    [W, CPC, E_local] i32  rows of (source, chunk, expert); after the scan, the
+//                                first row of that group
+//   chunk_tasks   [W, CPC]   i32  tasks (tokens with >=1 row here) in (source, chunk)
+//   task_base     [W, CPC]   i32  first task of (source, chunk)
+//   task_off      [W + 1]    i32  first task of each source; task_off[W] = number of tasks
+//   totals        [4]        i32  R, number of tasks, -, -
+//   fill_done     [W]        i32  fill blocks finished per source (releases the routing slot)
+//   task_src, task_token [W * T_max] i32   the source token of each task
+//   task_rows     [W * T_max, K] i32   the task's rows in row order (expert, then k), -1 pad
+//   task_k        [W * T_max, K] i32   the slot k of each of those rows
+#pragma once
+
+#include "workspace.h"
+
+namespace mok {
+
+struct HandleArrays {
+  int32_t* send_pos;
+  int32_t* send_count;
+  uint64_t* chunk_readers;
+  int32_t* src_count;
+  int32_t* chunk_rows;
+  int32_t* chunk_tasks;
+  int32_t* task_base;
+  int32_t* task_off;
+  int32_t* totals;
+  int32_t* fill_done;
+  int32_t* task_src;
+  int32_t* task_token;
+  int32_t* task_rows;
+  int32_t* task_k;
+  size_t total_bytes;
+
+  __host__ __device__ static int chunks_per_call(const WorkspaceConfig& c) {
+    return (c.max_tokens + c.chunk_tokens - 1) / c.chunk_tokens;
+  }
+
+  __host__ __device__ static HandleArrays make(const WorkspaceConfig& c, char* base) {
+    HandleArrays a{};
+    const size_t W = c.world_size, T = c.max_tokens, K = c.topk, E = c.num_local_experts;
+    const size_t cpc = chunks_per_call(c);
+    size_t off = 0;
+    auto take = [&](size_t bytes) { char* p = base + off; off = align_up(off + bytes, 256); return p; };
+    a.send_pos = (int32_t*)take(T * W * 4);
+    a.send_count = (int32_t*)take(W * 4);
+    a.chunk_readers = (uint64_t*)take((cpc > 0 ? cpc : 1) * 8);
+    a.src_count = (int32_t*)take(W * 4);
+    a.chunk_rows = (int32_t*)take(W * cpc * E * 4);
+    a.chunk_tasks = (int32_t*)take(W * cpc * 4);
+    a.task_base = (int32_t*)take(W * cpc * 4);
+    a.task_off = (int32_t*)take((W + 1) * 4);
+    a.totals = (int32_t*)take(4 * 4);
+    a.fill_done = (int32_t*)take(W * 4);
+    a.task_src = (int32_t*)take(W * T * 4);
+    a.task_token = (int32_t*)take(W * T * 4);
+    a.task_rows = (int32_t*)take(W * T * K * 4);
+    a.task_k = (int32_t*)take(W * T * K * 4);
+    a.total_bytes = off;
+    return a;
+  }
+};
+
+}  // namespace mok

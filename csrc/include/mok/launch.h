@@ -1,0 +1,58 @@
+// Host-side launchers of every kernel; the C API (api/mok_api.cu) calls these after
+// checking its arguments. Each returns the cudaError_t of its launch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "device.h"
+#include "handle_arrays.h"
+
+namespace mok {
+
+// Routing of one full dispatch (all pointers device, `T` rows).
+struct RoutingArgs {
+  const void* topk_idx;       // [T, K] int32 or int64
+  int32_t idx_is_64;
+  const float* topk_weights;  // [T, K]
+  int32_t num_tokens;         // T of this rank
+  int32_t num_experts;        // E (global), for range checks
+};
+
+// Outputs of a dispatch that the user sees.
+struct RowOutputs {
+  int64_t* src_rank;          // [row_cap]
+  int64_t* src_token;         // [row_cap]
+  float* probs;               // [row_cap]
+  int64_t* tokens_per_expert; // [E_local]
+  int64_t row_cap;            // rows allocated (R, or max_recv_tokens)
+};
+
+// Publish my routing (send-side layout included) and build the receive layout's counts.
+cudaError_t launch_dispatch_layout(const CommContext& c, const HandleArrays& h,
+                                   const RoutingArgs& r, const RowOutputs& out, cudaStream_t s);
+// Fill the per-row outputs and the task lists, then release the routing slots.
+cudaError_t launch_dispatch_fill(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
+                                 const RowOutputs& out, cudaStream_t s);
+
+struct TransferArgs {
+  int32_t num_tokens;    // T of this rank (as in the dispatch)
+  int32_t num_blocks;    // SMs used
+  int32_t num_producers; // blocks that stage (the rest pull)
+  int64_t row_cap;
+};
+
+// Stage x into my dispatch ring and pull every task's token into its expert-major rows.
+cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h,
+                                     const TransferArgs& t, const void* x, void* out_rows,
+                                     int elem_bytes, cudaStream_t s);
+
+// Reduce my rows per task into partials (staged), pull every rank's partials for my tokens.
+cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
+                                    const TransferArgs& t, const void* expert_out,
+                                    const float* grad_probs, void* y, float* grad_w,
+                                    int dtype_code, int partial_code, cudaStream_t s);
+
+// dtype codes shared with Python: 0 bf16, 1 fp16, 2 fp32.
+enum DtypeCode : int { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
+
+}  // namespace mok

@@ -1,0 +1,150 @@
+// Where every region of a rank's symmetric workspace lives. One struct, used by the host
+// (sizes, offsets for Python) and by every kernel (pointers): no pointer arithmetic elsewhere.
+//
+// A rank's workspace (same layout on every rank; peers reach it through peer pointers):
+//
+//   error        ErrorReport                     first error seen by this rank's kernels
+//   counters     SeqCounters                     this rank's call numbers (private)
+//   meta_ready   [M]      u64  routing slot m holds routing call g when == g+1 (owner writes)
+//   meta_released[W][M]   u64  reader r finished routing call g in slot m: g+1 (r writes, remotely)
+//   disp_ready   [Nd]     u64  dispatch ring chunk slot holds generation g when == g+1
+//   disp_released[W][Nd]  u64  reader r finished generation g of the slot: g+1 (r writes remotely)
+//   disp_gen     [Nd]     u64  producer-private: generation+1 last written to the slot (0: never)
+//   disp_readers [Nd]     u64  producer-private: ranks that read that generation (bit mask)
+//   disp_done    [W][Nd]  i32  consumer-private: tasks of (source, slot) pulled so far
+//   comb_*                     the same five arrays for the combine ring (Nc slots)
+//   meta         [M] x MetaSlot  routing of one dispatch: T, then topk_idx [T_max, K] int32,
+//                                then topk_weights [T_max, K] f32
+//   disp_ring    [Nd] x chunk   C token rows of H elements (the Buffer's dtype)
+//   comb_ring    [Nc] x chunk   C partial rows of H elements (partial dtype), then C x K f32
+//                               prob-gradient side values
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace mok {
+
+struct ErrorReport {
+  int32_t code;   // ErrorCode
+  int32_t rank;   // this rank
+  int32_t peer;   // the peer involved (-1: none)
+  int32_t what;   // WaitKind
+  int64_t detail; // slot / generation / token, depending on `what`
+  int64_t pad;
+};
+
+// Call numbers live on the device, so CUDA-graph replays advance them like eager calls do.
+// Every rank makes the same calls in the same order, so the numbers agree across ranks.
+struct SeqCounters {
+  uint64_t meta_seq;   // routing publications (full dispatches)
+  uint64_t disp_seq;   // dispatch transfers (full and cached)
+  uint64_t comb_seq;   // combines
+  uint32_t meta_warps_done, disp_warps_done, comb_warps_done, pad;
+};
+
+struct WorkspaceConfig {
+  int32_t world_size;
+  int32_t rank;
+  int32_t hidden;          // H
+  int32_t elem_bytes;      // bytes of one token element (2 for bf16)
+  int32_t partial_bytes;   // bytes of one combine partial element
+  int32_t topk;            // K
+  int32_t num_local_experts;
+  int32_t max_tokens;      // T_max
+  int32_t chunk_tokens;    // C: rows per ring chunk (also the layout's token chunk)
+  int32_t meta_slots;      // M
+  int64_t disp_ring_chunks;  // Nd
+  int64_t comb_ring_chunks;  // Nc
+};
+
+__host__ __device__ inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+struct Workspace {
+  WorkspaceConfig cfg;
+  // Byte offsets of each region from the workspace base.
+  size_t error, counters, meta_ready, meta_released;
+  size_t disp_ready, disp_released, disp_gen, disp_readers, disp_done;
+  size_t comb_ready, comb_released, comb_gen, comb_readers, comb_done;
+  size_t meta, meta_slot_bytes;
+  size_t disp_ring, disp_chunk_bytes;
+  size_t comb_ring, comb_chunk_bytes, comb_side_offset;
+  size_t total_bytes;
+
+  __host__ __device__ static Workspace make(const WorkspaceConfig& c) {
+    Workspace w{};
+    w.cfg = c;
+    const size_t W = c.world_size, M = c.meta_slots, Nd = c.disp_ring_chunks, Nc = c.comb_ring_chunks;
+    size_t off = 0;
+    auto take = [&](size_t bytes) { size_t at = off; off = align_up(off + bytes, 256); return at; };
+    w.error = take(sizeof(ErrorReport));
+    w.counters = take(sizeof(SeqCounters));
+    w.meta_ready = take(M * 8);
+    w.meta_released = take(W * M * 8);
+    w.disp_ready = take(Nd * 8);
+    w.disp_released = take(W * Nd * 8);
+    w.disp_gen = take(Nd * 8);
+    w.disp_readers = take(Nd * 8);
+    w.disp_done = take(W * Nd * 4);
+    w.comb_ready = take(Nc * 8);
+    w.comb_released = take(W * Nc * 8);
+    w.comb_gen = take(Nc * 8);
+    w.comb_readers = take(Nc * 8);
+    w.comb_done = take(W * Nc * 4);
+    const size_t slots = (size_t)c.max_tokens * c.topk;
+    w.meta_slot_bytes = align_up(16 + slots * 4 * 2, 256);
+    w.meta = take(M * w.meta_slot_bytes);
+    w.disp_chunk_bytes = align_up((size_t)c.chunk_tokens * c.hidden * c.elem_bytes, 256);
+    w.disp_ring = take(Nd * w.disp_chunk_bytes);
+    w.comb_side_offset = align_up((size_t)c.chunk_tokens * c.hidden * c.partial_bytes, 256);
+    w.comb_chunk_bytes = align_up(w.comb_side_offset + (size_t)c.chunk_tokens * c.topk * 4, 256);
+    w.comb_ring = take(Nc * w.comb_chunk_bytes);
+    w.total_bytes = off;
+    return w;
+  }
+
+  // Typed views into one rank's workspace (base = that rank's pointer).
+  __host__ __device__ ErrorReport* error_at(char* base) const { return (ErrorReport*)(base + error); }
+  __host__ __device__ SeqCounters* counters_at(char* base) const { return (SeqCounters*)(base + counters); }
+  __host__ __device__ uint64_t* meta_ready_at(char* base) const { return (uint64_t*)(base + meta_ready); }
+  __host__ __device__ uint64_t* meta_released_at(char* base, int reader) const {
+    return (uint64_t*)(base + meta_released) + (size_t)reader * cfg.meta_slots;
+  }
+  __host__ __device__ int32_t* meta_count_at(char* base, int slot) const {
+    return (int32_t*)(base + meta + (size_t)slot * meta_slot_bytes);
+  }
+  __host__ __device__ int32_t* meta_idx_at(char* base, int slot) const {
+    return (int32_t*)(base + meta + (size_t)slot * meta_slot_bytes + 16);
+  }
+  __host__ __device__ float* meta_weights_at(char* base, int slot) const {
+    return (float*)(base + meta + (size_t)slot * meta_slot_bytes + 16 +
+                    (size_t)cfg.max_tokens * cfg.topk * 4);
+  }
+};
+
+// The ring a transfer kernel works on: dispatch or combine share one shape.
+struct RingView {
+  char* ring;            // chunk slots
+  size_t chunk_bytes;
+  int64_t num_chunks;
+  uint64_t* ready;       // [N]
+  uint64_t* released;    // [W][N] (reader-major)
+  uint64_t* gen;         // [N] producer-private
+  uint64_t* readers;     // [N] producer-private
+  int32_t* done;         // [W][N] consumer-private
+
+  __host__ __device__ static RingView dispatch(const Workspace& w, char* base) {
+    return {base + w.disp_ring, w.disp_chunk_bytes, w.cfg.disp_ring_chunks,
+            (uint64_t*)(base + w.disp_ready), (uint64_t*)(base + w.disp_released),
+            (uint64_t*)(base + w.disp_gen), (uint64_t*)(base + w.disp_readers),
+            (int32_t*)(base + w.disp_done)};
+  }
+  __host__ __device__ static RingView combine(const Workspace& w, char* base) {
+    return {base + w.comb_ring, w.comb_chunk_bytes, w.cfg.comb_ring_chunks,
+            (uint64_t*)(base + w.comb_ready), (uint64_t*)(base + w.comb_released),
+            (uint64_t*)(base + w.comb_gen), (uint64_t*)(base + w.comb_readers),
+            (int32_t*)(base + w.comb_done)};
+  }
+};
+
+}  // namespace mok

@@ -1,0 +1,281 @@
+// The combine data path: one persistent kernel, two roles (as dispatch_transfer.cu).
+//
+//   producer blocks  for every remote source s, reduce each of its tasks' rows here in row
+//                    order (fp32 from +0.0), round once to the partial dtype, and stage the
+//                    partial in my combine ring, in s's region, at the token's index among
+//                    s's tokens that come here (s knows that index: send_pos). Optional side
+//                    values carry the prob gradients of the task's slots.
+//   consumer warps   one of my tokens at a time: for every rank d holding rows of it, in
+//                    rank order, add d's partial (pulled over NVLink, or reduced right here
+//                    when d is me) in fp32; round once to the output dtype.
+// No floating-point atomics: every sum has one fixed order, so results are bitwise stable.
+#include "mok/launch.h"
+
+namespace mok {
+namespace {
+
+template <int U>
+__device__ __forceinline__ void zero(float (&a)[U][kCombineVec]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int e = 0; e < kCombineVec; ++e) a[u][e] = 0.f;
+}
+
+// acc[u] += row[v0 + u * 256 .. +8] for every u in range: all loads issued before the adds.
+template <typename T>
+__device__ __forceinline__ void add_rows(float (&acc)[kCombineUnroll][kCombineVec], const T* row,
+                                         int v0, int H) {
+  float in[kCombineUnroll][kCombineVec];
+#pragma unroll
+  for (int u = 0; u < kCombineUnroll; ++u) {
+    const int v = v0 + u * kWarpSize * kCombineVec;
+    if (v < H) Vec8<T>::load(row + v, in[u]);
+  }
+#pragma unroll
+  for (int u = 0; u < kCombineUnroll; ++u) {
+    const int v = v0 + u * kWarpSize * kCombineVec;
+    if (v < H)
+#pragma unroll
+      for (int e = 0; e < kCombineVec; ++e) acc[u][e] += in[u][e];
+  }
+}
+
+struct CombineShape {
+  uint64_t seq;      // this call's number on the combine ring (read at kernel start)
+  int H, K, C, cps;  // hidden, topk, rows per chunk, chunks per source region
+  int64_t cpc;       // chunks per call: W regions of cps chunks
+};
+
+template <typename T, typename P>
+__device__ void produce(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+                        const CombineShape& sh, const T* expert_out, const float* grad_probs) {
+  __shared__ bool ok;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int n_warps = blockDim.x / kWarpSize;
+  RingView mine = RingView::combine(c.ws, c.local());
+  const int64_t N = mine.num_chunks;
+  for (int s = 0; s < c.world; ++s) {
+    if (s == c.rank) continue;  // my own partials are reduced by my consumers directly
+    const int first = h.task_off[s], n = h.task_off[s + 1] - first;
+    for (int j = 0; j * sh.C < n; ++j) {
+      const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(s) * sh.cps + j;
+      const int64_t slot = static_cast<int64_t>(g % N);
+      if (slot % a.num_producers != blockIdx.x) continue;
+      if (threadIdx.x == 0) ok = true;
+      __syncthreads();
+      const uint64_t prev = mine.gen[slot], prev_readers = mine.readers[slot];
+      if (prev != 0 && threadIdx.x < c.world && ((prev_readers >> threadIdx.x) & 1)) {
+        if (!wait_geq(c, mine.released + threadIdx.x * N + slot, prev, threadIdx.x,
+                      kWaitCombineReleased, static_cast<int64_t>(g)))
+          ok = false;
+      }
+      __syncthreads();
+      if (!ok) return;
+      char* chunk = mine.ring + slot * mine.chunk_bytes;
+      const int rows_here = min(sh.C, n - j * sh.C);
+      for (int q = warp; q < rows_here; q += n_warps) {
+        const int task = first + j * sh.C + q;
+        const int32_t* rows = h.task_rows + static_cast<size_t>(task) * sh.K;
+        P* dst = reinterpret_cast<P*>(chunk) + static_cast<size_t>(q) * sh.H;
+        for (int v0 = lane * kCombineVec; v0 < sh.H; v0 += kWarpSize * kCombineVec * kCombineUnroll) {
+          float acc[kCombineUnroll][kCombineVec];
+          zero(acc);
+          for (int k = 0; k < sh.K; ++k) {
+            const int row = rows[k];
+            if (row < 0 || row >= a.row_cap) break;
+            add_rows<T>(acc, expert_out + static_cast<size_t>(row) * sh.H, v0, sh.H);
+          }
+#pragma unroll
+          for (int u = 0; u < kCombineUnroll; ++u) {
+            const int v = v0 + u * kWarpSize * kCombineVec;
+            if (v < sh.H) Vec8<P>::store(dst + v, acc[u]);
+          }
+        }
+        if (grad_probs != nullptr && lane < sh.K) {
+          float val = 0.f;
+          for (int k = 0; k < sh.K; ++k) {
+            const int row = rows[k];
+            if (row < 0) break;
+            if (h.task_k[static_cast<size_t>(task) * sh.K + k] == lane && row < a.row_cap)
+              val = grad_probs[row];
+          }
+          reinterpret_cast<float*>(chunk + c.ws.comb_side_offset)[q * sh.K + lane] = val;
+        }
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        mine.gen[slot] = g + 1;
+        mine.readers[slot] = 1ull << s;
+        __threadfence_system();
+        st_release_sys(mine.ready + slot, g + 1);
+      }
+    }
+  }
+}
+
+template <typename T, typename P>
+__device__ void consume(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+                        const CombineShape& sh, const T* expert_out, const float* grad_probs,
+                        T* y, float* grad_w) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warps_per_block = blockDim.x / kWarpSize;
+  const int n_warps = (gridDim.x - a.num_producers) * warps_per_block;
+  const int warp = (blockIdx.x - a.num_producers) * warps_per_block + threadIdx.x / kWarpSize;
+  const int W = c.world, me = c.rank;
+  const int64_t N = RingView::combine(c.ws, c.local()).num_chunks;
+  const int my_first_task = h.task_off[me];
+
+  for (int t = warp; t < a.num_tokens; t += n_warps) {
+    const int32_t* pos = h.send_pos + static_cast<size_t>(t) * W;
+    // Wait for every remote partial of t (each lane polls the same flag: one request).
+    for (int d = 0; d < W; ++d) {
+      const int q = pos[d];
+      if (q < 0 || d == me) continue;
+      const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + q / sh.C;
+      RingView theirs = RingView::combine(c.ws, c.peers.base[d]);
+      if (!wait_geq(c, theirs.ready + g % N, g + 1, d, kWaitCombineReady, static_cast<int64_t>(g)))
+        return;
+    }
+    const int32_t* my_rows = nullptr;
+    int my_task = -1;
+    if (pos[me] >= 0) {
+      my_task = my_first_task + pos[me];
+      my_rows = h.task_rows + static_cast<size_t>(my_task) * sh.K;
+    }
+    for (int v0 = lane * kCombineVec; v0 < sh.H; v0 += kWarpSize * kCombineVec * kCombineUnroll) {
+      float acc[kCombineUnroll][kCombineVec], part[kCombineUnroll][kCombineVec];
+      zero(acc);
+      for (int d = 0; d < W; ++d) {
+        const int q = pos[d];
+        if (q < 0) continue;
+        if (d == me) {
+          zero(part);
+          for (int k = 0; k < sh.K; ++k) {
+            const int row = my_rows[k];
+            if (row < 0 || row >= a.row_cap) break;
+            add_rows<T>(part, expert_out + static_cast<size_t>(row) * sh.H, v0, sh.H);
+          }
+#pragma unroll
+          for (int u = 0; u < kCombineUnroll; ++u)
+#pragma unroll
+            for (int e = 0; e < kCombineVec; ++e) part[u][e] = round_to<P>(part[u][e]);
+        } else {
+          const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + q / sh.C;
+          const char* chunk = c.peers.base[d] + c.ws.comb_ring + (g % N) * c.ws.comb_chunk_bytes;
+          const P* src = reinterpret_cast<const P*>(chunk) + static_cast<size_t>(q % sh.C) * sh.H;
+#pragma unroll
+          for (int u = 0; u < kCombineUnroll; ++u) {  // all loads first: kCombineUnroll in flight
+            const int v = v0 + u * kWarpSize * kCombineVec;
+            if (v < sh.H) Vec8<P>::load(src + v, part[u]);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kCombineUnroll; ++u)
+#pragma unroll
+          for (int e = 0; e < kCombineVec; ++e) acc[u][e] += part[u][e];
+      }
+#pragma unroll
+      for (int u = 0; u < kCombineUnroll; ++u) {
+        const int v = v0 + u * kWarpSize * kCombineVec;
+        if (v < sh.H) Vec8<T>::store(y + static_cast<size_t>(t) * sh.H + v, acc[u]);
+      }
+    }
+    if (grad_w != nullptr && lane < sh.K) {
+      float val = 0.f;
+      for (int d = 0; d < W; ++d) {
+        const int q = pos[d];
+        if (q < 0) continue;
+        float part = 0.f;
+        if (d == me) {
+          for (int k = 0; k < sh.K; ++k) {
+            const int row = my_rows[k];
+            if (row < 0) break;
+            if (h.task_k[static_cast<size_t>(my_task) * sh.K + k] == lane && row < a.row_cap)
+              part = grad_probs[row];
+          }
+        } else {
+          const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + q / sh.C;
+          const char* chunk = c.peers.base[d] + c.ws.comb_ring + (g % N) * c.ws.comb_chunk_bytes;
+          part = reinterpret_cast<const volatile float*>(chunk + c.ws.comb_side_offset)[(q % sh.C) * sh.K + lane];
+        }
+        val += part;
+      }
+      grad_w[static_cast<size_t>(t) * sh.K + lane] = val;
+    }
+    // Release: the last of my tokens in a (rank, chunk) frees that chunk of d's ring.
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence();
+      for (int d = 0; d < W; ++d) {
+        const int q = pos[d];
+        if (q < 0 || d == me) continue;
+        const int j = q / sh.C;
+        const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + j;
+        const int64_t slot = static_cast<int64_t>(g % N);
+        const int expected = min(sh.C, h.send_count[d] - j * sh.C);
+        int32_t* done = RingView::combine(c.ws, c.local()).done + static_cast<size_t>(d) * N + slot;
+        if (atomicAdd(done, 1) + 1 == expected) {
+          *done = 0;
+          __threadfence_system();
+          RingView theirs = RingView::combine(c.ws, c.peers.base[d]);
+          st_release_sys(theirs.released + static_cast<size_t>(me) * N + slot, g + 1);
+        }
+      }
+    }
+  }
+}
+
+template <typename T, typename P>
+__global__ void __launch_bounds__(kTransferThreads, 1)
+    combine_transfer_kernel(CommContext c, HandleArrays h, TransferArgs a, CombineShape sh,
+                            const T* expert_out, const float* grad_probs, T* y, float* grad_w) {
+  sh.seq = c.counters()->comb_seq;
+  if (blockIdx.x < a.num_producers)
+    produce<T, P>(c, h, a, sh, expert_out, grad_probs);
+  else
+    consume<T, P>(c, h, a, sh, expert_out, grad_probs, y, grad_w);
+  warp_done_advance(&c.counters()->comb_warps_done, &c.counters()->comb_seq);
+}
+
+template <typename T, typename P>
+cudaError_t launch_typed(const CommContext& c, const HandleArrays& h, const TransferArgs& t,
+                         const CombineShape& sh, const void* expert_out, const float* grad_probs,
+                         void* y, float* grad_w, cudaStream_t s) {
+  combine_transfer_kernel<T, P><<<t.num_blocks, kTransferThreads, 0, s>>>(
+      c, h, t, sh, static_cast<const T*>(expert_out), grad_probs, static_cast<T*>(y), grad_w);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_partial(int partial_code, const CommContext& c, const HandleArrays& h,
+                           const TransferArgs& t, const CombineShape& sh, const void* expert_out,
+                           const float* grad_probs, void* y, float* grad_w, cudaStream_t s) {
+  if (partial_code == kFP32)
+    return launch_typed<T, float>(c, h, t, sh, expert_out, grad_probs, y, grad_w, s);
+  return launch_typed<T, T>(c, h, t, sh, expert_out, grad_probs, y, grad_w, s);
+}
+
+}  // namespace
+
+cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
+                                    const TransferArgs& t, const void* expert_out,
+                                    const float* grad_probs, void* y, float* grad_w,
+                                    int dtype_code, int partial_code, cudaStream_t s) {
+  CombineShape sh;
+  sh.H = c.ws.cfg.hidden;
+  sh.K = c.ws.cfg.topk;
+  sh.C = c.ws.cfg.chunk_tokens;
+  sh.cps = HandleArrays::chunks_per_call(c.ws.cfg);
+  sh.cpc = static_cast<int64_t>(sh.cps) * c.world;
+  switch (dtype_code) {
+    case kBF16:
+      return launch_partial<__nv_bfloat16>(partial_code, c, h, t, sh, expert_out, grad_probs, y, grad_w, s);
+    case kFP16:
+      return launch_partial<__half>(partial_code, c, h, t, sh, expert_out, grad_probs, y, grad_w, s);
+    default:
+      return launch_typed<float, float>(c, h, t, sh, expert_out, grad_probs, y, grad_w, s);
+  }
+}
+
+}  // namespace mok

@@ -1,0 +1,176 @@
+// The dispatch data path: one persistent kernel, two roles.
+//
+//   producer blocks  stage my tokens, chunk by chunk, into my dispatch ring (local copy), and
+//                    publish each chunk with one release store (its generation + 1). A slot
+//                    is reused only after the readers of its previous generation released it:
+//                    checked lazily, right before the overwrite.
+//   consumer warps   one task (source token) at a time: wait for its chunk (cached per warp),
+//                    pull the token ONCE from the source's ring over NVLink (16-byte loads,
+//                    kCopyUnroll in flight per lane) and write it to every expert row it
+//                    belongs to. The last task of a (source, chunk) releases the chunk.
+//
+// Both roles run in one grid whose blocks are all resident, so a call larger than the ring
+// still progresses: producers wait for consumers on the other GPUs, never for themselves.
+#include "mok/launch.h"
+
+namespace mok {
+namespace {
+
+struct DispatchShape {
+  uint64_t seq;     // this call's number on the dispatch ring (read at kernel start)
+  int vec_per_row;  // 16-byte vectors per token row
+  int cpc;          // chunks per call
+  int C;            // rows per chunk
+  int K;
+};
+
+__device__ void produce(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+                        const DispatchShape& sh, const int4* x) {
+  __shared__ bool ok;
+  RingView mine = RingView::dispatch(c.ws, c.local());
+  const int64_t N = mine.num_chunks;
+  const int n_chunks = (a.num_tokens + sh.C - 1) / sh.C;
+  for (int j = 0; j < n_chunks; ++j) {
+    const uint64_t g = sh.seq * sh.cpc + j;
+    const int64_t slot = static_cast<int64_t>(g % N);
+    // A slot always belongs to the same producer block, so its generations are written in order.
+    if (slot % a.num_producers != blockIdx.x) continue;
+    const uint64_t readers = h.chunk_readers[j];
+    if (readers == 0) continue;  // nobody else needs this chunk: skip the copy
+    if (threadIdx.x == 0) ok = true;
+    __syncthreads();
+    const uint64_t prev = mine.gen[slot], prev_readers = mine.readers[slot];
+    if (prev != 0 && threadIdx.x < c.world && ((prev_readers >> threadIdx.x) & 1)) {
+      if (!wait_geq(c, mine.released + threadIdx.x * N + slot, prev, threadIdx.x,
+                    kWaitDispatchReleased, static_cast<int64_t>(g)))
+        ok = false;
+    }
+    __syncthreads();
+    if (!ok) return;
+    const int rows = min(sh.C, a.num_tokens - j * sh.C);
+    const int4* src = x + static_cast<size_t>(j) * sh.C * sh.vec_per_row;
+    int4* dst = reinterpret_cast<int4*>(mine.ring + slot * mine.chunk_bytes);
+    const int total = rows * sh.vec_per_row;
+    for (int base = threadIdx.x; base < total; base += blockDim.x * kCopyUnroll) {
+      int4 v[kCopyUnroll];
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int i = base + u * blockDim.x;
+        if (i < total) v[u] = src[i];
+      }
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int i = base + u * blockDim.x;
+        if (i < total) dst[i] = v[u];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      mine.gen[slot] = g + 1;
+      mine.readers[slot] = readers;
+      __threadfence_system();
+      st_release_sys(mine.ready + slot, g + 1);
+    }
+  }
+}
+
+__device__ void consume(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+                        const DispatchShape& sh, const int4* x, int4* out) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warps_per_block = blockDim.x / kWarpSize;
+  const int n_warps = (gridDim.x - a.num_producers) * warps_per_block;
+  const int warp = (blockIdx.x - a.num_producers) * warps_per_block + threadIdx.x / kWarpSize;
+  const int n_tasks = h.totals[1];
+  const int n_rows = h.totals[0];
+  RingView mine = RingView::dispatch(c.ws, c.local());
+  const int64_t N = mine.num_chunks;
+  int cached_src = -1;
+  uint64_t cached_gen = 0;
+
+  for (int i = warp; i < n_tasks; i += n_warps) {
+    const int s = h.task_src[i], t = h.task_token[i];
+    const int j = t / sh.C;
+    const uint64_t g = sh.seq * sh.cpc + j;
+    const int64_t slot = static_cast<int64_t>(g % N);
+    RingView theirs = RingView::dispatch(c.ws, c.peers.base[s]);
+    const int4* src;
+    if (s == c.rank) {
+      src = x + static_cast<size_t>(t) * sh.vec_per_row;  // my own tokens: no staging
+    } else {
+      if (s != cached_src || g != cached_gen) {
+        if (!wait_geq(c, theirs.ready + slot, g + 1, s, kWaitDispatchReady, static_cast<int64_t>(g)))
+          return;
+        cached_src = s;
+        cached_gen = g;
+      }
+      src = reinterpret_cast<const int4*>(theirs.ring + slot * theirs.chunk_bytes) +
+            static_cast<size_t>(t % sh.C) * sh.vec_per_row;
+    }
+    const int32_t* rows = h.task_rows + static_cast<size_t>(i) * sh.K;
+    for (int base = lane; base < sh.vec_per_row; base += kWarpSize * kCopyUnroll) {
+      int4 v[kCopyUnroll];
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int vi = base + u * kWarpSize;
+        if (vi < sh.vec_per_row) v[u] = ld_stream_16(src + vi);
+      }
+      for (int k = 0; k < sh.K; ++k) {
+        const int row = rows[k];
+        if (row < 0) break;  // rows are packed first, -1 after
+        if (row >= a.row_cap) continue;  // overflow (reported by the layout): never write past
+        int4* dst = out + static_cast<size_t>(row) * sh.vec_per_row;
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int vi = base + u * kWarpSize;
+          if (vi < sh.vec_per_row) st_16(dst + vi, v[u]);
+        }
+      }
+    }
+    __syncwarp();
+    if (s != c.rank && lane == 0) {
+      __threadfence();
+      int32_t* done = mine.done + static_cast<size_t>(s) * N + slot;
+      if (atomicAdd(done, 1) + 1 == h.chunk_tasks[s * sh.cpc + j]) {
+        *done = 0;  // reset before the release: the next generation counts from zero
+        __threadfence_system();
+        st_release_sys(theirs.released + static_cast<size_t>(c.rank) * N + slot, g + 1);
+      }
+    }
+  }
+
+  // Static-shape mode: rows past R are zero.
+  const int4 zero = make_int4(0, 0, 0, 0);
+  const size_t pad_begin = static_cast<size_t>(min(static_cast<int64_t>(n_rows), a.row_cap)) * sh.vec_per_row;
+  const size_t pad_end = static_cast<size_t>(a.row_cap) * sh.vec_per_row;
+  for (size_t v = pad_begin + static_cast<size_t>(warp) * kWarpSize + lane; v < pad_end;
+       v += static_cast<size_t>(n_warps) * kWarpSize)
+    out[v] = zero;
+}
+
+__global__ void __launch_bounds__(kDispatchThreads, 1)
+    dispatch_transfer_kernel(CommContext c, HandleArrays h, TransferArgs a, DispatchShape sh,
+                             const int4* x, int4* out) {
+  sh.seq = c.counters()->disp_seq;
+  if (blockIdx.x < a.num_producers)
+    produce(c, h, a, sh, x);
+  else
+    consume(c, h, a, sh, x, out);
+  warp_done_advance(&c.counters()->disp_warps_done, &c.counters()->disp_seq);
+}
+
+}  // namespace
+
+cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h,
+                                     const TransferArgs& t, const void* x, void* out_rows,
+                                     int elem_bytes, cudaStream_t s) {
+  DispatchShape sh;
+  sh.vec_per_row = c.ws.cfg.hidden * elem_bytes / 16;
+  sh.cpc = HandleArrays::chunks_per_call(c.ws.cfg);
+  sh.C = c.ws.cfg.chunk_tokens;
+  sh.K = c.ws.cfg.topk;
+  dispatch_transfer_kernel<<<t.num_blocks, kDispatchThreads, 0, s>>>(
+      c, h, t, sh, static_cast<const int4*>(x), static_cast<int4*>(out_rows));
+  return cudaGetLastError();
+}
+
+}  // namespace mok

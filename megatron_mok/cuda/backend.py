@@ -1,0 +1,198 @@
+"""The CUDA backend: pull-based dispatch/combine over peer memory (kernels in ``csrc/``).
+
+Per call, everything stays on the device except one host read per eager dispatch: the row
+count ``R``, needed to allocate ``tokens [R, H]``. It is read after the layout kernels,
+before the transfer is launched (static-shape mode, ``max_recv_tokens``, skips it and never
+syncs). Call numbers (routing, dispatch ring, combine ring) live on the device and advance
+identically on every rank, because every rank makes the same calls in the same order; being
+on the device, they advance on CUDA-graph replays too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..handle import DispatchHandle
+from . import library
+from .errors import MokDeviceError, describe
+from .peer_memory import PeerMemory
+
+DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+DEFAULT_NUM_SMS = 24
+DEFAULT_RING_BYTES = 256 << 20
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_CHUNK_TOKENS = 64
+META_SLOTS = 16
+
+
+@dataclass
+class CudaLayout:
+    """Backend-private part of a handle: the device layout arrays (``csrc`` HandleArrays)."""
+
+    scratch: torch.Tensor   # uint8, carved by HandleArrays::make
+    totals: torch.Tensor    # int32 [4] view into scratch: R, tasks
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    return int(v) if v else default
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, buf):
+        self.buf = buf
+        self.lib = library.get()
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend='cuda' needs a CUDA device")
+        if buf.hidden % 8 != 0:
+            raise ValueError(f"the CUDA backend needs hidden % 8 == 0, got hidden={buf.hidden}")
+        if buf.combine_partial_dtype not in (buf.dtype, torch.float32):
+            raise TypeError("the CUDA backend needs combine_partial_dtype to be the token dtype or float32")
+        if buf.world_size > 64 or buf.topk > 32:
+            raise ValueError("the CUDA backend supports up to 64 ranks and topk <= 32")
+        dev = buf.device if buf.device is not None else torch.device("cuda", torch.cuda.current_device())
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        elem = torch.tensor([], dtype=buf.dtype).element_size()
+        pelem = torch.tensor([], dtype=buf.combine_partial_dtype).element_size()
+        self.chunk_tokens = _env_int("MOK_CHUNK_TOKENS", DEFAULT_CHUNK_TOKENS)
+        ring = buf.ring_bytes or DEFAULT_RING_BYTES
+        C, H, K = self.chunk_tokens, buf.hidden, buf.topk
+        disp_chunk = C * H * elem
+        comb_chunk = C * H * pelem + C * K * 4
+        disp_chunks, comb_chunks = ring // disp_chunk, ring // comb_chunk
+        if disp_chunks < 1 or comb_chunks < 1:
+            raise ValueError(f"ring_bytes={ring} is smaller than one ring chunk "
+                             f"({max(disp_chunk, comb_chunk)} bytes = {C} rows)")
+        self.ctx = self.lib.mok_create(buf.world_size, buf.rank, H, elem, pelem, K,
+                                       buf.num_local_experts, buf.max_tokens_per_rank, C,
+                                       META_SLOTS, disp_chunks, comb_chunks)
+        if not self.ctx:
+            raise ValueError(f"megatron_mok: {self.lib.mok_last_error().decode()}")
+        self.timeout_s = buf.timeout_s if buf.timeout_s is not None else DEFAULT_TIMEOUT_S
+        nbytes = self.lib.mok_workspace_bytes(self.ctx)
+        with torch.cuda.device(dev):
+            self.mem = PeerMemory(nbytes, buf.group, buf.rank, buf.world_size, dev)
+        ptrs = (ctypes.c_uint64 * buf.world_size)(*self.mem.peer_ptrs)
+        self._check(self.lib.mok_set_peers(self.ctx, ptrs, buf.world_size, float(self.timeout_s)))
+        self.scratch_bytes = self.lib.mok_handle_scratch_bytes(self.ctx)
+        self.totals_offset = self.lib.mok_handle_totals_offset(self.ctx)
+        err = self.lib.mok_error_offset(self.ctx)
+        self.error_words = self.mem.tensor[err: err + 32].view(torch.int32)
+        self.host_report = torch.zeros(12, dtype=torch.int32, pin_memory=True)
+        sms = self.lib.mok_sm_count(dev.index)
+        self.num_blocks = max(2, min(buf.num_sms or DEFAULT_NUM_SMS, sms))
+        self.dispatch_producers = _env_int("MOK_DISPATCH_PRODUCERS", max(1, self.num_blocks // 4))
+        self.combine_producers = _env_int("MOK_COMBINE_PRODUCERS", max(1, self.num_blocks // 2))
+        self.broken: Optional[str] = None
+
+    # ----------------------------------------------------------------------------- helpers
+    def _check(self, rc: int) -> None:
+        if rc != 0:
+            raise RuntimeError(f"megatron_mok CUDA call failed: {self.lib.mok_last_error().decode()}")
+
+    def _stream(self):
+        return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+
+    @staticmethod
+    def _ptr(t: Optional[torch.Tensor]):
+        return ctypes.c_void_p(t.data_ptr() if t is not None and t.numel() else 0)
+
+    def _alive(self):
+        if self.broken:
+            raise MokDeviceError(self.broken)
+
+    def _raise_if_error(self, words: torch.Tensor) -> None:
+        if int(words[0]) != 0:
+            self.broken = describe(words.tolist(), self.timeout_s, self.buf.max_recv_tokens)
+            raise MokDeviceError(self.broken)
+
+    def check_errors(self) -> None:
+        """Synchronise this device and raise if any kernel reported an error."""
+        self._alive()
+        torch.cuda.synchronize(self.device)
+        self._raise_if_error(self.error_words.cpu())
+
+    # ---------------------------------------------------------------------------- dispatch
+    def dispatch(self, x, topk_idx, topk_weights):
+        self._alive()
+        b = self.buf
+        T = x.shape[0]
+        stream = self._stream()
+        scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=x.device)
+        totals = scratch[self.totals_offset: self.totals_offset + 16].view(torch.int32)
+        tpe = torch.empty(b.num_local_experts, dtype=torch.int64, device=x.device)
+        idx = topk_idx.contiguous()
+        w = topk_weights.contiguous()
+        static = b.max_recv_tokens is not None
+        layout_cap = b.max_recv_tokens if static else (1 << 62)
+        self._check(self.lib.mok_dispatch_layout(
+            self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
+            self._ptr(w), T, b.num_experts, self._ptr(tpe), layout_cap))
+        if static:
+            R, cap = None, b.max_recv_tokens
+        else:
+            # The one host read of an eager dispatch: R (and the error report with it).
+            self.host_report[:4].copy_(totals, non_blocking=True)
+            self.host_report[4:].copy_(self.error_words, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            self._raise_if_error(self.host_report[4:])
+            R = cap = int(self.host_report[0])
+        tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
+        probs = torch.zeros(cap, dtype=torch.float32, device=x.device)
+        src_rank = torch.full((cap,), -1, dtype=torch.int64, device=x.device)
+        src_token = torch.full((cap,), -1, dtype=torch.int64, device=x.device)
+        self._check(self.lib.mok_dispatch_fill(
+            self.ctx, stream, self._ptr(scratch), self._ptr(src_rank),
+            self._ptr(src_token), self._ptr(probs), cap))
+        self._transfer(x, T, scratch, tokens, cap)
+        handle = DispatchHandle(
+            buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=cap, src_rank=src_rank,
+            src_token=src_token, tokens_per_expert=tpe, num_rows_device=totals[:1].to(torch.int64),
+            state=CudaLayout(scratch=scratch, totals=totals))
+        return tokens, probs, handle
+
+    def _transfer(self, x, T, scratch, out, cap):
+        self._check(self.lib.mok_dispatch_transfer(
+            self.ctx, self._stream(), self._ptr(scratch), self._ptr(x), T,
+            self._ptr(out), cap, self.num_blocks, self.dispatch_producers))
+
+    def dispatch_cached(self, x, handle: DispatchHandle):
+        self._alive()
+        out = torch.empty(handle.num_out_rows, self.buf.hidden, dtype=self.buf.dtype, device=x.device)
+        self._transfer(x, handle.num_tokens, handle.state.scratch, out, handle.num_out_rows)
+        return out
+
+    # ----------------------------------------------------------------------------- combine
+    def combine(self, expert_out, handle: DispatchHandle, grad_probs=None):
+        self._alive()
+        b = self.buf
+        T = handle.num_tokens
+        y = torch.empty(T, b.hidden, dtype=b.dtype, device=expert_out.device)
+        grad_w = None
+        if grad_probs is not None:
+            grad_w = torch.empty(T, b.topk, dtype=torch.float32, device=expert_out.device)
+            grad_probs = grad_probs.float().contiguous()
+        self._check(self.lib.mok_combine(
+            self.ctx, self._stream(), self._ptr(handle.state.scratch), self._ptr(expert_out),
+            self._ptr(grad_probs), T, self._ptr(y), self._ptr(grad_w),
+            handle.num_out_rows, DTYPE_CODES[b.dtype], DTYPE_CODES[b.combine_partial_dtype],
+            self.num_blocks, self.combine_producers))
+        return y, grad_w
+
+    def destroy(self):
+        if getattr(self, "mem", None) is not None:
+            torch.cuda.synchronize(self.device)
+            self.mem.free()
+            self.mem = None
+        if getattr(self, "ctx", None):
+            self.lib.mok_destroy(self.ctx)
+            self.ctx = None

@@ -1,0 +1,32 @@
+"""ctypes signatures of ``csrc/api/mok_api.h`` (keep the two in step)."""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_double, c_float, c_int, c_int64, c_size_t, c_uint64, c_void_p, POINTER
+
+_SIGNATURES = {
+    "mok_create": (c_void_p, [c_int] * 10 + [c_int64, c_int64]),
+    "mok_destroy": (None, [c_void_p]),
+    "mok_workspace_bytes": (c_size_t, [c_void_p]),
+    "mok_handle_scratch_bytes": (c_size_t, [c_void_p]),
+    "mok_error_offset": (c_size_t, [c_void_p]),
+    "mok_handle_totals_offset": (c_size_t, [c_void_p]),
+    "mok_set_peers": (c_int, [c_void_p, POINTER(c_uint64), c_int, c_double]),
+    "mok_dispatch_layout": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int,
+                                    c_int, c_void_p, c_int64]),
+    "mok_dispatch_fill": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64]),
+    "mok_dispatch_transfer": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int,
+                                      c_void_p, c_int64, c_int, c_int]),
+    "mok_combine": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int,
+                            c_void_p, c_void_p, c_int64, c_int, c_int, c_int, c_int]),
+    "mok_last_error": (ctypes.c_char_p, []),
+    "mok_sm_count": (c_int, [c_int]),
+}
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes

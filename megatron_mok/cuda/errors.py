@@ -1,0 +1,44 @@
+"""Decoding of the device-side error report (``csrc/include/mok/config.h``: ErrorCode, WaitKind)."""
+
+from __future__ import annotations
+
+ERROR_CODES = {
+    1: "timeout",
+    2: "bad expert id",
+    3: "receive overflow",
+    4: "aborted",
+}
+
+WAIT_KINDS = {
+    0: "nothing",
+    1: "the peer's routing for this dispatch (did the peer call dispatch?)",
+    2: "peers to finish reading this rank's previous routing in the slot",
+    3: "the peer's staged tokens (dispatch ring chunk)",
+    4: "peers to release this rank's dispatch ring slot",
+    5: "the peer's partial sums (combine ring chunk)",
+    6: "the owner to release this rank's combine ring slot",
+}
+
+
+class MokDeviceError(RuntimeError):
+    """An error reported by the MoK kernels (timeout, bad routing, overflow)."""
+
+
+def describe(report, timeout_s: float, max_recv_tokens) -> str:
+    """Human-readable message for an ``ErrorReport`` read as 8 int32 words."""
+    code, rank, peer, what = (int(v) for v in report[:4])
+    detail = (int(report[4]) & 0xFFFFFFFF) | (int(report[5]) << 32)
+    kind = ERROR_CODES.get(code, f"error code {code}")
+    if code == 1:
+        return (f"megatron_mok: rank {rank} timed out after {timeout_s:g} s waiting for peer {peer}: "
+                f"{WAIT_KINDS.get(what, what)} (detail {detail}). A peer is missing, hung, or "
+                "called dispatch/combine in a different order. Raise Buffer(timeout_s=...) if a "
+                "peer is merely slow. This Buffer can no longer be used.")
+    if code == 2:
+        return (f"megatron_mok: rank {rank}: topk_idx holds an expert id outside [-1, num_experts) "
+                f"at flat slot {detail}; that slot was treated as unrouted. Fix the router output.")
+    if code == 3:
+        return (f"megatron_mok: rank {rank} received {detail} rows, more than max_recv_tokens="
+                f"{max_recv_tokens} (static-shape mode); rows past it were not written. Raise "
+                "max_recv_tokens.")
+    return f"megatron_mok: rank {rank}: {kind} (peer {peer}, wait kind {what}, detail {detail})"

@@ -1,0 +1,70 @@
+"""Megatron-Core integration: ``moe_token_dispatcher_type="mok"`` without forking Megatron.
+
+Usage (before Megatron parses arguments or builds the model)::
+
+    import megatron_mok.megatron
+    megatron_mok.megatron.install()
+
+or run an unchanged Megatron-LM script through the launcher::
+
+    torchrun --nproc-per-node 8 -m megatron_mok.launch pretrain_gpt.py ... \\
+        --moe-token-dispatcher-type mok
+
+:func:`install` is idempotent and checks the installed megatron-core version (0.16.x to
+0.19.x). See ``docs/MEGATRON.md`` for what it changes, the knobs and the limits.
+
+Importing this module does not import megatron-core; :func:`install` does.
+"""
+
+from __future__ import annotations
+
+from .config import DISPATCHER_NAME, MokConfigError, MokOptions, check_config, config_problems
+from .versions import check_supported, megatron_core_version
+
+__all__ = [
+    "install", "uninstall", "is_installed", "MokTokenDispatcher", "MokConfigError",
+    "MokOptions", "check_config", "config_problems", "megatron_core_version", "DISPATCHER_NAME",
+]
+
+
+def install() -> str:
+    """Register the ``mok`` dispatcher with the installed megatron-core. Idempotent.
+
+    After it: ``TransformerConfig(moe_token_dispatcher_type="mok", ...)`` is valid (and
+    checked at config time), ``--moe-token-dispatcher-type mok`` parses in Megatron-LM, and
+    ``MoELayer`` builds a :class:`MokTokenDispatcher`.
+
+    Returns:
+        The megatron-core version it was installed into.
+
+    Raises:
+        ImportError: megatron-core is not installed.
+        RuntimeError: the megatron-core version is not supported (see
+            :mod:`megatron_mok.megatron.versions`).
+    """
+    version = check_supported()
+    from . import _patch
+
+    _patch.install()
+    return version
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (for tests; a running model keeps the dispatchers it built)."""
+    from . import _patch
+
+    _patch.uninstall()
+
+
+def is_installed() -> bool:
+    from . import _patch
+
+    return _patch.is_installed()
+
+
+def __getattr__(name):
+    if name == "MokTokenDispatcher":      # imports megatron-core: only on demand
+        from .dispatcher import MokTokenDispatcher
+
+        return MokTokenDispatcher
+    raise AttributeError(name)

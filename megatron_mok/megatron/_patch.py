@@ -1,0 +1,160 @@
+"""What :func:`megatron_mok.megatron.install` changes in the running megatron-core.
+
+Three narrow, reversible changes, all on class attributes (no file is edited):
+
+1. ``TransformerConfig.moe_token_dispatcher_type``'s field type becomes
+   ``Literal['allgather', 'alltoall', 'flex', 'mok']``. Megatron-LM (0.16 - 0.19) derives
+   ``--moe-token-dispatcher-type``'s choices from that annotation when it builds its argument
+   parser (``ArgumentGroupFactory``), so ``mok`` becomes a valid command-line choice.
+2. ``TransformerConfig.__post_init__`` runs :func:`~megatron_mok.megatron.config.check_config`
+   first: unsupported combinations fail at config time with what to change.
+3. ``MoELayer.__init__`` builds the layer as for ``allgather`` (a dispatcher with no
+   communication and no CUDA state in its constructor), then puts a ``MokTokenDispatcher`` in
+   its place. Everything else in the layer (router, experts, shared experts) is Megatron's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import typing
+from typing import Literal
+
+from .config import DISPATCHER_NAME, check_config
+
+_STATE = {"installed": False, "saved": {}}
+_TLS = threading.local()
+
+
+def _config_classes():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig
+
+
+def _extend_literal(tp):
+    """``Literal[a, b]`` -> ``Literal[a, b, 'mok']`` (also inside ``Optional``)."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        args = typing.get_args(tp)
+        if DISPATCHER_NAME in args:
+            return tp
+        return Literal[args + (DISPATCHER_NAME,)]
+    if origin is typing.Union:
+        return typing.Union[tuple(_extend_literal(a) for a in typing.get_args(tp))]
+    if isinstance(tp, str) and "Literal[" in tp and DISPATCHER_NAME not in tp:
+        return tp.replace("]", f", '{DISPATCHER_NAME}']", 1)
+    return tp
+
+
+@contextlib.contextmanager
+def _as_allgather(config):
+    """Let Megatron's constructor take its ``allgather`` branch for a ``mok`` config."""
+    config.moe_token_dispatcher_type = "allgather"
+    try:
+        yield
+    finally:
+        config.moe_token_dispatcher_type = DISPATCHER_NAME
+
+
+def _patch_config(saved):
+    TransformerConfig = _config_classes()
+    field = TransformerConfig.__dataclass_fields__["moe_token_dispatcher_type"]
+    saved["field_type"] = field.type
+    saved["annotation"] = TransformerConfig.__annotations__.get("moe_token_dispatcher_type")
+    # NOTE: subclasses (MLATransformerConfig, Bridge's providers) share this Field object,
+    # so one assignment reaches all of them.
+    field.type = _extend_literal(field.type)
+    if saved["annotation"] is not None:
+        TransformerConfig.__annotations__["moe_token_dispatcher_type"] = field.type
+
+    orig_post_init = TransformerConfig.__post_init__
+    saved["post_init"] = orig_post_init
+
+    def __post_init__(self, *args, **kwargs):
+        check_config(self)
+        return orig_post_init(self, *args, **kwargs)
+
+    __post_init__.__wrapped__ = orig_post_init
+    __post_init__._mok_patched = True
+    TransformerConfig.__post_init__ = __post_init__
+
+
+def _patch_moe_layer(saved):
+    from megatron.core.transformer.moe import moe_layer as moe_layer_mod
+
+    from .dispatcher import MokTokenDispatcher
+
+    MoELayer = moe_layer_mod.MoELayer
+    orig_init = MoELayer.__init__
+    saved["moe_layer_init"] = orig_init
+
+    def __init__(self, config, *args, **kwargs):
+        if getattr(config, "moe_token_dispatcher_type", None) != DISPATCHER_NAME:
+            return orig_init(self, config, *args, **kwargs)
+        check_config(config)
+        with _as_allgather(config):
+            orig_init(self, config, *args, **kwargs)
+        placeholder = self.token_dispatcher
+        self.token_dispatcher = MokTokenDispatcher(
+            self.num_local_experts, self.local_expert_indices, config=config,
+            pg_collection=_pg_collection_of(placeholder))
+        self.token_dispatcher.configure_for_experts(self.experts)
+        # 0.19 inference-optimized layers keep the training dispatcher aside.
+        if getattr(self, "_training_token_dispatcher", None) is placeholder:
+            self._training_token_dispatcher = self.token_dispatcher
+
+    __init__.__wrapped__ = orig_init
+    __init__._mok_patched = True
+    MoELayer.__init__ = __init__
+
+
+def _pg_collection_of(dispatcher):
+    """The ProcessGroupCollection the placeholder dispatcher was built with."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection(ep=dispatcher.ep_group, expt_tp=dispatcher.tp_group,
+                                  tp_ep=dispatcher.tp_ep_group)
+
+
+def install() -> None:
+    if _STATE["installed"]:
+        return
+    saved = {}
+    _patch_config(saved)
+    try:
+        _patch_moe_layer(saved)
+    except Exception:
+        _restore_config(saved)
+        raise
+    _STATE["saved"] = saved
+    _STATE["installed"] = True
+
+
+def _restore_config(saved):
+    TransformerConfig = _config_classes()
+    field = TransformerConfig.__dataclass_fields__["moe_token_dispatcher_type"]
+    if "field_type" in saved:
+        field.type = saved["field_type"]
+    if saved.get("annotation") is not None:
+        TransformerConfig.__annotations__["moe_token_dispatcher_type"] = saved["annotation"]
+    if "post_init" in saved:
+        TransformerConfig.__post_init__ = saved["post_init"]
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (tests)."""
+    if not _STATE["installed"]:
+        return
+    saved = _STATE["saved"]
+    _restore_config(saved)
+    if "moe_layer_init" in saved:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        MoELayer.__init__ = saved["moe_layer_init"]
+    _STATE["saved"] = {}
+    _STATE["installed"] = False
+
+
+def is_installed() -> bool:
+    return _STATE["installed"]

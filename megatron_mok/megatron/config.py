@@ -1,0 +1,153 @@
+"""Config-time checks and the MoK knobs for Megatron.
+
+:func:`check_config` runs inside ``TransformerConfig.__post_init__`` (once :func:`install`
+has been called) whenever ``moe_token_dispatcher_type == "mok"``. A combination MoK does
+not support fails there, with a message that says what to change; nothing falls back to
+another dispatcher.
+
+The MoK knobs (:class:`MokOptions`) are read from environment variables, so they work the
+same from Megatron-LM, NeMo and Megatron-Bridge without new config fields; an attribute of
+the same name in lower case with a ``moe_`` prefix set on the config object wins (e.g.
+``config.moe_mok_backend = "reference"``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .versions import cuda_graph_scope_names
+
+DISPATCHER_NAME = "mok"
+
+
+class MokConfigError(ValueError):
+    """A Megatron config combination MoK does not support (raised at config time)."""
+
+
+def _effective_etp(config) -> int:
+    etp = getattr(config, "expert_tensor_parallel_size", None)
+    if etp is None:                       # Megatron defaults ETP to TP in __post_init__
+        etp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    return int(etp)
+
+
+def config_problems(config) -> list:
+    """Everything about ``config`` that MoK cannot run, each as 'what; what to change'."""
+    p = []
+    if getattr(config, "num_moe_experts", None) is None:
+        p.append("num_moe_experts is not set; moe_token_dispatcher_type='mok' needs an MoE "
+                 "model (set num_moe_experts / --num-experts)")
+    etp = _effective_etp(config)
+    if etp != 1:
+        p.append(f"expert tensor parallelism is {etp}; MoK dispatches whole tokens over the "
+                 "expert-parallel group only: set expert_tensor_parallel_size=1 "
+                 "(--expert-tensor-parallel-size 1), or use moe_token_dispatcher_type='alltoall'")
+    if getattr(config, "moe_pad_expert_input_to_capacity", False):
+        p.append("moe_pad_expert_input_to_capacity (drop-and-pad) is set; MoK is dropless and "
+                 "returns exactly the routed rows: unset it (a capacity factor alone, which "
+                 "drops in the router, works), or use 'alltoall'")
+    if getattr(config, "moe_router_padding_for_quantization", False) or \
+            getattr(config, "moe_router_padding_for_fp8", False):
+        p.append("moe_router_padding_for_quantization / moe_router_padding_for_fp8 is set; MoK "
+                 "does not pad expert rows: unset it (the experts pad for FP8 themselves), or "
+                 "use 'alltoall'")
+    if getattr(config, "moe_shared_expert_overlap", False):
+        p.append("moe_shared_expert_overlap is set; MoK does not overlap the shared expert with "
+                 "its communication yet: unset moe_shared_expert_overlap (the shared expert "
+                 "still runs, just not overlapped)")
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        p.append("overlap_moe_expert_parallel_comm is set; MoK has no split 1F1B A2A overlap "
+                 "schedule yet: unset overlap_moe_expert_parallel_comm")
+    if getattr(config, "moe_enable_deepep", False):
+        p.append("moe_enable_deepep is set; it selects DeepEP for the 'flex' dispatcher: unset "
+                 "it to use MoK")
+    if getattr(config, "cuda_graph_impl", "none") not in (None, "none"):
+        scopes = cuda_graph_scope_names(config)
+        bad = scopes & {"moe", "moe_preprocess"}
+        if not scopes or bad:
+            p.append(f"CUDA graphs cover the MoE dispatch (scope {sorted(bad) or 'all'}); MoK's "
+                     "Megatron dispatcher reads tokens_per_expert for the experts, so capture "
+                     "only 'moe_router' / attention scopes, or disable CUDA graphs")
+    return p
+
+
+def check_config(config) -> None:
+    """Raise :class:`MokConfigError` listing every unsupported setting (config time)."""
+    if getattr(config, "moe_token_dispatcher_type", None) != DISPATCHER_NAME:
+        return
+    problems = config_problems(config)
+    if problems:
+        raise MokConfigError(
+            "moe_token_dispatcher_type='mok' cannot run this config:\n  - "
+            + "\n  - ".join(problems))
+
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def _knob(config, name: str, default=None):
+    attr = "moe_mok_" + name
+    if config is not None and getattr(config, attr, None) is not None:
+        return getattr(config, attr)
+    env = os.environ.get("MOK_" + name.upper())
+    return env if env not in (None, "") else default
+
+
+@dataclass(frozen=True)
+class MokOptions:
+    """Knobs of the Megatron dispatcher (env ``MOK_<NAME>`` or ``config.moe_mok_<name>``).
+
+    Attributes:
+        backend: ``MOK_BACKEND``: ``auto`` (CUDA kernels for CUDA tensors when built, else
+            the reference), ``reference`` or ``cuda``.
+        max_tokens_per_rank: ``MOK_MAX_TOKENS_PER_RANK``: ``T_max`` of the Buffer. Unset:
+            the largest token count any EP rank passes to the first dispatch (one all-reduce,
+            once per process). A later call with more tokens raises and names this knob.
+        combine_partial_dtype: ``MOK_COMBINE_PARTIAL_DTYPE``: ``fp32`` rounds combine once
+            (twice the combine bytes); unset = the token dtype.
+        tokens_per_expert: ``MOK_TOKENS_PER_EXPERT``: where ``tokens_per_expert`` goes to the
+            experts: ``auto`` (host only for experts that need it, see docs/MEGATRON.md),
+            ``device`` or ``host``.
+        num_sms, ring_bytes, timeout_s: CUDA backend knobs, passed through to the Buffer.
+    """
+
+    backend: str = "auto"
+    max_tokens_per_rank: Optional[int] = None
+    combine_partial_dtype: Optional[torch.dtype] = None
+    tokens_per_expert: str = "auto"
+    num_sms: Optional[int] = None
+    ring_bytes: Optional[int] = None
+    timeout_s: Optional[float] = None
+
+    @classmethod
+    def from_config(cls, config=None) -> "MokOptions":
+        def opt_int(name):
+            v = _knob(config, name)
+            return None if v is None else int(v)
+
+        backend = str(_knob(config, "backend", "auto"))
+        if backend not in ("auto", "reference", "cuda"):
+            raise MokConfigError(f"MOK_BACKEND must be auto, reference or cuda, got {backend!r}")
+        tpe = str(_knob(config, "tokens_per_expert", "auto"))
+        if tpe not in ("auto", "device", "host"):
+            raise MokConfigError(
+                f"MOK_TOKENS_PER_EXPERT must be auto, device or host, got {tpe!r}")
+        partial = _knob(config, "combine_partial_dtype")
+        if isinstance(partial, str):
+            if partial not in _DTYPES:
+                raise MokConfigError(f"MOK_COMBINE_PARTIAL_DTYPE must be one of "
+                                     f"{sorted(_DTYPES)}, got {partial!r}")
+            partial = _DTYPES[partial]
+        timeout = _knob(config, "timeout_s")
+        t_max = opt_int("max_tokens_per_rank")
+        if t_max is not None and t_max <= 0:
+            raise MokConfigError(f"MOK_MAX_TOKENS_PER_RANK must be > 0, got {t_max}")
+        return cls(backend=backend, max_tokens_per_rank=t_max, combine_partial_dtype=partial,
+                   tokens_per_expert=tpe, num_sms=opt_int("num_sms"),
+                   ring_bytes=opt_int("ring_bytes"),
+                   timeout_s=None if timeout is None else float(timeout))

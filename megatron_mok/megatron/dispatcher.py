@@ -1,0 +1,260 @@
+"""``MokTokenDispatcher``: Megatron's ``MoETokenDispatcher`` interface over a MoK Buffer.
+
+Megatron's ``MoELayer`` calls six hooks; this is what each does here::
+
+    dispatch_preprocess(x [S,B,H], routing_map [T,E] bool, probs [T,E])
+        -> x [T,H], topk_weights [T,K] f32     local: dense map -> top-k ids (-1 = none)
+    token_dispatch(x, topk_weights)
+        -> tokens [R,H], probs [R] f32          Buffer.dispatch: expert-major rows
+    dispatch_postprocess(tokens, probs)
+        -> tokens, tokens_per_expert [E_local], permuted_probs [R]   no data movement
+    combine_preprocess(expert_out [R,H]) -> expert_out                no data movement
+    token_combine(expert_out) -> y [T,H]        Buffer.combine: unweighted sum per token
+    combine_postprocess(y) -> y [S,B,H]
+
+There is no permute / unpermute around the communication: the Buffer already returns rows
+in the order Megatron's experts want (local expert ascending, then source rank, token, slot)
+and sums them back per token itself. Probabilities are applied by the experts (Megatron's
+convention), so combine is unweighted.
+
+One Buffer is shared by every MoE layer with the same (group, experts, hidden, top-k,
+dtype) -- as Megatron's DeepEP path shares one ``deep_ep.Buffer`` -- so the CUDA workspace
+is allocated once per process, not once per layer.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron.core import utils as mcore_utils
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from .config import MokConfigError, MokOptions, config_problems
+
+# (group id, E, H, K, dtype, backend, partial dtype, device) -> Buffer, shared across layers.
+_BUFFERS: Dict[tuple, object] = {}
+# id(group) -> T_max agreed by the EP ranks (one all-reduce per group and process).
+_T_MAX: Dict[int, int] = {}
+_LOCK = threading.Lock()
+
+
+def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor,
+                        topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's dense routing to MoK's top-k form.
+
+    Args:
+        routing_map: ``[T, E]`` bool, ``True`` where token ``t`` goes to expert ``e``
+            (at most ``topk`` per row; fewer after router-side token dropping / padding masks).
+        probs: ``[T, E]`` the router probabilities (zero off the map), any float dtype.
+        topk: ``K``.
+
+    Returns:
+        ``topk_idx [T, K]`` int64: the routed expert ids of each token in ascending order,
+        ``-1``-padded; ``topk_weights [T, K]`` float32: ``probs`` at those ids, 0 on padding.
+        Differentiable w.r.t. ``probs`` (a gather).
+    """
+    num_tokens, num_experts = routing_map.shape
+    # NOTE: keys are unique per row (expert ids, or E for "not routed"), so top-k of the
+    # smallest is one exact, deterministic answer: routed ids ascending, then the E fillers.
+    expert_ids = torch.arange(num_experts, device=routing_map.device, dtype=torch.int64)
+    key = torch.where(routing_map, expert_ids, torch.full_like(expert_ids, num_experts))
+    if num_tokens == 0:
+        idx = key.new_empty(0, topk)
+    else:
+        k = min(topk, num_experts)
+        idx = torch.topk(key, k, dim=1, largest=False, sorted=True).values
+        if k < topk:
+            idx = torch.cat([idx, idx.new_full((num_tokens, topk - k), num_experts)], dim=1)
+        # A row with more than K experts would lose routes: check on the device (no sync).
+        torch._assert_async((routing_map.sum(dim=1) <= topk).all(),
+                            "MoK: a token is routed to more than moe_router_topk experts")
+    valid = idx < num_experts
+    topk_idx = torch.where(valid, idx, torch.full_like(idx, -1))
+    gathered = probs.gather(1, torch.where(valid, idx, torch.zeros_like(idx)))
+    topk_weights = gathered.float().masked_fill(~valid, 0.0)
+    return topk_idx, topk_weights
+
+
+def _group_key(group) -> int:
+    return id(group)
+
+
+class MokTokenDispatcher(MoETokenDispatcher):
+    """MoK token dispatcher for Megatron-Core's ``MoELayer`` (``moe_token_dispatcher_type="mok"``).
+
+    Args:
+        num_local_experts: experts on this rank (``num_moe_experts / EP``).
+        local_expert_indices: their global ids; must be ``[r*E_local, (r+1)*E_local)`` for
+            EP rank ``r`` (the layout the Buffer uses).
+        config: the ``TransformerConfig``.
+        pg_collection: Megatron's ``ProcessGroupCollection`` (``ep``, ``expt_tp``, ``tp_ep``).
+    """
+
+    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config,
+                 pg_collection=None) -> None:
+        if pg_collection is None:
+            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+            pg_collection = get_default_pg_collection()
+        super().__init__(config=config, pg_collection=pg_collection)
+        problems = config_problems(config)
+        if self.tp_size != 1:
+            problems.append(f"the expert tensor-parallel group has {self.tp_size} ranks; set "
+                            "expert_tensor_parallel_size=1")
+        if problems:
+            raise MokConfigError("MokTokenDispatcher cannot run this config:\n  - "
+                                 + "\n  - ".join(problems))
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.ep_rank = mcore_utils.get_pg_rank(self.ep_group)
+        expected = list(range(self.ep_rank * num_local_experts,
+                              (self.ep_rank + 1) * num_local_experts))
+        if self.local_expert_indices != expected:
+            raise ValueError(f"MoK needs local experts {expected} on EP rank {self.ep_rank}, got "
+                             f"{self.local_expert_indices}")
+        self.options = MokOptions.from_config(config)
+        # "auto": device unless the experts read the counts on the host and cannot take a
+        # device tensor (set by the MoELayer patch once the experts exist).
+        self.tokens_per_expert_on_host = self.options.tokens_per_expert == "host"
+        # Nothing needs capturing for partial CUDA graphs (moe_preprocess is rejected).
+        self.cudagraph_attrs = []
+        self.buffer = None
+        self.hidden_shape = None
+        self._topk_idx: Optional[torch.Tensor] = None
+        self._probs_dtype: Optional[torch.dtype] = None
+        self._handle = None
+        self._tokens_per_expert: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------------- configuring
+    def configure_for_experts(self, experts) -> None:
+        """Pick where ``tokens_per_expert`` lives for ``experts`` (``MOK_TOKENS_PER_EXPERT=auto``).
+
+        Megatron 0.16's legacy ``GroupedMLP`` hands the counts to ``grouped_gemm``, which
+        wants a host tensor; every other expert class takes a device tensor (SequentialMLP
+        and unfused TEGroupedMLP call ``.tolist()`` themselves; 0.19's fused TEGroupedMLP
+        uses it on the device with no host sync).
+        """
+        if self.options.tokens_per_expert != "auto":
+            return
+        self.tokens_per_expert_on_host = type(experts).__name__ == "GroupedMLP"
+
+    def set_shared_experts(self, shared_experts):
+        raise MokConfigError("moe_shared_expert_overlap is not supported by the MoK dispatcher; "
+                             "unset moe_shared_expert_overlap")
+
+    def _get_buffer(self, hidden: torch.Tensor):
+        import megatron_mok as mok
+
+        opts = self.options
+        group = self.ep_group
+        gkey = _group_key(group)
+        num_tokens = hidden.shape[0]
+        with _LOCK:
+            t_max = opts.max_tokens_per_rank or _T_MAX.get(gkey)
+        if t_max is None:
+            # First dispatch in this process: agree on T_max across the EP ranks (they all
+            # reach their first MoE layer together). One all-reduce, never repeated.
+            t = torch.tensor([num_tokens], dtype=torch.int64, device=hidden.device)
+            if self.ep_size > 1:
+                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+            t_max = max(int(t.item()), 1)
+            with _LOCK:
+                _T_MAX[gkey] = t_max
+        if num_tokens > t_max:
+            raise ValueError(
+                f"MoK: this MoE layer got {num_tokens} tokens on EP rank {self.ep_rank}, more "
+                f"than the Buffer's max_tokens_per_rank={t_max} (fixed at the first dispatch). "
+                f"Set MOK_MAX_TOKENS_PER_RANK to the largest sequence_length * micro_batch_size "
+                f"/ TP (with sequence parallelism) any step will use.")
+        key = (gkey, self.num_experts, hidden.shape[1], self.topk, hidden.dtype, opts.backend,
+               opts.combine_partial_dtype, t_max, str(hidden.device))
+        with _LOCK:
+            buf = _BUFFERS.get(key)
+        if buf is None:
+            kwargs = {}
+            for name in ("num_sms", "ring_bytes", "timeout_s"):
+                if getattr(opts, name) is not None:
+                    kwargs[name] = getattr(opts, name)
+            buf = mok.Buffer(group, num_experts=self.num_experts, hidden=hidden.shape[1],
+                             topk=self.topk, max_tokens_per_rank=t_max, dtype=hidden.dtype,
+                             backend=opts.backend,
+                             combine_partial_dtype=opts.combine_partial_dtype, **kwargs)
+            with _LOCK:
+                _BUFFERS[key] = buf
+        return buf
+
+    # ---------------------------------------------------------------------------- dispatch
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
+                            probs: torch.Tensor):
+        """``[S, B, H]`` (or ``[T, H]``) tokens + dense routing -> ``[T, H]`` and top-k weights.
+
+        Returns ``(hidden_states [T, H], topk_weights [T, K] float32)``; the top-k expert ids
+        are kept for :meth:`token_dispatch`.
+        """
+        if routing_map.dim() != 2 or routing_map.dtype != torch.bool:
+            raise ValueError(f"routing_map must be a [T, E] bool tensor, got "
+                             f"{tuple(routing_map.shape)} {routing_map.dtype}")
+        if probs.shape != routing_map.shape:
+            raise ValueError(f"probs {tuple(probs.shape)} must match routing_map "
+                             f"{tuple(routing_map.shape)}")
+        self.hidden_shape = hidden_states.shape
+        hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
+        self._probs_dtype = probs.dtype
+        self._topk_idx, topk_weights = routing_map_to_topk(routing_map, probs, self.topk)
+        return hidden_states, topk_weights
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """``Buffer.dispatch``: returns expert-major ``(tokens [R, H], probs [R] float32)``."""
+        hidden_states = hidden_states.contiguous()
+        self.buffer = self._get_buffer(hidden_states)
+        res = self.buffer.dispatch(hidden_states, self._topk_idx, probs)
+        self._topk_idx = None
+        self._handle = res.handle
+        self._tokens_per_expert = res.tokens_per_expert
+        return res.tokens, res.probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """No data movement: ``(tokens [R, H], tokens_per_expert [E_local] int64, probs [R])``.
+
+        ``probs`` comes back in the router's dtype (as ``alltoall`` returns it);
+        ``tokens_per_expert`` is on the device, or on the host for experts that need it
+        (that copy is the one host sync of this dispatcher; see docs/MEGATRON.md).
+        """
+        tokens_per_expert = self._tokens_per_expert
+        self._tokens_per_expert = None
+        if self.tokens_per_expert_on_host and tokens_per_expert.device.type != "cpu":
+            tokens_per_expert = tokens_per_expert.cpu()
+        if self._probs_dtype is not None and probs.dtype != self._probs_dtype:
+            probs = probs.to(self._probs_dtype)
+        return hidden_states, tokens_per_expert, probs
+
+    # ----------------------------------------------------------------------------- combine
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        """Expert output rows are already in dispatch order: nothing to undo."""
+        return hidden_states.contiguous()
+
+    def token_combine(self, hidden_states: torch.Tensor, *args, **kwargs):
+        """``Buffer.combine``: unweighted per-token sum of the expert rows -> ``[T, H]``."""
+        if self._handle is None:
+            raise RuntimeError("MoK: token_combine called without a preceding token_dispatch")
+        handle, self._handle = self._handle, None
+        return self.buffer.combine(hidden_states, handle)
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        """Back to the layer's input shape."""
+        return hidden_states.view(self.hidden_shape)
+
+
+def reset_buffers() -> None:
+    """Destroy every shared Buffer and forget the agreed ``T_max`` (tests, re-initialisation)."""
+    with _LOCK:
+        bufs = list(_BUFFERS.values())
+        _BUFFERS.clear()
+        _T_MAX.clear()
+    for b in bufs:
+        b.destroy()

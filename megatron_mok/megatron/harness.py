@@ -1,0 +1,194 @@
+"""Helpers shared by the tests, the layer benchmark and the example: build a Megatron
+``MoELayer`` for a given dispatcher on CPU (gloo) or GPU (NCCL), with Megatron's local
+(no TransformerEngine, no apex) ``SequentialMLP`` experts.
+
+Also :func:`enable_cpu_alltoall`: Megatron's ``alltoall`` dispatcher copies its split sizes
+to the host on a side CUDA stream, which does not exist on a CPU-only machine. On CPU the
+counts are already on the host, so the same copies without streams are exact; this lets the
+CPU tests compare ``mok`` against Megatron's real ``alltoall`` code (permute, all-to-all-v,
+sort_chunks, unpermute). It changes nothing when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+
+
+def fix_megatron_without_te() -> None:
+    """megatron-core 0.16.x without TransformerEngine: ``router_gating_linear`` reads the
+    module global ``te_general_gemm``, which is only defined when TE imports (0.19 defines
+    it as ``None``). Define it as ``None`` so the router takes its torch path. Harmless with
+    TE installed; affects every dispatcher alike."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def init_parallel(ep_size: int, tp_size: int = 1, seed: int = 1234) -> None:
+    """``parallel_state.initialize_model_parallel`` for expert parallelism ``ep_size``
+    (torch.distributed must already be initialised)."""
+    from megatron.core import parallel_state
+
+    fix_megatron_without_te()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    kwargs = dict(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=1,
+                  expert_model_parallel_size=ep_size)
+    parallel_state.initialize_model_parallel(**kwargs)
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+
+    from .dispatcher import reset_buffers
+
+    reset_buffers()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+
+
+def moe_config(dispatcher: str, *, ep_size: int, num_experts: int = 8, topk: int = 2,
+               hidden: int = 32, ffn_hidden: int = 64, dtype=torch.float32, **overrides):
+    """A ``TransformerConfig`` for one MoE layer (local spec, fp32 router)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(
+        num_layers=1, hidden_size=hidden, ffn_hidden_size=ffn_hidden,
+        moe_ffn_hidden_size=ffn_hidden, num_attention_heads=4,
+        num_moe_experts=num_experts, moe_router_topk=topk,
+        moe_token_dispatcher_type=dispatcher, moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.01, moe_router_dtype="fp32",
+        expert_model_parallel_size=ep_size, tensor_model_parallel_size=1,
+        expert_tensor_parallel_size=1, use_cpu_initialization=True,
+        moe_grouped_gemm=False, add_bias_linear=False,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, moe_permute_fusion=False,
+    )
+    kw.update(overrides)
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    return TransformerConfig(**{k: v for k, v in kw.items() if k in names})
+
+
+def cpu_router_class():
+    """Megatron's ``TopKRouter`` with its gate kept on the input's device.
+
+    ``TopKRouter.gating`` moves a CPU gate weight to ``torch.cuda.current_device()``, which
+    fails on a CPU-only build; this subclass computes the same ``router_gating_linear`` on
+    CPU tensors and defers to Megatron's for CUDA input. Routing, score function, top-k and
+    everything after are Megatron's own.
+    """
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class CpuTopKRouter(TopKRouter):
+        def gating(self, input):
+            if input.is_cuda:
+                return super().gating(input)
+            router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
+                self.config.moe_router_dtype, input.dtype)
+            return router_gating_linear(input, self.weight, self.bias, router_dtype)
+
+    return CpuTopKRouter
+
+
+def moe_submodules(config, cpu_router: bool = False):
+    """Megatron's local-spec ``MoESubmodules`` (``SequentialMLP`` experts)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    submodules = spec.submodules.mlp.submodules
+    if cpu_router:
+        submodules = dataclasses.replace(submodules, router=cpu_router_class())
+    return submodules
+
+
+def single_rank_pg_collection():
+    """Megatron's default MoE process groups, with the expert-parallel groups replaced by
+    this rank alone (EP = 1 while torch.distributed has W ranks). Collective: every rank
+    must call it."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    world = dist.get_world_size()
+    mine = None
+    for r in range(world):                 # new_group is collective over the world
+        g = dist.new_group([r])
+        if r == dist.get_rank():
+            mine = g
+    pgs = get_default_pg_collection()
+    pgs.ep = mine
+    pgs.tp_ep = mine
+    return pgs
+
+
+def build_moe_layer(config, device: Optional[torch.device] = None, dtype=None,
+                    pg_collection=None):
+    """``MoELayer`` with Megatron's local spec (``SequentialMLP`` experts) on ``device``
+    (CPU when ``None``: then with :func:`cpu_router_class`)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    layer = MoELayer(config, moe_submodules(config, cpu_router=on_cpu),
+                     pg_collection=pg_collection)
+    layer.set_layer_number(0)
+    if device is not None:
+        layer = layer.to(device)
+    if dtype is not None:
+        layer = layer.to(dtype)
+    return layer
+
+
+def enable_cpu_alltoall() -> None:
+    """Make Megatron's ``alltoall`` dispatcher construct and run without CUDA (see module doc).
+
+    Idempotent; a no-op when CUDA is available.
+    """
+    if torch.cuda.is_available():
+        return
+    from megatron.core.transformer.moe import token_dispatcher as td
+    from megatron.core.transformer.moe.moe_utils import maybe_move_tensor_to_cpu
+
+    cls = td.MoEAlltoAllTokenDispatcher
+    if getattr(cls, "_mok_cpu_compat", False):
+        return
+    if cls.cuda_dtoh_stream is None:
+        cls.cuda_dtoh_stream = object()      # never used: the override below has no streams
+    orig = cls._maybe_dtoh_and_synchronize
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if getattr(self, "drop_and_pad", False) or point != self.cuda_dtoh_point:
+            return tokens_per_expert
+        # The same host copies Megatron makes on its DtoH stream, done in place on CPU.
+        tokens_per_expert = maybe_move_tensor_to_cpu(tokens_per_expert)
+        self.input_splits = maybe_move_tensor_to_cpu(self.input_splits, as_numpy=True)
+        self.output_splits = maybe_move_tensor_to_cpu(self.output_splits, as_numpy=True)
+        self.output_splits_tp = maybe_move_tensor_to_cpu(self.output_splits_tp, as_numpy=True)
+        self.num_out_tokens = maybe_move_tensor_to_cpu(self.num_out_tokens)
+        if self.num_local_experts > 1 and not self.config.moe_permute_fusion:
+            self.num_global_tokens_per_local_expert = maybe_move_tensor_to_cpu(
+                self.num_global_tokens_per_local_expert)
+        return tokens_per_expert
+
+    _maybe_dtoh_and_synchronize._orig = orig
+    cls._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
+    cls._mok_cpu_compat = True
+
+
+def dist_env_defaults() -> None:
+    """Quiet, CPU-friendly defaults for spawned test / benchmark processes."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")

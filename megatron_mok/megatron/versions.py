@@ -1,0 +1,83 @@
+"""Which megatron-core releases the plugin knows, and the small differences between them.
+
+Every version-specific branch in :mod:`megatron_mok.megatron` goes through this module, so
+supporting a new release means reading its ``moe_layer.py`` / ``transformer_config.py`` /
+``experts.py`` and editing one table here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Tuple
+
+# Releases whose MoELayer / TransformerConfig / argument parsing the patches were read
+# against. 0.16.x runs in CI (CPU, gloo); 0.19.x on the GPU machine. 0.17 and 0.18 have the
+# same dispatcher selection block, config field and argparse factory (read, not run).
+MIN_SUPPORTED = (0, 16)
+MAX_SUPPORTED = (0, 19)          # inclusive, on (major, minor)
+TESTED = ("0.16.1", "0.19.2")
+
+SKIP_CHECK_ENV = "MOK_MEGATRON_SKIP_VERSION_CHECK"
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core version string (``ImportError`` if it is not installed)."""
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def parse_version(v: str) -> Tuple[int, int, int]:
+    """``"0.19.2rc1"`` -> ``(0, 19, 2)``; unparsable parts count as 0."""
+    out = []
+    for part in v.split(".")[:3]:
+        digits = ""
+        for ch in part:
+            if not ch.isdigit():
+                break
+            digits += ch
+        out.append(int(digits) if digits else 0)
+    while len(out) < 3:
+        out.append(0)
+    return tuple(out)
+
+
+def installed_version_tuple() -> Tuple[int, int, int]:
+    return parse_version(megatron_core_version())
+
+
+def check_supported(version: str | None = None) -> str:
+    """Raise ``RuntimeError`` unless ``version`` (default: the installed one) is supported.
+
+    ``MOK_MEGATRON_SKIP_VERSION_CHECK=1`` turns the error into a warning, for trying a
+    release the plugin was not read against; the patches then may or may not apply.
+    """
+    version = version or megatron_core_version()
+    major_minor = parse_version(version)[:2]
+    if MIN_SUPPORTED <= major_minor <= MAX_SUPPORTED:
+        return version
+    msg = (f"megatron_mok supports megatron-core {MIN_SUPPORTED[0]}.{MIN_SUPPORTED[1]}.x to "
+           f"{MAX_SUPPORTED[0]}.{MAX_SUPPORTED[1]}.x (tested: {', '.join(TESTED)}); "
+           f"megatron-core {version} is installed. Install a supported release, or set "
+           f"{SKIP_CHECK_ENV}=1 to try anyway.")
+    if os.environ.get(SKIP_CHECK_ENV, "") not in ("", "0"):
+        import warnings
+
+        warnings.warn(msg + " (continuing because " + SKIP_CHECK_ENV + " is set)")
+        return version
+    raise RuntimeError(msg)
+
+
+def cuda_graph_scope_names(config) -> set:
+    """Names of the CUDA-graph scopes in ``config`` (0.16: ``cuda_graph_scope``;
+    0.19: ``cuda_graph_modules``), as lower-case strings."""
+    names = set()
+    for attr in ("cuda_graph_scope", "cuda_graph_modules"):
+        val = getattr(config, attr, None)
+        if not val:
+            continue
+        if isinstance(val, (str, bytes)):
+            val = [val]
+        for v in val:
+            names.add(str(getattr(v, "name", v)).lower())
+    return names
