@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from . import validation
-from .autograd import CombineFunction, DispatchFunction
+from .autograd import CachedDispatchFunction, CombineFunction, DispatchFunction
 from .comm import group_rank_size
 from .handle import DispatchHandle, DispatchResult
 
@@ -99,14 +99,19 @@ class Buffer:
             self._get_backend("cuda")   # fail early, with the build hint, if unavailable
 
     # ---------------------------------------------------------------------------- public API
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
-                 topk_weights: torch.Tensor) -> DispatchResult:
+    def dispatch(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None, *,
+                 handle: Optional[DispatchHandle] = None) -> DispatchResult:
         """Send each routed token to the ranks of its experts.
 
         Args:
             x: ``[T, H]`` tokens, the Buffer's dtype, contiguous; ``T`` may be 0.
             topk_idx: ``[T, K]`` int32/int64 global expert ids, ``-1`` = slot not routed.
             topk_weights: ``[T, K]`` float32 router weights.
+            handle: instead of routing, reuse the layout of an earlier dispatch (a *cached*
+                dispatch: no routing exchange, no host read). ``x`` must have that
+                dispatch's ``T``. The result's ``probs`` is ``None`` and its handle is
+                ``handle``; gradients flow to ``x``.
 
         Returns:
             :class:`DispatchResult` with expert-major ``tokens [R, H]``, ``probs [R]``,
@@ -115,6 +120,15 @@ class Buffer:
         """
         self._check_alive()
         backend = self._backend_for(x)
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("pass either (topk_idx, topk_weights) or handle=, not both")
+            validation.check_cached_dispatch_inputs(self, x, handle)
+            tokens = CachedDispatchFunction.apply(backend, handle, x)
+            return DispatchResult(tokens=tokens, probs=None, tokens_per_expert=handle.tokens_per_expert,
+                                  src_rank=handle.src_rank, src_token=handle.src_token, handle=handle)
+        if topk_idx is None or topk_weights is None:
+            raise ValueError("dispatch needs topk_idx and topk_weights (or handle= for a cached dispatch)")
         validation.check_dispatch_inputs(self, x, topk_idx, topk_weights,
                                          check_values=backend.name == "reference")
         out_handle = []

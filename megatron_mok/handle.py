@@ -47,7 +47,7 @@ class DispatchResult:
             dtype; one row per routed slot whose expert lives on this rank, in contract
             order (local expert, source rank, source token, slot). Differentiable w.r.t. ``x``.
         probs: ``[R]`` float32, the router weight of each row's slot (0 on padding rows).
-            Differentiable w.r.t. ``topk_weights``.
+            Differentiable w.r.t. ``topk_weights``. ``None`` for a cached dispatch.
         tokens_per_expert: ``[E_local]`` int64 on ``x``'s device.
         src_rank: ``[R]`` int64, where each row came from.
         src_token: ``[R]`` int64, the token index on ``src_rank``.
@@ -55,7 +55,7 @@ class DispatchResult:
     """
 
     tokens: torch.Tensor
-    probs: torch.Tensor
+    probs: Optional[torch.Tensor]
     tokens_per_expert: torch.Tensor
     src_rank: torch.Tensor
     src_token: torch.Tensor

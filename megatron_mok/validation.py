@@ -68,13 +68,31 @@ def check_dispatch_inputs(buf, x: torch.Tensor, topk_idx: torch.Tensor,
                 f"topk_idx holds expert ids in [{lo}, {hi}], outside [-1, num_experts={buf.num_experts})")
 
 
-def check_combine_inputs(buf, expert_out: torch.Tensor, handle) -> None:
+def check_cached_dispatch_inputs(buf, x: torch.Tensor, handle) -> None:
+    """Checks for ``Buffer.dispatch(x, handle=...)``."""
+    _check_handle(buf, handle)
+    _check_tensor("x", x)
+    if x.dtype != buf.dtype:
+        raise TypeError(f"x must have the Buffer's dtype {buf.dtype}, got {x.dtype}")
+    if tuple(x.shape) != (handle.num_tokens, buf.hidden):
+        raise ValueError(f"x must be [T={handle.num_tokens}, hidden={buf.hidden}] (the handle's "
+                         f"dispatch), got {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous (call .contiguous())")
+    buf._check_device(x.device, "x")
+
+
+def _check_handle(buf, handle) -> None:
     from .handle import DispatchHandle
 
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
     if handle.buffer_id != id(buf):
         raise ValueError("handle was made by another Buffer")
+
+
+def check_combine_inputs(buf, expert_out: torch.Tensor, handle) -> None:
+    _check_handle(buf, handle)
     _check_tensor("expert_out", expert_out)
     if expert_out.dtype != buf.dtype:
         raise TypeError(f"expert_out must have the Buffer's dtype {buf.dtype}, got {expert_out.dtype}")

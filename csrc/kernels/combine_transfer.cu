@@ -9,12 +9,15 @@
 //                    rank order, add d's partial (pulled over NVLink, or reduced right here
 //                    when d is me) in fp32; round once to the output dtype.
 // No floating-point atomics: every sum has one fixed order, so results are bitwise stable.
+#include <algorithm>
+
 #include "mok/launch.h"
 
 namespace mok {
 namespace {
 
-template <int U>
+constexpr int U = kCombineUnroll;  // 8-element groups per lane per step
+
 __device__ __forceinline__ void zero(float (&a)[U][kCombineVec]) {
 #pragma unroll
   for (int u = 0; u < U; ++u)
@@ -22,22 +25,33 @@ __device__ __forceinline__ void zero(float (&a)[U][kCombineVec]) {
     for (int e = 0; e < kCombineVec; ++e) a[u][e] = 0.f;
 }
 
-// acc[u] += row[v0 + u * 256 .. +8] for every u in range: all loads issued before the adds.
-template <typename T>
-__device__ __forceinline__ void add_rows(float (&acc)[kCombineUnroll][kCombineVec], const T* row,
-                                         int v0, int H) {
-  float in[kCombineUnroll][kCombineVec];
+__device__ __forceinline__ bool group_live(int v0, int u, int H) {
+  return v0 + u * kWarpSize * kCombineVec < H;
+}
+
+// acc += the task's rows (in row order) at groups v0 + u*256. Loads go out kRows rows at a
+// time, all before their adds, so kRows * U loads per lane are in flight.
+template <typename T, int kRows>
+__device__ __forceinline__ void sum_rows(float (&acc)[U][kCombineVec], const T* base,
+                                         const int32_t* rows, int K, int64_t row_cap, int v0, int H) {
+  for (int k0 = 0; k0 < K; k0 += kRows) {
+    Raw8<T> raw[kRows][U];
+    bool live[kRows];
 #pragma unroll
-  for (int u = 0; u < kCombineUnroll; ++u) {
-    const int v = v0 + u * kWarpSize * kCombineVec;
-    if (v < H) Vec8<T>::load(row + v, in[u]);
-  }
+    for (int r = 0; r < kRows; ++r) {
+      const int row = k0 + r < K ? rows[k0 + r] : -1;
+      live[r] = row >= 0 && row < row_cap;
 #pragma unroll
-  for (int u = 0; u < kCombineUnroll; ++u) {
-    const int v = v0 + u * kWarpSize * kCombineVec;
-    if (v < H)
+      for (int u = 0; u < U; ++u)
+        if (live[r] && group_live(v0, u, H))
+          load_raw(raw[r][u], base + static_cast<size_t>(row) * H + v0 + u * kWarpSize * kCombineVec);
+    }
 #pragma unroll
-      for (int e = 0; e < kCombineVec; ++e) acc[u][e] += in[u][e];
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (live[r] && group_live(v0, u, H)) add_raw<T>(acc[u], raw[r][u]);
+    if (!live[kRows - 1]) break;  // rows are packed first: a dead slot ends the list
   }
 }
 
@@ -78,19 +92,13 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
         const int task = first + j * sh.C + q;
         const int32_t* rows = h.task_rows + static_cast<size_t>(task) * sh.K;
         P* dst = reinterpret_cast<P*>(chunk) + static_cast<size_t>(q) * sh.H;
-        for (int v0 = lane * kCombineVec; v0 < sh.H; v0 += kWarpSize * kCombineVec * kCombineUnroll) {
-          float acc[kCombineUnroll][kCombineVec];
+        for (int v0 = lane * kCombineVec; v0 < sh.H; v0 += kWarpSize * kCombineVec * U) {
+          float acc[U][kCombineVec];
           zero(acc);
-          for (int k = 0; k < sh.K; ++k) {
-            const int row = rows[k];
-            if (row < 0 || row >= a.row_cap) break;
-            add_rows<T>(acc, expert_out + static_cast<size_t>(row) * sh.H, v0, sh.H);
-          }
+          sum_rows<T, (sizeof(T) == 4 ? 4 : 8)>(acc, expert_out, rows, sh.K, a.row_cap, v0, sh.H);
 #pragma unroll
-          for (int u = 0; u < kCombineUnroll; ++u) {
-            const int v = v0 + u * kWarpSize * kCombineVec;
-            if (v < sh.H) Vec8<P>::store(dst + v, acc[u]);
-          }
+          for (int u = 0; u < U; ++u)
+            if (group_live(v0, u, sh.H)) Vec8<P>::store(dst + v0 + u * kWarpSize * kCombineVec, acc[u]);
         }
         if (grad_probs != nullptr && lane < sh.K) {
           float val = 0.f;
@@ -114,10 +122,48 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
   }
 }
 
+// Where rank d staged the partial of my token whose index among my tokens sent to d is q.
+template <typename P>
+__device__ __forceinline__ const P* remote_partial(const CommContext& c, const CombineShape& sh,
+                                                   int64_t N, int d, int q) {
+  const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(c.rank) * sh.cps + q / sh.C;
+  const char* chunk = c.peers.base[d] + c.ws.comb_ring + (g % N) * c.ws.comb_chunk_bytes;
+  return reinterpret_cast<const P*>(chunk) + static_cast<size_t>(q % sh.C) * sh.H;
+}
+
+// Waits until every remote partial of token t is staged and starts asynchronous copies of the
+// first `pf_rows` of them (in rank order) into `buf`, one commit group per token.
+template <typename P>
+__device__ bool prefetch_token(const CommContext& c, const HandleArrays& h, const CombineShape& sh,
+                               int64_t N, SeenGens& seen, int t, P* buf, int pf_rows) {
+  const int lane = threadIdx.x % kWarpSize, W = c.world, me = c.rank;
+  const int vecs = sh.H * static_cast<int>(sizeof(P)) / 16;
+  int staged = 0;
+  for (int d = 0; d < W; ++d) {
+    const int q = h.send_index(c.ws.cfg, t, d);
+    if (q < 0 || d == me) continue;
+    const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + q / sh.C;
+    if (!seen.has(d, g)) {
+      RingView theirs = RingView::combine(c.ws, c.peers.base[d]);
+      if (!wait_geq(c, theirs.ready + g % N, g + 1, d, kWaitCombineReady, static_cast<int64_t>(g)))
+        return false;
+      seen.set(d, g);
+    }
+    if (staged < pf_rows) {
+      const int4* src = reinterpret_cast<const int4*>(remote_partial<P>(c, sh, N, d, q));
+      int4* dst = reinterpret_cast<int4*>(buf + static_cast<size_t>(staged) * sh.H);
+      for (int v = lane; v < vecs; v += kWarpSize) cp_async_16(dst + v, src + v);
+      ++staged;
+    }
+  }
+  cp_async_commit();
+  return true;
+}
+
 template <typename T, typename P>
 __device__ void consume(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
                         const CombineShape& sh, const T* expert_out, const float* grad_probs,
-                        T* y, float* grad_w) {
+                        T* y, float* grad_w, char* smem, int pf_rows) {
   const int lane = threadIdx.x % kWarpSize;
   const int warps_per_block = blockDim.x / kWarpSize;
   const int n_warps = (gridDim.x - a.num_producers) * warps_per_block;
@@ -125,66 +171,83 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   const int W = c.world, me = c.rank;
   const int64_t N = RingView::combine(c.ws, c.local()).num_chunks;
   const int my_first_task = h.task_off[me];
+  // Two buffers per warp: token t is summed from one while token t + n_warps lands in the other.
+  P* bufs[2];
+  for (int i = 0; i < 2; ++i)
+    bufs[i] = reinterpret_cast<P*>(smem) +
+              (static_cast<size_t>(threadIdx.x / kWarpSize) * 2 + i) * pf_rows * sh.H;
+  SeenGens seen;
+  int cur = 0;
+  if (warp < a.num_tokens && !prefetch_token<P>(c, h, sh, N, seen, warp, bufs[0], pf_rows)) return;
 
   for (int t = warp; t < a.num_tokens; t += n_warps) {
-    const int32_t* pos = h.send_pos + static_cast<size_t>(t) * W;
-    // Wait for every remote partial of t (each lane polls the same flag: one request).
-    for (int d = 0; d < W; ++d) {
-      const int q = pos[d];
-      if (q < 0 || d == me) continue;
-      const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + q / sh.C;
-      RingView theirs = RingView::combine(c.ws, c.peers.base[d]);
-      if (!wait_geq(c, theirs.ready + g % N, g + 1, d, kWaitCombineReady, static_cast<int64_t>(g)))
-        return;
+    // q of t for rank d (index among my tokens sent to d), or -1: read where needed (L1 hits).
+    auto pos = [&](int d) { return h.send_index(c.ws.cfg, t, d); };
+    const int next = t + n_warps;
+    if (next < a.num_tokens) {
+      if (!prefetch_token<P>(c, h, sh, N, seen, next, bufs[cur ^ 1], pf_rows)) return;
+    } else {
+      cp_async_commit();  // an empty group keeps "all but the newest" meaning token t
     }
+    cp_async_wait<1>();
+    __syncwarp();
+    const P* staged = bufs[cur];
     const int32_t* my_rows = nullptr;
     int my_task = -1;
-    if (pos[me] >= 0) {
-      my_task = my_first_task + pos[me];
+    if (pos(me) >= 0) {
+      my_task = my_first_task + pos(me);
       my_rows = h.task_rows + static_cast<size_t>(my_task) * sh.K;
     }
-    for (int v0 = lane * kCombineVec; v0 < sh.H; v0 += kWarpSize * kCombineVec * kCombineUnroll) {
-      float acc[kCombineUnroll][kCombineVec], part[kCombineUnroll][kCombineVec];
+    for (int v0 = lane * kCombineVec; v0 < sh.H; v0 += kWarpSize * kCombineVec * U) {
+      float acc[U][kCombineVec], part[U][kCombineVec];
+      // My own partial, reduced here from my rows (same order and rounding as a producer).
+      zero(part);
+      if (my_rows != nullptr) {
+        sum_rows<T, (sizeof(T) == 4 ? 2 : 4)>(part, expert_out, my_rows, sh.K, a.row_cap, v0, sh.H);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int e = 0; e < kCombineVec; ++e) part[u][e] = round_to<P>(part[u][e]);
+      }
+      // Sum in rank order: staged partials from shared memory, the rest straight from the peer.
       zero(acc);
+      int remote_i = 0;
       for (int d = 0; d < W; ++d) {
-        const int q = pos[d];
+        const int q = pos(d);
         if (q < 0) continue;
         if (d == me) {
-          zero(part);
-          for (int k = 0; k < sh.K; ++k) {
-            const int row = my_rows[k];
-            if (row < 0 || row >= a.row_cap) break;
-            add_rows<T>(part, expert_out + static_cast<size_t>(row) * sh.H, v0, sh.H);
-          }
 #pragma unroll
-          for (int u = 0; u < kCombineUnroll; ++u)
+          for (int u = 0; u < U; ++u)
 #pragma unroll
-            for (int e = 0; e < kCombineVec; ++e) part[u][e] = round_to<P>(part[u][e]);
-        } else {
-          const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + q / sh.C;
-          const char* chunk = c.peers.base[d] + c.ws.comb_ring + (g % N) * c.ws.comb_chunk_bytes;
-          const P* src = reinterpret_cast<const P*>(chunk) + static_cast<size_t>(q % sh.C) * sh.H;
-#pragma unroll
-          for (int u = 0; u < kCombineUnroll; ++u) {  // all loads first: kCombineUnroll in flight
-            const int v = v0 + u * kWarpSize * kCombineVec;
-            if (v < sh.H) Vec8<P>::load(src + v, part[u]);
-          }
+            for (int e = 0; e < kCombineVec; ++e) acc[u][e] += part[u][e];
+          continue;
         }
+        Raw8<P> r[U];
+        if (remote_i < pf_rows) {
+          const P* src = staged + static_cast<size_t>(remote_i) * sh.H;
 #pragma unroll
-        for (int u = 0; u < kCombineUnroll; ++u)
+          for (int u = 0; u < U; ++u)
+            if (group_live(v0, u, sh.H)) load_raw_generic(r[u], src + v0 + u * kWarpSize * kCombineVec);
+        } else {
+          const P* src = remote_partial<P>(c, sh, N, d, q);
 #pragma unroll
-          for (int e = 0; e < kCombineVec; ++e) acc[u][e] += part[u][e];
+          for (int u = 0; u < U; ++u)
+            if (group_live(v0, u, sh.H)) load_raw(r[u], src + v0 + u * kWarpSize * kCombineVec);
+        }
+        ++remote_i;
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (group_live(v0, u, sh.H)) add_raw<P>(acc[u], r[u]);
       }
 #pragma unroll
-      for (int u = 0; u < kCombineUnroll; ++u) {
-        const int v = v0 + u * kWarpSize * kCombineVec;
-        if (v < sh.H) Vec8<T>::store(y + static_cast<size_t>(t) * sh.H + v, acc[u]);
-      }
+      for (int u = 0; u < U; ++u)
+        if (group_live(v0, u, sh.H))
+          Vec8<T>::store(y + static_cast<size_t>(t) * sh.H + v0 + u * kWarpSize * kCombineVec, acc[u]);
     }
     if (grad_w != nullptr && lane < sh.K) {
       float val = 0.f;
       for (int d = 0; d < W; ++d) {
-        const int q = pos[d];
+        const int q = pos(d);
         if (q < 0) continue;
         float part = 0.f;
         if (d == me) {
@@ -208,7 +271,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     if (lane == 0) {
       __threadfence();
       for (int d = 0; d < W; ++d) {
-        const int q = pos[d];
+        const int q = pos(d);
         if (q < 0 || d == me) continue;
         const int j = q / sh.C;
         const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + j;
@@ -223,18 +286,22 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         }
       }
     }
+    __syncwarp();  // every lane is done with bufs[cur] before the next prefetch refills it
+    cur ^= 1;
   }
 }
 
 template <typename T, typename P>
 __global__ void __launch_bounds__(kTransferThreads, 1)
     combine_transfer_kernel(CommContext c, HandleArrays h, TransferArgs a, CombineShape sh,
-                            const T* expert_out, const float* grad_probs, T* y, float* grad_w) {
+                            const T* expert_out, const float* grad_probs, T* y, float* grad_w,
+                            int pf_rows) {
+  extern __shared__ __align__(16) char smem[];
   sh.seq = c.counters()->comb_seq;
   if (blockIdx.x < a.num_producers)
     produce<T, P>(c, h, a, sh, expert_out, grad_probs);
   else
-    consume<T, P>(c, h, a, sh, expert_out, grad_probs, y, grad_w);
+    consume<T, P>(c, h, a, sh, expert_out, grad_probs, y, grad_w, smem, pf_rows);
   warp_done_advance(&c.counters()->comb_warps_done, &c.counters()->comb_seq);
 }
 
@@ -242,8 +309,17 @@ template <typename T, typename P>
 cudaError_t launch_typed(const CommContext& c, const HandleArrays& h, const TransferArgs& t,
                          const CombineShape& sh, const void* expert_out, const float* grad_probs,
                          void* y, float* grad_w, cudaStream_t s) {
-  combine_transfer_kernel<T, P><<<t.num_blocks, kTransferThreads, 0, s>>>(
-      c, h, t, sh, static_cast<const T*>(expert_out), grad_probs, static_cast<T*>(y), grad_w);
+  // Shared memory: two prefetch buffers per consumer warp, each pf_rows remote partials.
+  const size_t row_bytes = static_cast<size_t>(sh.H) * sizeof(P);
+  const size_t warps = kTransferThreads / kWarpSize;
+  const int pf_rows = static_cast<int>(std::min<size_t>(c.world - 1, kMaxDynamicSmem / (warps * 2 * row_bytes)));
+  const size_t smem = warps * 2 * pf_rows * row_bytes;
+  auto kernel = combine_transfer_kernel<T, P>;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem)))
+    return e;
+  kernel<<<t.num_blocks, kTransferThreads, smem, s>>>(
+      c, h, t, sh, static_cast<const T*>(expert_out), grad_probs, static_cast<T*>(y), grad_w, pf_rows);
   return cudaGetLastError();
 }
 

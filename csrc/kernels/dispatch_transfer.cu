@@ -80,15 +80,23 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   const int warps_per_block = blockDim.x / kWarpSize;
   const int n_warps = (gridDim.x - a.num_producers) * warps_per_block;
   const int warp = (blockIdx.x - a.num_producers) * warps_per_block + threadIdx.x / kWarpSize;
-  const int n_tasks = h.totals[1];
   const int n_rows = h.totals[0];
   RingView mine = RingView::dispatch(c.ws, c.local());
   const int64_t N = mine.num_chunks;
-  int cached_src = -1;
-  uint64_t cached_gen = 0;
+  // Interleave sources: virtual task v is task v / W of source (v + rank) % W, so at any time
+  // the warps pull from every peer and copy local tokens together and every NVLink direction
+  // stays busy (in plain task order, rank 0 would copy locally while rank 1 pulls, then swap).
+  int max_per_source = 0;
+  for (int s = 0; s < c.world; ++s) max_per_source = max(max_per_source, h.task_off[s + 1] - h.task_off[s]);
+  const int64_t n_virtual = static_cast<int64_t>(max_per_source) * c.world;
+  SeenGens seen;
 
-  for (int i = warp; i < n_tasks; i += n_warps) {
-    const int s = h.task_src[i], t = h.task_token[i];
+  for (int64_t v = warp; v < n_virtual; v += n_warps) {
+    const int s = static_cast<int>((v + c.rank) % c.world);
+    const int local_i = static_cast<int>(v / c.world);
+    if (local_i >= h.task_off[s + 1] - h.task_off[s]) continue;
+    const int i = h.task_off[s] + local_i;
+    const int t = h.task_token[i];
     const int j = t / sh.C;
     const uint64_t g = sh.seq * sh.cpc + j;
     const int64_t slot = static_cast<int64_t>(g % N);
@@ -97,11 +105,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     if (s == c.rank) {
       src = x + static_cast<size_t>(t) * sh.vec_per_row;  // my own tokens: no staging
     } else {
-      if (s != cached_src || g != cached_gen) {
+      if (!seen.has(s, g)) {
         if (!wait_geq(c, theirs.ready + slot, g + 1, s, kWaitDispatchReady, static_cast<int64_t>(g)))
           return;
-        cached_src = s;
-        cached_gen = g;
+        seen.set(s, g);
       }
       src = reinterpret_cast<const int4*>(theirs.ring + slot * theirs.chunk_bytes) +
             static_cast<size_t>(t % sh.C) * sh.vec_per_row;

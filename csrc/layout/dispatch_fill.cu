@@ -19,6 +19,8 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
   int* next_row = smem;              // [E_local] rows handed out so far per expert
   int* slot_row = smem + E_local;    // [C*K]
   int* slot_e = slot_row + C * K;    // [C*K]
+  int* chunk_idx = slot_e + C * K;   // [C*K] this chunk's routing, copied once from the peer
+  float* chunk_w = reinterpret_cast<float*>(chunk_idx + C * K);  // [C*K]
   if (aborted(c)) return;
 
   char* peer = c.peers.base[s];
@@ -29,18 +31,22 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
   const int t1 = min(h.src_count[s], t0 + C);
   const int n_tok = max(0, t1 - t0);
   const int n_slots = n_tok * K;
-  const int32_t* first_row = h.chunk_rows + (static_cast<size_t>(s) * cpc + chunk) * E_local;
   for (int e = lane; e < E_local; e += kWarpSize) next_row[e] = 0;
+  // One coalesced pass over the peer's routing (all loads in flight at once).
+  for (int i = lane; i < n_slots; i += kWarpSize) {
+    chunk_idx[i] = idx[static_cast<size_t>(t0) * K + i];
+    chunk_w[i] = w[static_cast<size_t>(t0) * K + i];
+  }
   __syncwarp();
 
   // Phase 1: rows. Slots sharing an expert in one 32-slot step are ranked by __match_any.
   for (int base = 0; base < n_slots; base += kWarpSize) {
     const int i = base + lane;
     const bool valid = i < n_slots;
-    const int t = t0 + i / K, k = i % K;
+    const int t = t0 + i / K;
     int e = -1;
     if (valid) {
-      e = idx[t * K + k] - lo;
+      e = chunk_idx[i] - lo;
       if (e < 0 || e >= E_local) e = -1;
     }
     const unsigned same = __match_any_sync(0xffffffffu, e);
@@ -49,7 +55,7 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
     __syncwarp();
     int row = -1;
     if (e >= 0) {
-      row = first_row[e] + before + rank_in;
+      row = h.chunk_rows[HandleArrays::group(ws.cfg, e, s, chunk)] + before + rank_in;
       if (rank_in == 0) next_row[e] = before + __popc(same);
     }
     __syncwarp();
@@ -60,7 +66,7 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
     if (row >= 0 && row < out.row_cap) {
       out.src_rank[row] = s;
       out.src_token[row] = t;
-      out.probs[row] = w[t * K + k];
+      out.probs[row] = chunk_w[i];
     }
   }
   __syncwarp();
@@ -109,6 +115,15 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
       st_release_sys(ws.meta_released_at(peer, c.rank) + slot, meta_seq + 1);
     }
   }
+  // Padding rows (static-shape mode) say "no source": every fill block takes a share.
+  const int64_t n_rows = min(static_cast<int64_t>(h.totals[0]), out.row_cap);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * gridDim.y * kWarpSize;
+  for (int64_t row = n_rows + (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kWarpSize + lane;
+       row < out.row_cap; row += stride) {
+    out.src_rank[row] = -1;
+    out.src_token[row] = -1;
+    out.probs[row] = 0.f;
+  }
   // The fill is the routing call's last reader of meta_seq: its last warp advances it.
   warp_done_advance(&c.counters()->meta_warps_done, &c.counters()->meta_seq);
 }
@@ -118,7 +133,7 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
 cudaError_t launch_dispatch_fill(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
                                  const RowOutputs& out, cudaStream_t s) {
   const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
-  const size_t smem = (c.ws.cfg.num_local_experts + 2 * c.ws.cfg.chunk_tokens * c.ws.cfg.topk) * sizeof(int);
+  const size_t smem = (c.ws.cfg.num_local_experts + 4 * c.ws.cfg.chunk_tokens * c.ws.cfg.topk) * sizeof(int);
   fill_kernel<<<dim3(cpc, c.world), kWarpSize, smem, s>>>(c, h, r, out);
   return cudaGetLastError();
 }

@@ -17,47 +17,50 @@ __device__ inline int64_t read_expert(const RoutingArgs& r, int64_t i) {
                      : static_cast<int64_t>(static_cast<const int32_t*>(r.topk_idx)[i]);
 }
 
-__global__ void __launch_bounds__(kScanThreads) publish_kernel(CommContext c, HandleArrays h,
-                                                                RoutingArgs r) {
-  using Scan = cub::BlockScan<int, kScanThreads>;
+// One block per chunk of my tokens; the last block to finish publishes the slot.
+__global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, HandleArrays h,
+                                                                  RoutingArgs r) {
+  using Scan = cub::BlockScan<int, kLayoutThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ int running[kMaxRanks];
-  __shared__ bool ok;
+  __shared__ unsigned long long readers;
+  __shared__ int chunk_count[kMaxRanks];
+  __shared__ bool ok, last;
   const Workspace& ws = c.ws;
   char* me = c.local();
   const int M = ws.cfg.meta_slots, W = c.world, K = ws.cfg.topk, C = ws.cfg.chunk_tokens;
-  const int E_local = ws.cfg.num_local_experts, T = r.num_tokens;
+  const int E_local = ws.cfg.num_local_experts, T = r.num_tokens, j = blockIdx.x;
   const uint64_t meta_seq = c.counters()->meta_seq;
   const int slot = static_cast<int>(meta_seq % M);
-  const int cpc = HandleArrays::chunks_per_call(ws.cfg);
 
   // Phase 1: the slot's previous routing must have been read by every rank (lazy check:
   // only once the meta ring has wrapped).
-  if (threadIdx.x == 0) ok = true;
-  if (threadIdx.x < W) running[threadIdx.x] = 0;
-  for (int j = threadIdx.x; j < cpc; j += blockDim.x) h.chunk_readers[j] = 0;
+  if (threadIdx.x == 0) {
+    ok = true;
+    readers = 0;
+  }
+  if (threadIdx.x < W) chunk_count[threadIdx.x] = 0;
   __syncthreads();
   if (meta_seq >= static_cast<uint64_t>(M) && threadIdx.x < W) {
-    const uint64_t need = meta_seq - M + 1;
-    if (!wait_geq(c, ws.meta_released_at(me, threadIdx.x) + slot, need, threadIdx.x,
+    if (!wait_geq(c, ws.meta_released_at(me, threadIdx.x) + slot, meta_seq - M + 1, threadIdx.x,
                   kWaitRoutingReleased, slot))
       ok = false;
   }
   __syncthreads();
   if (!ok) return;
 
-  // Phase 2: copy the routing into the slot (ids checked), and the send-side layout: for each
-  // destination d, the index of each of my tokens among those that go to d.
+  // Phase 2: copy this chunk's routing into the slot (ids checked), and its send-side layout:
+  // for each destination d, the index of each token among this chunk's tokens that go to d.
   int32_t* m_idx = ws.meta_idx_at(me, slot);
   float* m_w = ws.meta_weights_at(me, slot);
-  for (int base = 0; base < T; base += blockDim.x) {
+  const int t_end = min(T, (j + 1) * C);
+  for (int base = j * C; base < (j + 1) * C; base += blockDim.x) {
     const int t = base + threadIdx.x;
     uint64_t mask = 0;
-    if (t < T) {
+    if (t < t_end) {
       for (int k = 0; k < K; ++k) {
-        int64_t e = read_expert(r, (int64_t)t * K + k);
+        int64_t e = read_expert(r, static_cast<int64_t>(t) * K + k);
         if (e < -1 || e >= r.num_experts) {
-          report_error(c, kBadExpert, -1, kWaitNone, (int64_t)t * K + k);
+          report_error(c, kBadExpert, -1, kWaitNone, static_cast<int64_t>(t) * K + k);
           e = -1;
         }
         m_idx[t * K + k] = static_cast<int32_t>(e);
@@ -65,23 +68,46 @@ __global__ void __launch_bounds__(kScanThreads) publish_kernel(CommContext c, Ha
         if (e >= 0) mask |= 1ull << (e / E_local);
       }
       const uint64_t remote = mask & ~(1ull << c.rank);
-      if (remote) atomicOr(reinterpret_cast<unsigned long long*>(&h.chunk_readers[t / C]), remote);
+      if (remote) atomicOr(&readers, static_cast<unsigned long long>(remote));
     }
     for (int d = 0; d < W; ++d) {
       int pos, total;
       const int hit = static_cast<int>((mask >> d) & 1);
       Scan(scan_tmp).ExclusiveSum(hit, pos, total);
-      if (t < T) h.send_pos[t * W + d] = hit ? running[d] + pos : -1;
+      if (t < t_end) h.send_pos[static_cast<size_t>(t) * W + d] = hit ? chunk_count[d] + pos : -1;
       __syncthreads();
-      if (threadIdx.x == 0) running[d] += total;
+      if (threadIdx.x == 0) chunk_count[d] += total;
       __syncthreads();
     }
   }
-  if (threadIdx.x < W) h.send_count[threadIdx.x] = running[threadIdx.x];
-  if (threadIdx.x == 0) *ws.meta_count_at(me, slot) = T;
+  if (threadIdx.x < W) h.send_base[j * W + threadIdx.x] = chunk_count[threadIdx.x];  // counts for now
+  if (threadIdx.x == 0) h.chunk_readers[j] = readers;
+
+  // Phase 3: the last block turns chunk counts into prefixes and publishes. Readiness flows
+  // producer -> consumer: one release store, nobody is waited for.
   __syncthreads();
-  // Phase 3: readiness flows producer -> consumer: one release store, nobody is waited for.
   if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t done = atomicAdd(&c.counters()->publish_blocks_done, 1u) + 1;
+    last = done == gridDim.x;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (threadIdx.x < W) {
+    const int d = threadIdx.x;
+    int run = 0;
+    for (int jj = 0; jj < static_cast<int>(gridDim.x); ++jj) {
+      const int n = h.send_base[jj * W + d];
+      h.send_base[jj * W + d] = run;
+      run += n;
+    }
+    h.send_count[d] = run;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    c.counters()->publish_blocks_done = 0;
+    *ws.meta_count_at(me, slot) = T;
     __threadfence_system();
     st_release_sys(ws.meta_ready_at(me) + slot, meta_seq + 1);
   }
@@ -89,17 +115,18 @@ __global__ void __launch_bounds__(kScanThreads) publish_kernel(CommContext c, Ha
 
 __global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, HandleArrays h,
                                                                 RoutingArgs r) {
-  extern __shared__ int hist[];  // [E_local]
+  extern __shared__ int smem[];
   __shared__ int tasks;
   __shared__ int src_tokens;
   __shared__ bool ok;
   const Workspace& ws = c.ws;
   const int chunk = blockIdx.x, s = blockIdx.y;
   const int K = ws.cfg.topk, C = ws.cfg.chunk_tokens, E_local = ws.cfg.num_local_experts;
-  const int cpc = HandleArrays::chunks_per_call(ws.cfg);
   const uint64_t meta_seq = c.counters()->meta_seq;
   const int slot = static_cast<int>(meta_seq % ws.cfg.meta_slots);
   char* peer = c.peers.base[s];
+  int* hist = smem;                // [E_local]
+  int* chunk_idx = smem + E_local; // [C * K] this chunk's routing, copied once from the peer
 
   for (int e = threadIdx.x; e < E_local; e += blockDim.x) hist[e] = 0;
   if (threadIdx.x == 0) {
@@ -111,13 +138,17 @@ __global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, Ha
   __syncthreads();
   if (!ok) return;
 
-  const int32_t* idx = ws.meta_idx_at(peer, slot);
+  // One coalesced pass over the peer's routing (all loads in flight at once), then local work.
+  const int t0 = chunk * C;
+  const int n_tok = max(0, min(src_tokens, t0 + C) - t0);
+  const int32_t* idx = ws.meta_idx_at(peer, slot) + static_cast<size_t>(t0) * K;
+  for (int i = threadIdx.x; i < n_tok * K; i += blockDim.x) chunk_idx[i] = idx[i];
+  __syncthreads();
   const int lo = c.rank * E_local;
-  const int t_end = min(src_tokens, (chunk + 1) * C);
-  for (int t = chunk * C + threadIdx.x; t < t_end; t += blockDim.x) {
+  for (int j = threadIdx.x; j < n_tok; j += blockDim.x) {
     bool hit = false;
     for (int k = 0; k < K; ++k) {
-      const int e = idx[t * K + k] - lo;
+      const int e = chunk_idx[j * K + k] - lo;
       if (e >= 0 && e < E_local) {
         atomicAdd(&hist[e], 1);  // integer counts: the result does not depend on order
         hit = true;
@@ -126,30 +157,31 @@ __global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, Ha
     if (hit) atomicAdd(&tasks, 1);
   }
   __syncthreads();
-  int32_t* rows = h.chunk_rows + (static_cast<size_t>(s) * cpc + chunk) * E_local;
-  for (int e = threadIdx.x; e < E_local; e += blockDim.x) rows[e] = hist[e];
-  if (threadIdx.x == 0) h.chunk_tasks[s * cpc + chunk] = tasks;
+  for (int e = threadIdx.x; e < E_local; e += blockDim.x)
+    h.chunk_rows[HandleArrays::group(ws.cfg, e, s, chunk)] = hist[e];
+  if (threadIdx.x == 0) h.chunk_tasks[s * HandleArrays::chunks_per_call(ws.cfg) + chunk] = tasks;
 }
 
-// Exclusive scan of `n` ints read/written through `at(o)` in order o = 0..n-1; returns the total.
-template <typename At>
-__device__ int block_exclusive_scan(int n, At at) {
+// In-place exclusive scan of a[0..n) by one block: each thread sums a contiguous run, one
+// block-wide scan of the run totals, then each thread writes its run's prefixes. Returns the total.
+__device__ int block_exclusive_scan(int32_t* a, int n) {
   using Scan = cub::BlockScan<int, kScanThreads>;
   __shared__ typename Scan::TempStorage tmp;
-  __shared__ int running;
-  if (threadIdx.x == 0) running = 0;
-  __syncthreads();
-  for (int base = 0; base < n; base += blockDim.x) {
-    const int o = base + threadIdx.x;
-    const int v = o < n ? *at(o) : 0;
-    int pos, total;
-    Scan(tmp).ExclusiveSum(v, pos, total);
-    if (o < n) *at(o) = running + pos;
-    __syncthreads();
-    if (threadIdx.x == 0) running += total;
-    __syncthreads();
+  __shared__ int total_out;
+  const int per = (n + blockDim.x - 1) / blockDim.x;
+  const int begin = min(n, static_cast<int>(threadIdx.x) * per), end = min(n, begin + per);
+  int run = 0;
+  for (int i = begin; i < end; ++i) run += a[i];
+  int prefix, total;
+  Scan(tmp).ExclusiveSum(run, prefix, total);
+  for (int i = begin; i < end; ++i) {
+    const int v = a[i];
+    a[i] = prefix;
+    prefix += v;
   }
-  return running;
+  if (threadIdx.x == 0) total_out = total;
+  __syncthreads();
+  return total_out;
 }
 
 __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, HandleArrays h,
@@ -157,22 +189,18 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, Handl
   if (aborted(c)) return;
   const int W = c.world, E = c.ws.cfg.num_local_experts;
   const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
-  // tokens_per_expert before the rows are overwritten by their offsets.
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int64_t n = 0;
-    for (int g = 0; g < W * cpc; ++g) n += h.chunk_rows[static_cast<size_t>(g) * E + e];
-    out.tokens_per_expert[e] = n;
-  }
-  __syncthreads();
   // Rows in contract order: expert, then source, then chunk (then token, then k: fill).
-  const int rows = block_exclusive_scan(E * W * cpc, [&](int o) {
-    const int e = o / (W * cpc), sc = o % (W * cpc);
-    return h.chunk_rows + static_cast<size_t>(sc) * E + e;
-  });
+  const int rows = block_exclusive_scan(h.chunk_rows, E * W * cpc);
+  // tokens_per_expert: the distance between consecutive experts' first rows.
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int first = h.chunk_rows[HandleArrays::group(c.ws.cfg, e, 0, 0)];
+    const int next = e + 1 < E ? h.chunk_rows[HandleArrays::group(c.ws.cfg, e + 1, 0, 0)] : rows;
+    out.tokens_per_expert[e] = next - first;
+  }
   // Tasks in (source, chunk) order.
   for (int i = threadIdx.x; i < W * cpc; i += blockDim.x) h.task_base[i] = h.chunk_tasks[i];
   __syncthreads();
-  const int tasks = block_exclusive_scan(W * cpc, [&](int o) { return h.task_base + o; });
+  const int tasks = block_exclusive_scan(h.task_base, W * cpc);
   for (int s = threadIdx.x; s < W; s += blockDim.x) {
     h.task_off[s] = h.task_base[s * cpc];
     h.fill_done[s] = 0;
@@ -181,6 +209,7 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, Handl
     h.task_off[W] = tasks;
     h.totals[0] = rows;
     h.totals[1] = tasks;
+    out.tokens_per_expert[E] = rows;  // R on the device, int64, after the E_local counts
     if (rows > out.row_cap) report_error(c, kRecvOverflow, -1, kWaitNone, rows);
   }
 }
@@ -190,8 +219,9 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, Handl
 cudaError_t launch_dispatch_layout(const CommContext& c, const HandleArrays& h,
                                    const RoutingArgs& r, const RowOutputs& out, cudaStream_t s) {
   const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
-  publish_kernel<<<1, kScanThreads, 0, s>>>(c, h, r);
-  count_kernel<<<dim3(cpc, c.world), kLayoutThreads, c.ws.cfg.num_local_experts * sizeof(int), s>>>(c, h, r);
+  publish_kernel<<<cpc, kLayoutThreads, 0, s>>>(c, h, r);
+  const size_t count_smem = (c.ws.cfg.num_local_experts + c.ws.cfg.chunk_tokens * c.ws.cfg.topk) * sizeof(int);
+  count_kernel<<<dim3(cpc, c.world), kLayoutThreads, count_smem, s>>>(c, h, r);
   scan_kernel<<<1, kScanThreads, 0, s>>>(c, h, out);
   return cudaGetLastError();
 }

@@ -1,5 +1,5 @@
 """Autograd functions: dispatch's backward is a combine, combine's backward is a dispatch."""
 
-from .functions import CombineFunction, DispatchFunction
+from .functions import CachedDispatchFunction, CombineFunction, DispatchFunction
 
-__all__ = ["DispatchFunction", "CombineFunction"]
+__all__ = ["DispatchFunction", "CachedDispatchFunction", "CombineFunction"]

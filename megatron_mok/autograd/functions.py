@@ -45,3 +45,18 @@ class CombineFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         return None, None, ctx.backend.dispatch_cached(grad_y.contiguous(), ctx.handle)
+
+
+class CachedDispatchFunction(torch.autograd.Function):
+    """``x [T,H] -> tokens [R,H]`` along an existing handle (no routing exchange); its
+    backward is a combine of the row gradients."""
+
+    @staticmethod
+    def forward(ctx, backend, handle, x):
+        ctx.backend, ctx.handle = backend, handle
+        return backend.dispatch_cached(x, handle)
+
+    @staticmethod
+    def backward(ctx, grad_tokens):
+        grad_x, _ = ctx.backend.combine(grad_tokens.contiguous(), ctx.handle)
+        return None, None, grad_x

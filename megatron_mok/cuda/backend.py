@@ -129,7 +129,7 @@ class CudaBackend:
         stream = self._stream()
         scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=x.device)
         totals = scratch[self.totals_offset: self.totals_offset + 16].view(torch.int32)
-        tpe = torch.empty(b.num_local_experts, dtype=torch.int64, device=x.device)
+        tpe = torch.empty(b.num_local_experts + 1, dtype=torch.int64, device=x.device)  # counts, R
         idx = topk_idx.contiguous()
         w = topk_weights.contiguous()
         static = b.max_recv_tokens is not None
@@ -147,16 +147,17 @@ class CudaBackend:
             self._raise_if_error(self.host_report[4:])
             R = cap = int(self.host_report[0])
         tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
-        probs = torch.zeros(cap, dtype=torch.float32, device=x.device)
-        src_rank = torch.full((cap,), -1, dtype=torch.int64, device=x.device)
-        src_token = torch.full((cap,), -1, dtype=torch.int64, device=x.device)
+        # Written in full by the fill kernel (padding rows included): no memsets here.
+        probs = torch.empty(cap, dtype=torch.float32, device=x.device)
+        src = torch.empty(2, cap, dtype=torch.int64, device=x.device)
+        src_rank, src_token = src[0], src[1]
         self._check(self.lib.mok_dispatch_fill(
             self.ctx, stream, self._ptr(scratch), self._ptr(src_rank),
             self._ptr(src_token), self._ptr(probs), cap))
         self._transfer(x, T, scratch, tokens, cap)
         handle = DispatchHandle(
             buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=cap, src_rank=src_rank,
-            src_token=src_token, tokens_per_expert=tpe, num_rows_device=totals[:1].to(torch.int64),
+            src_token=src_token, tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
             state=CudaLayout(scratch=scratch, totals=totals))
         return tokens, probs, handle
 

@@ -1,6 +1,7 @@
 // Launch constants and limits of the MoK kernels: the only place numbers like these live.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace mok {
@@ -9,22 +10,27 @@ namespace mok {
 constexpr int kLayoutThreads = 256;
 constexpr int kScanThreads = 1024;
 // Threads of a combine block (16 warps; the fp32 accumulators need up to 128 registers).
-constexpr int kTransferThreads = 512;
+constexpr int kTransferThreads = 256;
 constexpr int kWarpSize = 32;
-// 16-byte vectors per lane in flight in the copy loops (4 independent loads: MOK_BRIEF).
-constexpr int kCopyUnroll = 4;
+// 16-byte vectors per lane in flight in the copy loops (MOK_BRIEF: >= 4 independent loads).
+constexpr int kCopyUnroll = 6;
 // Elements per lane per step in the combine loops: one 16-byte bf16 vector.
 constexpr int kCombineVec = 8;
 // 8-element groups per lane in flight in the combine loops.
-constexpr int kCombineUnroll = 4;
+constexpr int kCombineUnroll = 2;
 // Threads of a dispatch block: 32 warps, 4 loads in flight each (MOK_BRIEF section 3).
 constexpr int kDispatchThreads = 1024;
+// Dynamic shared memory a block may ask for on Hopper (227 KB), less 1 KB for static use.
+constexpr size_t kMaxDynamicSmem = 226 * 1024;
 // Largest world size: reader sets are 64-bit masks.
 constexpr int kMaxRanks = 64;
 // Largest topk a task can carry (rows of one token on one rank).
 constexpr int kMaxTopk = 32;
 // Spin loops read the clock only every this many polls.
-constexpr int kPollsPerClockRead = 64;
+constexpr int kPollsPerClockRead = 16;
+// Sleep between polls of a flag: doubles from the first to the second value.
+constexpr unsigned kPollSleepMinNs = 32;
+constexpr unsigned kPollSleepMaxNs = 1024;
 
 // Error codes written to Workspace::error (first one wins); mirrored in Python
 // (megatron_mok/cuda/errors.py).

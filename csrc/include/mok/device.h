@@ -70,7 +70,12 @@ __device__ inline bool wait_geq(const CommContext& c, const uint64_t* flag, uint
                                 int32_t peer, int32_t what, int64_t detail) {
   if (ld_acquire_sys(flag) >= target) return true;
   const uint64_t start = globaltimer_ns();
+  // Back off between polls: hundreds of warps spinning on a peer's flag would otherwise flood
+  // NVLink with small reads and slow down the very transfer they wait for.
+  unsigned sleep_ns = kPollSleepMinNs;
   for (int polls = 1;; ++polls) {
+    __nanosleep(sleep_ns);
+    sleep_ns = min(sleep_ns * 2, kPollSleepMaxNs);
     if (ld_acquire_sys(flag) >= target) return true;
     if (polls % kPollsPerClockRead == 0) {
       if (aborted(c)) return false;
@@ -164,6 +169,94 @@ template <>
 __device__ inline float round_to<__half>(float f) { return __half2float(__float2half_rn(f)); }
 template <>
 __device__ inline float round_to<float>(float f) { return f; }
+
+// 8 elements of T as raw 16-byte vectors: loaded now, converted later, so that many loads
+// can be in flight before the first one is used.
+template <typename T>
+struct Raw8 {
+  static constexpr int kVecs = sizeof(T) * 8 / 16;
+  int4 v[kVecs];
+};
+
+template <typename T>
+__device__ __forceinline__ void load_raw(Raw8<T>& r, const T* p) {
+#pragma unroll
+  for (int i = 0; i < Raw8<T>::kVecs; ++i) r.v[i] = ld_stream_16(reinterpret_cast<const int4*>(p) + i);
+}
+
+template <typename T>
+__device__ __forceinline__ void add_raw(float* acc, const Raw8<T>& r);
+
+template <>
+__device__ __forceinline__ void add_raw<__nv_bfloat16>(float* acc, const Raw8<__nv_bfloat16>& r) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r.v[0]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __bfloat1622float2(h[i]);
+    acc[2 * i] += t.x;
+    acc[2 * i + 1] += t.y;
+  }
+}
+
+template <>
+__device__ __forceinline__ void add_raw<__half>(float* acc, const Raw8<__half>& r) {
+  const __half2* h = reinterpret_cast<const __half2*>(&r.v[0]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __half22float2(h[i]);
+    acc[2 * i] += t.x;
+    acc[2 * i + 1] += t.y;
+  }
+}
+
+template <>
+__device__ __forceinline__ void add_raw<float>(float* acc, const Raw8<float>& r) {
+  const float* f = reinterpret_cast<const float*>(&r.v[0]);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] += f[i];
+}
+
+// Same, from any address space (shared memory included).
+template <typename T>
+__device__ __forceinline__ void load_raw_generic(Raw8<T>& r, const T* p) {
+#pragma unroll
+  for (int i = 0; i < Raw8<T>::kVecs; ++i) r.v[i] = reinterpret_cast<const int4*>(p)[i];
+}
+
+// Asynchronous 16-byte global -> shared copies (no registers held while in flight; L2 only).
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// The last chunk generation a warp saw ready, per rank (ranks >= kSeenCache are not cached).
+// A warp's chunks from one rank only move forward, so one number per rank is enough.
+constexpr int kSeenCache = 8;
+struct SeenGens {
+  uint64_t g[kSeenCache];
+  __device__ SeenGens() {
+#pragma unroll
+    for (int i = 0; i < kSeenCache; ++i) g[i] = 0;
+  }
+  // True when generation `gen` of rank d is known to be ready.
+  __device__ bool has(int d, uint64_t gen) const {
+    uint64_t v = 0;
+#pragma unroll
+    for (int i = 0; i < kSeenCache; ++i)
+      if (i == d) v = g[i];
+    return v > gen;
+  }
+  __device__ void set(int d, uint64_t gen) {
+#pragma unroll
+    for (int i = 0; i < kSeenCache; ++i)
+      if (i == d) g[i] = gen + 1;
+  }
+};
 
 __device__ inline unsigned lanemask_lt() {
   unsigned m;

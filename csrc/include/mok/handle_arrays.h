@@ -1,12 +1,14 @@
 // Per-dispatch layout arrays (the device half of a DispatchHandle), carved from one scratch
 // allocation that Python owns. Like Workspace, the carving lives here and nowhere else.
 //
-//   send_pos      [T_max, W] i32  q: index of my token t among my tokens that hit rank d, -1
+//   send_pos      [T_max, W] i32  index of my token t among my tokens OF ITS CHUNK that hit
+//                                rank d, -1 if none (add send_base for the global index q)
+//   send_base     [CPC, W]   i32  my tokens in chunks before this one that hit rank d
 //   send_count    [W]        i32  my tokens that hit rank d
 //   chunk_readers [CPC]      u64  remote ranks that read my dispatch chunk j (bit mask)
 //   src_count     [W]        i32  tokens of each source in this dispatch
-//   chunk_rows    [W, CPC, E_local] i32  rows of (source, chunk, expert); after the scan, the
-//                                first row of that group
+//   chunk_rows    [E_local, W, CPC] i32  rows of (expert, source, chunk), in contract order;
+//                                after the scan, the first row of that group
 //   chunk_tasks   [W, CPC]   i32  tasks (tokens with >=1 row here) in (source, chunk)
 //   task_base     [W, CPC]   i32  first task of (source, chunk)
 //   task_off      [W + 1]    i32  first task of each source; task_off[W] = number of tasks
@@ -23,6 +25,7 @@ namespace mok {
 
 struct HandleArrays {
   int32_t* send_pos;
+  int32_t* send_base;
   int32_t* send_count;
   uint64_t* chunk_readers;
   int32_t* src_count;
@@ -42,6 +45,17 @@ struct HandleArrays {
     return (c.max_tokens + c.chunk_tokens - 1) / c.chunk_tokens;
   }
 
+  // q: index of my token t among all my tokens that hit rank d, or -1.
+  __host__ __device__ int send_index(const WorkspaceConfig& cfg, int t, int d) const {
+    const int local = send_pos[static_cast<size_t>(t) * cfg.world_size + d];
+    return local < 0 ? -1 : send_base[(t / cfg.chunk_tokens) * cfg.world_size + d] + local;
+  }
+
+  // Index of (local expert e, source s, chunk c) in chunk_rows.
+  __host__ __device__ static size_t group(const WorkspaceConfig& cfg, int e, int s, int c) {
+    return (static_cast<size_t>(e) * cfg.world_size + s) * chunks_per_call(cfg) + c;
+  }
+
   __host__ __device__ static HandleArrays make(const WorkspaceConfig& c, char* base) {
     HandleArrays a{};
     const size_t W = c.world_size, T = c.max_tokens, K = c.topk, E = c.num_local_experts;
@@ -49,6 +63,7 @@ struct HandleArrays {
     size_t off = 0;
     auto take = [&](size_t bytes) { char* p = base + off; off = align_up(off + bytes, 256); return p; };
     a.send_pos = (int32_t*)take(T * W * 4);
+    a.send_base = (int32_t*)take(cpc * W * 4);
     a.send_count = (int32_t*)take(W * 4);
     a.chunk_readers = (uint64_t*)take((cpc > 0 ? cpc : 1) * 8);
     a.src_count = (int32_t*)take(W * 4);

@@ -23,7 +23,7 @@ struct RowOutputs {
   int64_t* src_rank;          // [row_cap]
   int64_t* src_token;         // [row_cap]
   float* probs;               // [row_cap]
-  int64_t* tokens_per_expert; // [E_local]
+  int64_t* tokens_per_expert; // [E_local + 1]: the counts, then R
   int64_t row_cap;            // rows allocated (R, or max_recv_tokens)
 };
 

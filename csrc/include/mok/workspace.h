@@ -40,7 +40,7 @@ struct SeqCounters {
   uint64_t meta_seq;   // routing publications (full dispatches)
   uint64_t disp_seq;   // dispatch transfers (full and cached)
   uint64_t comb_seq;   // combines
-  uint32_t meta_warps_done, disp_warps_done, comb_warps_done, pad;
+  uint32_t meta_warps_done, disp_warps_done, comb_warps_done, publish_blocks_done;
 };
 
 struct WorkspaceConfig {

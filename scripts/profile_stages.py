@@ -1,0 +1,125 @@
+"""Where the time of one dispatch/combine goes, per SM budget (developer tool, GPU only).
+
+    torchrun --nproc-per-node 2 scripts/profile_stages.py [--sms 24,48,132] [--out DIR]
+
+Times, on the slowest rank (median of --iters CUDA-event timings after warm-up):
+  dispatch (eager: layout + one host read + fill + transfer), dispatch (static shape: no host
+  read), transfer only (a cached dispatch: staging + pull with the layout reused), combine,
+  and the MoK-internal layout alone (static dispatch minus transfer). The numbers feed
+  benchmarks/NOTES.md; the user-facing benchmark is benchmarks/bench_dispatch_combine.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+             "NVSHMEM_DISABLE_NVLS": "1"}.items():
+    os.environ.setdefault(k, v)
+
+
+def median_us(fn, iters, warmup):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--sms", default="24,48,132")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", default=None)
+    p.add_argument("--kernels", action="store_true", help="also print per-kernel device times")
+    args = p.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", device_id=dev)
+    import megatron_mok as mok
+
+    g = torch.Generator().manual_seed(rank)
+    T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    rows = []
+    for sms in [int(s) for s in args.sms.split(",")]:
+        buf = mok.Buffer(None, num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T,
+                         backend="cuda", num_sms=sms, device=dev)
+        res = buf.dispatch(x, idx, w)
+        cap = int(res.tokens.shape[0] * 1.1) + 64
+        sbuf = mok.Buffer(None, num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T,
+                          backend="cuda", num_sms=sms, device=dev, max_recv_tokens=cap)
+        be = buf._get_backend("cuda")
+        t = {
+            "dispatch_eager_us": median_us(lambda: buf.dispatch(x, idx, w), args.iters, args.warmup),
+            "dispatch_static_us": median_us(lambda: sbuf.dispatch(x, idx, w), args.iters, args.warmup),
+            "transfer_only_us": median_us(lambda: be.dispatch_cached(x, res.handle), args.iters, args.warmup),
+            "combine_us": median_us(lambda: buf.combine(res.tokens, res.handle), args.iters, args.warmup),
+        }
+        vals = torch.tensor(list(t.values()), dtype=torch.float64, device=dev)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+        t = dict(zip(t.keys(), vals.tolist()))
+        t["layout_static_us"] = t["dispatch_static_us"] - t["transfer_only_us"]
+        t["num_sms"] = sms
+        rows.append(t)
+        if rank == 0:
+            print(f"[profile] sms={sms}: " + ", ".join(f"{k}={v:.1f}" for k, v in t.items()), flush=True)
+        if args.kernels and rank == 0 and sms == 24:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    sbuf.dispatch(x, idx, w)
+                    buf.combine(res.tokens, res.handle)
+                torch.cuda.synchronize()
+            try:
+                table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25)
+            except Exception:  # older names
+                table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+            print(table, flush=True)
+            if args.out:
+                with open(os.path.join(args.out, "kernels.txt"), "w") as f:
+                    f.write(table)
+        elif args.kernels and sms == 24:
+            for _ in range(5):
+                sbuf.dispatch(x, idx, w)
+                buf.combine(res.tokens, res.handle)
+        buf.destroy()
+        sbuf.destroy()
+    if rank == 0:
+        print("| SMs | dispatch eager | dispatch static | transfer only | layout (static - transfer) | combine |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for t in rows:
+            print(f"| {t['num_sms']} | {t['dispatch_eager_us']:.1f} | {t['dispatch_static_us']:.1f} | "
+                  f"{t['transfer_only_us']:.1f} | {t['layout_static_us']:.1f} | {t['combine_us']:.1f} |")
+        if args.out:
+            with open(os.path.join(args.out, "profile_stages.json"), "w") as f:
+                json.dump({"shape": vars(args), "world_size": world,
+                           "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

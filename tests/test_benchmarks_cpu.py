@@ -1,0 +1,136 @@
+"""The benchmark's CPU smoke mode (GitHub issue 5): it must run in CI, quickly, and its
+correctness gate must hold -- the Megatron ``alltoall`` baseline against the oracle, MoK
+(reference backend) against the oracle, the contract-order combine and the baseline.
+
+Runs ``benchmarks/bench_dispatch_combine.py --cpu`` in a subprocess (it spawns its own two
+gloo ranks) and reads the JSON it writes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "benchmarks", "bench_dispatch_combine.py")
+STEM = "bench_dispatch_combine"
+SMOKE_TIMEOUT_S = 170   # usually ~15 s; generous for loaded CI machines
+
+ENV_FIELDS = ("date", "commit", "command", "torch_version", "gpu_model", "gpu_count", "world_size")
+OPS = ("dispatch", "combine", "dispatch_bwd", "combine_bwd")
+
+
+def _have_mok() -> bool:
+    sys.path.insert(0, REPO)
+    try:
+        return importlib.util.find_spec("megatron_mok") is not None
+    finally:
+        sys.path.remove(REPO)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_smoke")
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""          # the CPU path, also on a GPU machine
+    proc = subprocess.run([sys.executable, BENCH, "--cpu", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"smoke run failed (rc={proc.returncode}):\n{log[-6000:]}"
+    path = out / f"{STEM}.json"
+    assert path.exists(), f"no JSON written:\n{log[-4000:]}"
+    with open(path) as f:
+        doc = json.load(f)
+    return doc, out, log
+
+
+def test_smoke_json_fields(smoke):
+    doc, out, log = smoke
+    assert doc["schema"].startswith("mok-bench-dispatch-combine/")
+    assert doc["mode"] == "cpu smoke"
+    assert doc["timing_claims"] is False
+    assert doc["complete"] is True
+    for k in ENV_FIELDS:
+        assert k in doc["env"], k
+    assert doc["env"]["world_size"] == 2
+    assert doc["config"]["iters"] >= 1
+    for k in ("peer_bandwidth", "systems", "shapes", "results", "sm_sweep", "checks", "skipped"):
+        assert k in doc, k
+    assert set(doc["systems"]) == {"mok", "alltoall", "deepep", "symm_a2a"}
+    # unavailable systems carry a reason
+    for name in ("deepep", "symm_a2a"):
+        assert doc["systems"][name]["available"] is False and doc["systems"][name]["reason"]
+    shape_names = {s["name"] for s in doc["shapes"]}
+    assert {"cpu_uniform", "cpu_unrouted", "cpu_skew"} <= shape_names
+    for s in doc["shapes"]:
+        nb = s["nvlink_bytes"]
+        assert nb["dedup"]["total"] <= nb["copies"]["total"]      # dedup never moves more
+        assert len(s["rows_per_rank"]) == 2
+    assert (out / f"{STEM}.md").exists()
+    md = (out / f"{STEM}.md").read_text()
+    assert "CPU SMOKE" in md and "| shape | system |" in md
+    assert "SUMMARY" in log
+
+
+def test_smoke_alltoall_ran_and_was_checked(smoke):
+    doc, _, _ = smoke
+    recs = [r for r in doc["results"] if r["system"] == "alltoall"]
+    assert len(recs) == len(doc["shapes"])
+    for r in recs:
+        assert r["status"] == "ok", r.get("error")
+        for op in OPS:
+            assert op in r["ops"] and r["ops"][op]["median_us"] > 0, (r["shape"], op)
+    names = {c["check"] for c in doc["checks"] if c["system"] == "alltoall"}
+    assert "dispatch tokens == oracle rows (bitwise)" in names
+    assert "combine ~= float64 oracle" in names
+    assert "combine bwd == oracle rows of grad_y (bitwise)" in names
+
+
+@pytest.mark.skipif(not _have_mok(), reason="megatron_mok package not present")
+def test_smoke_mok_ran_and_was_checked(smoke):
+    doc, _, _ = smoke
+    assert doc["systems"]["mok"]["available"], doc["systems"]["mok"]
+    recs = [r for r in doc["results"] if r["system"] == "mok"]
+    assert len(recs) == len(doc["shapes"])
+    for r in recs:
+        assert r["status"] == "ok", r.get("error")
+        assert r["backend"] == "reference"
+    names = {c["check"] for c in doc["checks"] if c["system"] == "mok"}
+    for expected in ("dispatch tokens == oracle rows (bitwise)",
+                     "dispatch tokens == alltoall rows (bitwise)",
+                     "combine == contract-order oracle (bitwise)",
+                     "combine ~= alltoall combine (bf16 tol)",
+                     "dispatch bwd grad_x == contract-order oracle (bitwise)",
+                     "combine bwd == oracle rows of grad_y (bitwise)"):
+        assert expected in names, expected
+
+
+def test_smoke_all_checks_passed(smoke):
+    doc, _, log = smoke
+    failed = [c for c in doc["checks"] if not c["passed"]]
+    assert not failed, f"failed checks: {failed}\n{log[-3000:]}"
+    assert doc["checks_passed"] is True
+    assert not doc["checks_failed"]
+    assert len(doc["checks"]) >= 20
+    assert not [r for r in doc["results"] if r["status"] != "ok"]
+
+
+def test_plot_results_renders_markdown(smoke, tmp_path):
+    """plot_results turns the JSON into the table (PNG only where matplotlib exists)."""
+    doc, out, _ = smoke
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import plot_results
+    finally:
+        sys.path.pop(0)
+    paths = plot_results.render(doc, str(tmp_path), "again")
+    md = open(paths["markdown"]).read()
+    assert "| shape | system |" in md
+    text = plot_results.summary_text(doc)
+    assert "SUMMARY" in text and "alltoall" in text
