@@ -52,6 +52,8 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default=None)
     p.add_argument("--kernels", action="store_true", help="also print per-kernel device times")
+    p.add_argument("--env-sweep", default=None,
+                   help="NAME=v1,v2,...: repeat every SM count once per value of env var NAME")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
@@ -65,7 +67,14 @@ def main():
     idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
     w = torch.rand(T, K, generator=g).to(dev)
     rows = []
-    for sms in [int(s) for s in args.sms.split(",")]:
+    sweep_name, sweep_vals = None, [None]
+    if args.env_sweep:
+        sweep_name, vals = args.env_sweep.split("=")
+        sweep_vals = vals.split(",")
+    configs = [(int(s), v) for s in args.sms.split(",") for v in sweep_vals]
+    for sms, env_val in configs:
+        if sweep_name:
+            os.environ[sweep_name] = env_val
         buf = mok.Buffer(None, num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T,
                          backend="cuda", num_sms=sms, device=dev)
         res = buf.dispatch(x, idx, w)
@@ -84,6 +93,8 @@ def main():
         t = dict(zip(t.keys(), vals.tolist()))
         t["layout_static_us"] = t["dispatch_static_us"] - t["transfer_only_us"]
         t["num_sms"] = sms
+        if sweep_name:
+            t[sweep_name] = env_val
         rows.append(t)
         if rank == 0:
             print(f"[profile] sms={sms}: " + ", ".join(f"{k}={v:.1f}" for k, v in t.items()), flush=True)
@@ -112,7 +123,7 @@ def main():
         print("| SMs | dispatch eager | dispatch static | transfer only | layout (static - transfer) | combine |")
         print("| --- | --- | --- | --- | --- | --- |")
         for t in rows:
-            print(f"| {t['num_sms']} | {t['dispatch_eager_us']:.1f} | {t['dispatch_static_us']:.1f} | "
+            print(f"| {t['num_sms']}{' ' + sweep_name + '=' + str(t.get(sweep_name)) if sweep_name else ''} | {t['dispatch_eager_us']:.1f} | {t['dispatch_static_us']:.1f} | "
                   f"{t['transfer_only_us']:.1f} | {t['layout_static_us']:.1f} | {t['combine_us']:.1f} |")
         if args.out:
             with open(os.path.join(args.out, "profile_stages.json"), "w") as f:
