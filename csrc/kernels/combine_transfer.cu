@@ -1,15 +1,13 @@
 // The combine data path: one persistent kernel, two roles (as dispatch_transfer.cu).
 //
-//   producer blocks  for every source s (me included), reduce each of its tasks' rows here in
-//                    row order (fp32 from +0.0), round once to the partial dtype, and stage the
-//                    partial in my combine ring, in s's region, at the token's index among s's
-//                    tokens that come here (s knows that index: send_pos). The rows stream
-//                    through shared memory with cp.async, kStages segments ahead, so each warp
-//                    keeps many loads in flight without holding registers. Optional side
+//   producer blocks  for every remote source s, reduce each of its tasks' rows here in row
+//                    order (fp32 from +0.0), round once to the partial dtype, and stage the
+//                    partial in my combine ring, in s's region, at the token's index among
+//                    s's tokens that come here (s knows that index: send_pos). Optional side
 //                    values carry the prob gradients of the task's slots.
-//   consumer warps   one of my tokens at a time: the partials of every rank holding rows of it
-//                    (my own included) are copied into shared memory one token ahead; then
-//                    they are summed in rank order in fp32 and rounded once.
+//   consumer warps   one of my tokens at a time: for every rank d holding rows of it, in
+//                    rank order, add d's partial (pulled over NVLink, or reduced right here
+//                    when d is me) in fp32; round once to the output dtype.
 // No floating-point atomics: every sum has one fixed order, so results are bitwise stable.
 #include <algorithm>
 
@@ -18,8 +16,7 @@
 namespace mok {
 namespace {
 
-constexpr int U = kCombineUnroll;  // 8-element groups per lane per step (consumer)
-constexpr int kSegElems = kWarpSize * kCombineVec;  // elements of one row per pipeline segment
+constexpr int U = kCombineUnroll;  // 8-element groups per lane per step
 
 __device__ __forceinline__ void zero(float (&a)[U][kCombineVec]) {
 #pragma unroll
@@ -32,9 +29,31 @@ __device__ __forceinline__ bool group_live(int v0, int u, int H) {
   return v0 + u * kWarpSize * kCombineVec < H;
 }
 
-// Rows of one task held per pipeline stage (more rows than this go through registers).
-template <typename T>
-constexpr int slots_per_stage() { return sizeof(T) == 4 ? 4 : 8; }
+// acc += the task's rows (in row order) at groups v0 + u*256. Loads go out kRows rows at a
+// time, all before their adds, so kRows * U loads per lane are in flight.
+template <typename T, int kRows>
+__device__ __forceinline__ void sum_rows(float (&acc)[U][kCombineVec], const T* base,
+                                         const int32_t* rows, int K, int64_t row_cap, int v0, int H) {
+  for (int k0 = 0; k0 < K; k0 += kRows) {
+    Raw8<T> raw[kRows][U];
+    bool live[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = k0 + r < K ? rows[k0 + r] : -1;
+      live[r] = row >= 0 && row < row_cap;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (live[r] && group_live(v0, u, H))
+          load_raw(raw[r][u], base + static_cast<size_t>(row) * H + v0 + u * kWarpSize * kCombineVec);
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (live[r] && group_live(v0, u, H)) add_raw<T>(acc[u], raw[r][u]);
+    if (!live[kRows - 1]) break;  // rows are packed first: a dead slot ends the list
+  }
+}
 
 struct CombineShape {
   uint64_t seq;      // this call's number on the combine ring (read at kernel start)
@@ -42,71 +61,20 @@ struct CombineShape {
   int64_t cpc;       // chunks per call: W regions of cps chunks
 };
 
-// dst[0..H) = sum of the task's nr rows, in row order, fp32 from +0.0, rounded to P.
-// Each lane owns 8 elements of every 256-element segment; its copies land in its own slice
-// of `stages`, so no warp synchronisation is needed between the copy and the use.
-template <typename T, typename P>
-__device__ void reduce_rows(const T* base, const int32_t* rows, int nr, P* dst, T* stages, int H) {
-  constexpr int kSlots = slots_per_stage<T>();
-  const int lane = threadIdx.x % kWarpSize;
-  const int nseg = (H + kSegElems - 1) / kSegElems;
-  const int piped = min(nr, kSlots);
-  auto issue = [&](int seg) {
-    const int e0 = seg * kSegElems + lane * kCombineVec;
-    if (seg < nseg && e0 < H) {
-      T* st = stages + static_cast<size_t>(seg % kStages) * kSlots * kSegElems + lane * kCombineVec;
-      for (int r = 0; r < piped; ++r) {
-        const int4* src = reinterpret_cast<const int4*>(base + static_cast<size_t>(rows[r]) * H + e0);
-        int4* d = reinterpret_cast<int4*>(st + r * kSegElems);
-#pragma unroll
-        for (int v = 0; v < Raw8<T>::kVecs; ++v) cp_async_16(d + v, src + v);
-      }
-    }
-    cp_async_commit();  // possibly empty: keeps "group k = segment k"
-  };
-#pragma unroll
-  for (int seg = 0; seg < kStages; ++seg) issue(seg);
-  for (int seg = 0; seg < nseg; ++seg) {
-    cp_async_wait<kStages - 1>();  // segment `seg` has landed
-    const int e0 = seg * kSegElems + lane * kCombineVec;
-    if (e0 < H) {
-      float acc[kCombineVec];
-#pragma unroll
-      for (int e = 0; e < kCombineVec; ++e) acc[e] = 0.f;
-      const T* st = stages + static_cast<size_t>(seg % kStages) * kSlots * kSegElems + lane * kCombineVec;
-      for (int r = 0; r < piped; ++r) {
-        Raw8<T> raw;
-        load_raw_generic(raw, st + r * kSegElems);
-        add_raw<T>(acc, raw);
-      }
-      for (int r = piped; r < nr; ++r) {  // rare: more rows here than pipeline slots
-        Raw8<T> raw;
-        load_raw(raw, base + static_cast<size_t>(rows[r]) * H + e0);
-        add_raw<T>(acc, raw);
-      }
-      Vec8<P>::store(dst + e0, acc);
-    }
-    issue(seg + kStages);
-  }
-  cp_async_wait<0>();  // the stages are free for the next task
-}
-
 template <typename T, typename P>
 __device__ void produce(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
-                        const CombineShape& sh, const T* expert_out, const float* grad_probs,
-                        char* smem) {
+                        const CombineShape& sh, const T* expert_out, const float* grad_probs) {
   __shared__ bool ok;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int n_warps = blockDim.x / kWarpSize;
-  T* stages = reinterpret_cast<T*>(smem) + static_cast<size_t>(warp) * kStages * slots_per_stage<T>() * kSegElems;
   RingView mine = RingView::combine(c.ws, c.local());
   const int64_t N = mine.num_chunks;
   for (int s = 0; s < c.world; ++s) {
+    if (s == c.rank) continue;  // my own partials are reduced by my consumers directly
     const int first = h.task_off[s], n = h.task_off[s + 1] - first;
     for (int j = 0; j * sh.C < n; ++j) {
       const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(s) * sh.cps + j;
       const int64_t slot = static_cast<int64_t>(g % N);
-      // A slot always belongs to the same producer block, so its generations are written in order.
       if (slot % a.num_producers != blockIdx.x) continue;
       if (threadIdx.x == 0) ok = true;
       __syncthreads();
@@ -123,14 +91,23 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
       for (int q = warp; q < rows_here; q += n_warps) {
         const int task = first + j * sh.C + q;
         const int32_t* rows = h.task_rows + static_cast<size_t>(task) * sh.K;
-        int nr = 0;  // rows are packed first; one past row_cap only on a reported overflow
-        while (nr < sh.K && rows[nr] >= 0 && rows[nr] < a.row_cap) ++nr;
-        reduce_rows<T, P>(expert_out, rows, nr, reinterpret_cast<P*>(chunk) + static_cast<size_t>(q) * sh.H,
-                          stages, sh.H);
+        P* dst = reinterpret_cast<P*>(chunk) + static_cast<size_t>(q) * sh.H;
+        for (int v0 = lane * kCombineVec; v0 < sh.H; v0 += kWarpSize * kCombineVec * U) {
+          float acc[U][kCombineVec];
+          zero(acc);
+          sum_rows<T, (sizeof(T) == 4 ? 4 : 8)>(acc, expert_out, rows, sh.K, a.row_cap, v0, sh.H);
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+            if (group_live(v0, u, sh.H)) Vec8<P>::store(dst + v0 + u * kWarpSize * kCombineVec, acc[u]);
+        }
         if (grad_probs != nullptr && lane < sh.K) {
           float val = 0.f;
-          for (int k = 0; k < nr; ++k)
-            if (h.task_k[static_cast<size_t>(task) * sh.K + k] == lane) val = grad_probs[rows[k]];
+          for (int k = 0; k < sh.K; ++k) {
+            const int row = rows[k];
+            if (row < 0) break;
+            if (h.task_k[static_cast<size_t>(task) * sh.K + k] == lane && row < a.row_cap)
+              val = grad_probs[row];
+          }
           reinterpret_cast<float*>(chunk + c.ws.comb_side_offset)[q * sh.K + lane] = val;
         }
       }
@@ -147,29 +124,24 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
 
 // Where rank d staged the partial of my token whose index among my tokens sent to d is q.
 template <typename P>
-__device__ __forceinline__ const char* staged_chunk(const CommContext& c, const CombineShape& sh,
-                                                    int64_t N, int d, int q) {
-  const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(c.rank) * sh.cps + q / sh.C;
-  return c.peers.base[d] + c.ws.comb_ring + (g % N) * c.ws.comb_chunk_bytes;
-}
-
-template <typename P>
-__device__ __forceinline__ const P* staged_partial(const CommContext& c, const CombineShape& sh,
+__device__ __forceinline__ const P* remote_partial(const CommContext& c, const CombineShape& sh,
                                                    int64_t N, int d, int q) {
-  return reinterpret_cast<const P*>(staged_chunk<P>(c, sh, N, d, q)) + static_cast<size_t>(q % sh.C) * sh.H;
+  const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(c.rank) * sh.cps + q / sh.C;
+  const char* chunk = c.peers.base[d] + c.ws.comb_ring + (g % N) * c.ws.comb_chunk_bytes;
+  return reinterpret_cast<const P*>(chunk) + static_cast<size_t>(q % sh.C) * sh.H;
 }
 
-// Waits until every partial of token t is staged and starts asynchronous copies of the first
-// `pf` of them (in rank order) into `buf`: one commit group per token.
+// Waits until every remote partial of token t is staged and starts asynchronous copies of the
+// first `pf_rows` of them (in rank order) into `buf`, one commit group per token.
 template <typename P>
 __device__ bool prefetch_token(const CommContext& c, const HandleArrays& h, const CombineShape& sh,
-                               int64_t N, SeenGens& seen, int t, P* buf, int pf) {
+                               int64_t N, SeenGens& seen, int t, P* buf, int pf_rows) {
   const int lane = threadIdx.x % kWarpSize, W = c.world, me = c.rank;
   const int vecs = sh.H * static_cast<int>(sizeof(P)) / 16;
   int staged = 0;
   for (int d = 0; d < W; ++d) {
     const int q = h.send_index(c.ws.cfg, t, d);
-    if (q < 0) continue;
+    if (q < 0 || d == me) continue;
     const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + q / sh.C;
     if (!seen.has(d, g)) {
       RingView theirs = RingView::combine(c.ws, c.peers.base[d]);
@@ -177,8 +149,8 @@ __device__ bool prefetch_token(const CommContext& c, const HandleArrays& h, cons
         return false;
       seen.set(d, g);
     }
-    if (staged < pf) {
-      const int4* src = reinterpret_cast<const int4*>(staged_partial<P>(c, sh, N, d, q));
+    if (staged < pf_rows) {
+      const int4* src = reinterpret_cast<const int4*>(remote_partial<P>(c, sh, N, d, q));
       int4* dst = reinterpret_cast<int4*>(buf + static_cast<size_t>(staged) * sh.H);
       for (int v = lane; v < vecs; v += kWarpSize) cp_async_16(dst + v, src + v);
       ++staged;
@@ -190,51 +162,79 @@ __device__ bool prefetch_token(const CommContext& c, const HandleArrays& h, cons
 
 template <typename T, typename P>
 __device__ void consume(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
-                        const CombineShape& sh, T* y, float* grad_w, char* smem, int pf) {
+                        const CombineShape& sh, const T* expert_out, const float* grad_probs,
+                        T* y, float* grad_w, char* smem, int pf_rows) {
   const int lane = threadIdx.x % kWarpSize;
-  const int warp_in_block = threadIdx.x / kWarpSize;
-  if (warp_in_block >= kCombineConsumerWarps) return;  // the smem budget is theirs alone
-  const int n_warps = (gridDim.x - a.num_producers) * kCombineConsumerWarps;
-  const int warp = (blockIdx.x - a.num_producers) * kCombineConsumerWarps + warp_in_block;
+  const int warps_per_block = blockDim.x / kWarpSize;
+  const int n_warps = (gridDim.x - a.num_producers) * warps_per_block;
+  const int warp = (blockIdx.x - a.num_producers) * warps_per_block + threadIdx.x / kWarpSize;
   const int W = c.world, me = c.rank;
   const int64_t N = RingView::combine(c.ws, c.local()).num_chunks;
+  const int my_first_task = h.task_off[me];
   // Two buffers per warp: token t is summed from one while token t + n_warps lands in the other.
   P* bufs[2];
   for (int i = 0; i < 2; ++i)
-    bufs[i] = reinterpret_cast<P*>(smem) + (static_cast<size_t>(warp_in_block) * 2 + i) * pf * sh.H;
+    bufs[i] = reinterpret_cast<P*>(smem) +
+              (static_cast<size_t>(threadIdx.x / kWarpSize) * 2 + i) * pf_rows * sh.H;
   SeenGens seen;
   int cur = 0;
-  if (warp < a.num_tokens && !prefetch_token<P>(c, h, sh, N, seen, warp, bufs[0], pf)) return;
+  if (warp < a.num_tokens && !prefetch_token<P>(c, h, sh, N, seen, warp, bufs[0], pf_rows)) return;
 
   for (int t = warp; t < a.num_tokens; t += n_warps) {
+    // q of t for rank d (index among my tokens sent to d), or -1: read where needed (L1 hits).
     auto pos = [&](int d) { return h.send_index(c.ws.cfg, t, d); };
     const int next = t + n_warps;
     if (next < a.num_tokens) {
-      if (!prefetch_token<P>(c, h, sh, N, seen, next, bufs[cur ^ 1], pf)) return;
+      if (!prefetch_token<P>(c, h, sh, N, seen, next, bufs[cur ^ 1], pf_rows)) return;
     } else {
       cp_async_commit();  // an empty group keeps "all but the newest" meaning token t
     }
     cp_async_wait<1>();
     __syncwarp();
     const P* staged = bufs[cur];
+    const int32_t* my_rows = nullptr;
+    int my_task = -1;
+    if (pos(me) >= 0) {
+      my_task = my_first_task + pos(me);
+      my_rows = h.task_rows + static_cast<size_t>(my_task) * sh.K;
+    }
     for (int v0 = lane * kCombineVec; v0 < sh.H; v0 += kWarpSize * kCombineVec * U) {
-      float acc[U][kCombineVec];
+      float acc[U][kCombineVec], part[U][kCombineVec];
+      // My own partial, reduced here from my rows (same order and rounding as a producer).
+      zero(part);
+      if (my_rows != nullptr) {
+        sum_rows<T, (sizeof(T) == 4 ? 2 : 4)>(part, expert_out, my_rows, sh.K, a.row_cap, v0, sh.H);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int e = 0; e < kCombineVec; ++e) part[u][e] = round_to<P>(part[u][e]);
+      }
+      // Sum in rank order: staged partials from shared memory, the rest straight from the peer.
       zero(acc);
-      int i = 0;  // index among t's partials, in rank order
+      int remote_i = 0;
       for (int d = 0; d < W; ++d) {
         const int q = pos(d);
         if (q < 0) continue;
-        Raw8<P> r[U];
-        const P* src = i < pf ? staged + static_cast<size_t>(i) * sh.H : staged_partial<P>(c, sh, N, d, q);
+        if (d == me) {
 #pragma unroll
-        for (int u = 0; u < U; ++u)
-          if (group_live(v0, u, sh.H)) {
-            if (i < pf)
-              load_raw_generic(r[u], src + v0 + u * kWarpSize * kCombineVec);
-            else
-              load_raw(r[u], src + v0 + u * kWarpSize * kCombineVec);
-          }
-        ++i;
+          for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int e = 0; e < kCombineVec; ++e) acc[u][e] += part[u][e];
+          continue;
+        }
+        Raw8<P> r[U];
+        if (remote_i < pf_rows) {
+          const P* src = staged + static_cast<size_t>(remote_i) * sh.H;
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+            if (group_live(v0, u, sh.H)) load_raw_generic(r[u], src + v0 + u * kWarpSize * kCombineVec);
+        } else {
+          const P* src = remote_partial<P>(c, sh, N, d, q);
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+            if (group_live(v0, u, sh.H)) load_raw(r[u], src + v0 + u * kWarpSize * kCombineVec);
+        }
+        ++remote_i;
 #pragma unroll
         for (int u = 0; u < U; ++u)
           if (group_live(v0, u, sh.H)) add_raw<P>(acc[u], r[u]);
@@ -249,8 +249,20 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       for (int d = 0; d < W; ++d) {
         const int q = pos(d);
         if (q < 0) continue;
-        const char* chunk = staged_chunk<P>(c, sh, N, d, q);
-        val += reinterpret_cast<const volatile float*>(chunk + c.ws.comb_side_offset)[(q % sh.C) * sh.K + lane];
+        float part = 0.f;
+        if (d == me) {
+          for (int k = 0; k < sh.K; ++k) {
+            const int row = my_rows[k];
+            if (row < 0) break;
+            if (h.task_k[static_cast<size_t>(my_task) * sh.K + k] == lane && row < a.row_cap)
+              part = grad_probs[row];
+          }
+        } else {
+          const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + q / sh.C;
+          const char* chunk = c.peers.base[d] + c.ws.comb_ring + (g % N) * c.ws.comb_chunk_bytes;
+          part = reinterpret_cast<const volatile float*>(chunk + c.ws.comb_side_offset)[(q % sh.C) * sh.K + lane];
+        }
+        val += part;
       }
       grad_w[static_cast<size_t>(t) * sh.K + lane] = val;
     }
@@ -260,7 +272,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       __threadfence();
       for (int d = 0; d < W; ++d) {
         const int q = pos(d);
-        if (q < 0) continue;
+        if (q < 0 || d == me) continue;
         const int j = q / sh.C;
         const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + j;
         const int64_t slot = static_cast<int64_t>(g % N);
@@ -287,9 +299,9 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
   extern __shared__ __align__(16) char smem[];
   sh.seq = c.counters()->comb_seq;
   if (blockIdx.x < a.num_producers)
-    produce<T, P>(c, h, a, sh, expert_out, grad_probs, smem);
+    produce<T, P>(c, h, a, sh, expert_out, grad_probs);
   else
-    consume<T, P>(c, h, a, sh, y, grad_w, smem, pf_rows);
+    consume<T, P>(c, h, a, sh, expert_out, grad_probs, y, grad_w, smem, pf_rows);
   warp_done_advance(&c.counters()->comb_warps_done, &c.counters()->comb_seq);
 }
 
@@ -297,15 +309,11 @@ template <typename T, typename P>
 cudaError_t launch_typed(const CommContext& c, const HandleArrays& h, const TransferArgs& t,
                          const CombineShape& sh, const void* expert_out, const float* grad_probs,
                          void* y, float* grad_w, cudaStream_t s) {
-  // Shared memory: producers, kStages pipeline stages per warp; consumers, two prefetch
-  // buffers of pf_rows partials per warp. A block is one or the other: take the larger.
+  // Shared memory: two prefetch buffers per consumer warp, each pf_rows remote partials.
   const size_t row_bytes = static_cast<size_t>(sh.H) * sizeof(P);
-  const int pf_rows = static_cast<int>(
-      std::min<size_t>(c.world, kMaxDynamicSmem / (kCombineConsumerWarps * 2 * row_bytes)));
-  const size_t consumer_smem = kCombineConsumerWarps * 2 * pf_rows * row_bytes;
-  const size_t producer_smem = static_cast<size_t>(kTransferThreads / kWarpSize) * kStages *
-                               slots_per_stage<T>() * kSegElems * sizeof(T);
-  const size_t smem = std::max(consumer_smem, producer_smem);
+  const size_t warps = kTransferThreads / kWarpSize;
+  const int pf_rows = static_cast<int>(std::min<size_t>(c.world - 1, kMaxDynamicSmem / (warps * 2 * row_bytes)));
+  const size_t smem = warps * 2 * pf_rows * row_bytes;
   auto kernel = combine_transfer_kernel<T, P>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)))

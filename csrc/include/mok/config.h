@@ -16,10 +16,6 @@ constexpr int kWarpSize = 32;
 constexpr int kCopyUnroll = 6;
 // Elements per lane per step in the combine loops: one 16-byte bf16 vector.
 constexpr int kCombineVec = 8;
-// Combine: rows stream through shared memory this many 256-element segments ahead.
-constexpr int kStages = 4;
-// Combine: warps of a consumer block that sum partials (each double-buffers whole tokens).
-constexpr int kCombineConsumerWarps = 4;
 // 8-element groups per lane in flight in the combine loops.
 constexpr int kCombineUnroll = 2;
 // Threads of a dispatch block: 32 warps, 4 loads in flight each (MOK_BRIEF section 3).
