@@ -97,7 +97,7 @@ def main():
             t[sweep_name] = env_val
         rows.append(t)
         if rank == 0:
-            print(f"[profile] sms={sms}: " + ", ".join(f"{k}={v:.1f}" for k, v in t.items()), flush=True)
+            print(f"[profile] sms={sms}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in t.items()), flush=True)
         if args.kernels and rank == 0 and sms == 24:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
