@@ -178,17 +178,13 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
               (static_cast<size_t>(threadIdx.x / kWarpSize) * 2 + i) * pf_rows * sh.H;
   SeenGens seen;
   int cur = 0;
-  // Each warp takes a contiguous run of tokens: their partials share ring chunks, so one
-  // readiness check covers many tokens.
-  const int run = (a.num_tokens + n_warps - 1) / n_warps;
-  const int t_begin = warp * run, t_end = min(a.num_tokens, t_begin + run);
-  if (t_begin < t_end && !prefetch_token<P>(c, h, sh, N, seen, t_begin, bufs[0], pf_rows)) return;
+  if (warp < a.num_tokens && !prefetch_token<P>(c, h, sh, N, seen, warp, bufs[0], pf_rows)) return;
 
-  for (int t = t_begin; t < t_end; ++t) {
+  for (int t = warp; t < a.num_tokens; t += n_warps) {
     // q of t for rank d (index among my tokens sent to d), or -1: read where needed (L1 hits).
     auto pos = [&](int d) { return h.send_index(c.ws.cfg, t, d); };
-    const int next = t + 1;
-    if (next < t_end) {
+    const int next = t + n_warps;
+    if (next < a.num_tokens) {
       if (!prefetch_token<P>(c, h, sh, N, seen, next, bufs[cur ^ 1], pf_rows)) return;
     } else {
       cp_async_commit();  // an empty group keeps "all but the newest" meaning token t

@@ -18,10 +18,8 @@ constexpr int kCopyUnroll = 6;
 constexpr int kCombineVec = 8;
 // 8-element groups per lane in flight in the combine loops.
 constexpr int kCombineUnroll = 2;
-// Threads of a dispatch block: 8 warps, each with two shared-memory stages of one row piece.
-constexpr int kDispatchThreads = 256;
-// Largest bulk copy of a row piece: 8 warps x 2 stages x 14 KiB fit in shared memory.
-constexpr int kMaxPieceBytes = 14336;
+// Threads of a dispatch block: 32 warps, 4 loads in flight each (MOK_BRIEF section 3).
+constexpr int kDispatchThreads = 1024;
 // Dynamic shared memory a block may ask for on Hopper (227 KB), less 1 KB for static use.
 constexpr size_t kMaxDynamicSmem = 226 * 1024;
 // Largest world size: reader sets are 64-bit masks.
