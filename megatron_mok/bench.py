@@ -90,6 +90,28 @@ def timed(fn, iters: int, warmup: int, device) -> float:
     return times[len(times) // 2]
 
 
+def peer_read_gbps(rank: int, world: int, device, nbytes: int = 256 << 20) -> float:
+    """GB/s of one rank reading ``nbytes`` from the next rank's memory (copy engine through a
+    symmetric-memory peer view), every rank at once; 0.0 when it cannot be measured."""
+    if device.type != "cuda" or world < 2:
+        return 0.0
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        n = nbytes // 2
+        buf = symm_mem.empty(n, dtype=torch.bfloat16, device=device)
+        hdl = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+        src = hdl.get_buffer((rank + 1) % world, (n,), torch.bfloat16)
+        dst = torch.empty(n, dtype=torch.bfloat16, device=device)
+        dist.barrier()
+        us = timed(lambda: dst.copy_(src), 5, 2, device)
+        dist.barrier()
+        return nbytes / (us * 1e-6) / 1e9
+    except Exception as e:  # noqa: BLE001 - the figure is optional; say why it is missing
+        print(f"[bench] rank {rank}: peer bandwidth not measured ({type(e).__name__}: {e})", flush=True)
+        return 0.0
+
+
 def worker(rank: int, world: int, port: int, args) -> None:
     disable_multicast_env()
     use_cuda = torch.cuda.is_available() and not args.cpu
@@ -142,21 +164,29 @@ def worker(rank: int, world: int, port: int, args) -> None:
     row_bytes = args.hidden * x.element_size()
     xbytes = torch.tensor([remote * row_bytes], dtype=torch.float64, device=device)
     dist.all_reduce(xbytes, op=dist.ReduceOp.MAX)
+    bw = torch.tensor([peer_read_gbps(rank, world, device)], dtype=torch.float64, device=device)
+    dist.all_reduce(bw, op=dist.ReduceOp.MIN)
+    floor_us = float(xbytes) / (float(bw) * 1e9) * 1e6 if float(bw) > 0 else 0.0
     report = {
         "world_size": world, "device": torch.cuda.get_device_name(rank) if use_cuda else "cpu",
         "backend": backend_name, "tokens": args.tokens, "hidden": args.hidden,
         "experts": args.experts, "topk": args.topk, "dtype": args.dtype,
         "correct": int(flag) == 0, "dispatch_us": float(times[0]), "combine_us": float(times[1]),
         "bytes_crossing_per_rank": float(xbytes), "num_sms": args.num_sms,
+        "peer_read_gbps": float(bw), "floor_us": floor_us,
+        "dispatch_x_floor": float(times[0]) / floor_us if floor_us else None,
+        "combine_x_floor": float(times[1]) / floor_us if floor_us else None,
     }
     if rank == 0:
-        gbs = lambda us: float(xbytes) / (us * 1e-6) / 1e9 if us > 0 else 0.0
         print()
-        print("| shape (T,H,E,K) | backend | ranks | dispatch us | combine us | MB crossing/rank | dispatch GB/s | combine GB/s | correct |")
+        xf = lambda us: f"{us / floor_us:.2f}x" if floor_us else "n/a"
+        print("| shape (T,H,E,K) | backend | ranks | dispatch us | combine us | MB crossing/rank | "
+              "floor us (at peer GB/s) | dispatch / combine vs floor | correct |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         print(f"| {args.tokens},{args.hidden},{args.experts},{args.topk} | {backend_name} | {world} | "
-              f"{times[0]:.1f} | {times[1]:.1f} | {float(xbytes) / 1e6:.1f} | {gbs(float(times[0])):.1f} | "
-              f"{gbs(float(times[1])):.1f} | {report['correct']} |")
+              f"{times[0]:.1f} | {times[1]:.1f} | {float(xbytes) / 1e6:.1f} | "
+              f"{floor_us:.1f} ({float(bw):.0f}) | {xf(float(times[0]))} / {xf(float(times[1]))} | "
+              f"{report['correct']} |")
         if not use_cuda:
             print("(CPU reference backend: the times show the code runs, not how fast MoK is.)")
         if args.json:

@@ -24,8 +24,8 @@ def group_rank_size(group) -> tuple[int, int]:
 def all_gather_exact(t: torch.Tensor, group, world_size: int) -> torch.Tensor:
     """Gather ``t`` (same shape on every rank) into ``[W, *t.shape]``, bit-exact."""
     t = t.contiguous()
-    if world_size == 1:
-        return t.unsqueeze(0).clone()
+    if world_size == 1 or t.numel() == 0:   # nothing to exchange (T_max = 0 gives empty tensors)
+        return t.unsqueeze(0).expand(world_size, *t.shape).clone()
     flat = t.view(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
     outs: List[torch.Tensor] = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(outs, flat, group=group)

@@ -98,6 +98,27 @@ def main():
         rows.append(t)
         if rank == 0:
             print(f"[profile] sms={sms}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in t.items()), flush=True)
+        # Per-block start/end inside one transfer kernel: which role finishes last, and when.
+        for name, fn in (("dispatch_transfer", lambda: be.dispatch_cached(x, res.handle)),
+                         ("combine", lambda: buf.combine(res.tokens, res.handle))):
+            tr = be.trace_view()
+            torch.cuda.synchronize()
+            dist.barrier()
+            tr.zero_()
+            torch.cuda.synchronize()
+            dist.barrier()
+            fn()
+            torch.cuda.synchronize()
+            prod = be.dispatch_producers if name.startswith("dispatch") else be.combine_producers
+            t = tr[: be.num_blocks].cpu()
+            t0 = int(t[:, 0].min())
+            rel = [((int(a) - t0) / 1e3, (int(b) - t0) / 1e3) for a, b in t.tolist()]
+            pe = [e for _, e in rel[:prod]]
+            ce = [e for _, e in rel[prod:]]
+            ps = [st for st, _ in rel]
+            print(f"[trace] rank {rank} sms={sms} {name}: starts within {max(ps):.1f} us; producers "
+                  f"({prod}) end {min(pe):.1f}..{max(pe):.1f} us; consumers ({len(ce)}) end "
+                  f"{min(ce):.1f}..{max(ce):.1f} us", flush=True)
         if args.kernels and rank == 0 and sms == 24:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:

@@ -77,6 +77,8 @@ size_t mok_handle_scratch_bytes(const MokContext* ctx) {
 
 size_t mok_error_offset(const MokContext* ctx) { return ctx->comm.ws.error; }
 
+size_t mok_trace_offset(const MokContext* ctx) { return ctx->comm.ws.trace; }
+
 size_t mok_handle_totals_offset(const MokContext* ctx) {
   const HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, nullptr);
   return reinterpret_cast<size_t>(h.totals);

@@ -20,6 +20,7 @@ size_t mok_workspace_bytes(const MokContext* ctx);
 size_t mok_handle_scratch_bytes(const MokContext* ctx);
 size_t mok_error_offset(const MokContext* ctx);
 size_t mok_handle_totals_offset(const MokContext* ctx);
+size_t mok_trace_offset(const MokContext* ctx);
 int mok_set_peers(MokContext* ctx, const uint64_t* peer_bases, int n, double timeout_s);
 
 int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,

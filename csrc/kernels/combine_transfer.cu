@@ -298,10 +298,12 @@ __global__ void __launch_bounds__(kTransferThreads, 1)
                             int pf_rows) {
   extern __shared__ __align__(16) char smem[];
   sh.seq = c.counters()->comb_seq;
+  trace_warp(c, true);
   if (blockIdx.x < a.num_producers)
     produce<T, P>(c, h, a, sh, expert_out, grad_probs);
   else
     consume<T, P>(c, h, a, sh, expert_out, grad_probs, y, grad_w, smem, pf_rows);
+  trace_warp(c, false);
   warp_done_advance(&c.counters()->comb_warps_done, &c.counters()->comb_seq);
 }
 

@@ -158,10 +158,12 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
     dispatch_transfer_kernel(CommContext c, HandleArrays h, TransferArgs a, DispatchShape sh,
                              const int4* x, int4* out) {
   sh.seq = c.counters()->disp_seq;
+  trace_warp(c, true);
   if (blockIdx.x < a.num_producers)
     produce(c, h, a, sh, x);
   else
     consume(c, h, a, sh, x, out);
+  trace_warp(c, false);
   warp_done_advance(&c.counters()->disp_warps_done, &c.counters()->disp_seq);
 }
 

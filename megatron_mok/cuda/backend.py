@@ -90,8 +90,10 @@ class CudaBackend:
         self.host_report = torch.zeros(12, dtype=torch.int32, pin_memory=True)
         sms = self.lib.mok_sm_count(dev.index)
         self.num_blocks = max(2, min(buf.num_sms or DEFAULT_NUM_SMS, sms))
-        self.dispatch_producers = _env_int("MOK_DISPATCH_PRODUCERS", max(1, self.num_blocks // 4))
-        self.combine_producers = _env_int("MOK_COMBINE_PRODUCERS", max(1, self.num_blocks // 2))
+        # Role split, from per-block traces at 24 SMs (benchmarks/NOTES.md): dispatch staging
+        # needs ~1/6 of the blocks, combine producers ~3/8 (consumers also reduce own rows).
+        self.dispatch_producers = _env_int("MOK_DISPATCH_PRODUCERS", max(1, self.num_blocks // 6))
+        self.combine_producers = _env_int("MOK_COMBINE_PRODUCERS", max(1, self.num_blocks * 3 // 8))
         self.broken: Optional[str] = None
 
     # ----------------------------------------------------------------------------- helpers
@@ -100,6 +102,10 @@ class CudaBackend:
             raise RuntimeError(f"megatron_mok CUDA call failed: {self.lib.mok_last_error().decode()}")
 
     def _stream(self):
+        # The raw-pointer query skips building a Stream object (a few us per call).
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return ctypes.c_void_p(raw(self.device.index))
         return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
 
     @staticmethod
@@ -114,6 +120,12 @@ class CudaBackend:
         if int(words[0]) != 0:
             self.broken = describe(words.tolist(), self.timeout_s, self.buf.max_recv_tokens)
             raise MokDeviceError(self.broken)
+
+    def trace_view(self) -> torch.Tensor:
+        """Diagnostics: ``[kTraceBlocks, 2]`` int64 view of the start/end times (globaltimer ns)
+        each block of the latest transfer kernel recorded. Zero it before the kernel to trace."""
+        off = self.lib.mok_trace_offset(self.ctx)
+        return self.mem.tensor[off: off + 256 * 16].view(torch.int64).view(256, 2)
 
     def check_errors(self) -> None:
         """Synchronise this device and raise if any kernel reported an error."""

@@ -12,6 +12,7 @@ _SIGNATURES = {
     "mok_handle_scratch_bytes": (c_size_t, [c_void_p]),
     "mok_error_offset": (c_size_t, [c_void_p]),
     "mok_handle_totals_offset": (c_size_t, [c_void_p]),
+    "mok_trace_offset": (c_size_t, [c_void_p]),
     "mok_set_peers": (c_int, [c_void_p, POINTER(c_uint64), c_int, c_double]),
     "mok_dispatch_layout": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int,
                                     c_int, c_void_p, c_int64]),

@@ -25,6 +25,7 @@ is allocated once per process, not once per layer.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -186,7 +187,20 @@ class MokTokenDispatcher(MoETokenDispatcher):
                              combine_partial_dtype=opts.combine_partial_dtype, **kwargs)
             with _LOCK:
                 _BUFFERS[key] = buf
+            if hidden.is_cuda and opts.backend == "auto" and "cuda" not in mok.available_backends():
+                # Not silent: the reference backend is correct but slow (all-gathers tokens).
+                warnings.warn("MoK: the CUDA backend is not built, so the Megatron dispatcher runs "
+                              "the pure-torch reference backend on GPU tensors (correct, slow). "
+                              "Build the extension, or set MOK_BACKEND=reference to say you mean it.",
+                              stacklevel=2)
         return buf
+
+    @property
+    def backend_name(self) -> Optional[str]:
+        """The backend the shared Buffer runs (``None`` before the first dispatch)."""
+        if self.buffer is None:
+            return None
+        return self.buffer.backend
 
     # ---------------------------------------------------------------------------- dispatch
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,

@@ -103,15 +103,37 @@ def cpu_router_class():
     return CpuTopKRouter
 
 
-def moe_submodules(config, cpu_router: bool = False):
-    """Megatron's local-spec ``MoESubmodules`` (``SequentialMLP`` experts)."""
+def _mlp_submodules(mlp):
+    """``MoESubmodules`` of a layer spec's ``mlp`` entry: a ``ModuleSpec`` (0.16) or a
+    ``functools.partial(MoELayer, submodules=...)`` (0.19)."""
+    if hasattr(mlp, "submodules"):
+        return mlp.submodules
+    return mlp.keywords["submodules"]
+
+
+def local_layer_spec(num_experts: int, cpu_router: bool = False):
+    """Megatron's local GPT layer spec (``SequentialMLP`` experts, no TE / apex); with
+    ``cpu_router`` its MoE router is :func:`cpu_router_class`."""
+    import functools
+
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    submodules = spec.submodules.mlp.submodules
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     if cpu_router:
-        submodules = dataclasses.replace(submodules, router=cpu_router_class())
-    return submodules
+        mlp = spec.submodules.mlp
+        new = dataclasses.replace(_mlp_submodules(mlp), router=cpu_router_class())
+        if hasattr(mlp, "submodules"):
+            mlp.submodules = new
+        else:
+            spec.submodules.mlp = functools.partial(mlp.func, *mlp.args,
+                                                    **{**mlp.keywords, "submodules": new})
+    return spec
+
+
+def moe_submodules(config, cpu_router: bool = False):
+    """Megatron's local-spec ``MoESubmodules`` (``SequentialMLP`` experts)."""
+    spec = local_layer_spec(config.num_moe_experts, cpu_router=cpu_router)
+    return _mlp_submodules(spec.submodules.mlp)
 
 
 def single_rank_pg_collection():
@@ -153,21 +175,24 @@ def build_moe_layer(config, device: Optional[torch.device] = None, dtype=None,
 def enable_cpu_alltoall() -> None:
     """Make Megatron's ``alltoall`` dispatcher construct and run without CUDA (see module doc).
 
-    Idempotent; a no-op when CUDA is available.
+    Idempotent. Device-aware: layers running on CUDA tensors keep Megatron's own code.
     """
-    if torch.cuda.is_available():
-        return
     from megatron.core.transformer.moe import token_dispatcher as td
     from megatron.core.transformer.moe.moe_utils import maybe_move_tensor_to_cpu
 
     cls = td.MoEAlltoAllTokenDispatcher
     if getattr(cls, "_mok_cpu_compat", False):
         return
-    if cls.cuda_dtoh_stream is None:
+    if cls.cuda_dtoh_stream is None and not torch.cuda.is_available():
         cls.cuda_dtoh_stream = object()      # never used: the override below has no streams
     orig = cls._maybe_dtoh_and_synchronize
 
     def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        # NOTE: decide by the layer's device (routing_map stays there), not by
+        # tokens_per_expert, which Megatron itself moves to the host mid-way.
+        rmap = getattr(self, "routing_map", None)
+        if isinstance(rmap, torch.Tensor) and rmap.is_cuda:
+            return orig(self, point, tokens_per_expert)
         if getattr(self, "drop_and_pad", False) or point != self.cuda_dtoh_point:
             return tokens_per_expert
         # The same host copies Megatron makes on its DtoH stream, done in place on CPU.
@@ -184,6 +209,79 @@ def enable_cpu_alltoall() -> None:
     _maybe_dtoh_and_synchronize._orig = orig
     cls._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
     cls._mok_cpu_compat = True
+
+    # alltoall all-gathers the per-expert counts over the EP group; Megatron allocates the
+    # output with device=torch.cuda.current_device(). Same gather, output on the input's device.
+    from megatron.core.tensor_parallel import mappings
+
+    orig_gather = mappings._gather_along_first_dim
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if input_.is_cuda or group.size() == 1:
+            return orig_gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = output_split_sizes or [input_.shape[0]] * group.size()
+        parts = [input_.new_empty((n, *input_.shape[1:])) for n in sizes]
+        torch.distributed.all_gather(parts, input_.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    mappings._gather_along_first_dim = _gather_along_first_dim
+
+    # ... and its all-to-all-v allocates its output the same way.
+    orig_a2a_forward = mappings._AllToAll.forward
+
+    def _a2a_forward(ctx, group, input, output_split_sizes, input_split_sizes, *rest):
+        # rest: 0.19's use_nccl_stream flag (CPU: no streams either way)
+        if input.is_cuda or group.size() == 1 or output_split_sizes is None:
+            return orig_a2a_forward(ctx, group, input, output_split_sizes, input_split_sizes,
+                                    *rest)
+        ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = \
+            group, output_split_sizes, input_split_sizes
+        if rest:
+            ctx.use_nccl_stream = rest[0]
+        input = input.contiguous()
+        output = input.new_empty([int(sum(output_split_sizes))] + list(input.size()[1:]))
+        torch.distributed.all_to_all_single(
+            output, input, output_split_sizes=[int(n) for n in output_split_sizes],
+            input_split_sizes=[int(n) for n in input_split_sizes], group=group)
+        return output
+
+    mappings._AllToAll.forward = staticmethod(_a2a_forward)
+
+
+def enable_cpu_megatron() -> None:
+    """Everything a CPU-only run of the example / benchmark needs (no-op parts with CUDA):
+    :func:`fix_megatron_without_te`, :func:`enable_cpu_alltoall`, Megatron's
+    ``GlobalMemoryBuffer`` (attention scratch) allocating on the CPU instead of
+    ``torch.cuda.current_device()``, and the CUDA RNG tracker's ``fork`` as a no-op (CPU
+    runs use no dropout). None of it touches the MoE dispatch path."""
+    fix_megatron_without_te()
+    enable_cpu_alltoall()
+    if torch.cuda.is_available():
+        return
+    from megatron.core import utils as mutils
+
+    cls = mutils.GlobalMemoryBuffer
+    if getattr(cls, "_mok_cpu_compat", False):
+        return
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        n = 1
+        for d in tensor_shape:
+            n *= d
+        buf = self.buffer.get((name, dtype))
+        if buf is None or buf.numel() < n:
+            buf = self.buffer[(name, dtype)] = torch.empty(n, dtype=dtype)
+        return buf[:n].view(*tensor_shape)
+
+    cls.get_tensor = get_tensor
+    cls._mok_cpu_compat = True
+
+    # Attention dropout forks Megatron's CUDA RNG tracker; on CPU there is no CUDA RNG.
+    import contextlib
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
 
 
 def dist_env_defaults() -> None:

@@ -30,6 +30,19 @@ struct CommContext {
   __device__ SeqCounters* counters() const { return ws.counters_at(local()); }
 };
 
+// Diagnostics: block b's first-warp start and last-warp end (globaltimer ns) of the latest
+// transfer kernel, in the workspace's trace region; read by CudaBackend.read_trace().
+__device__ inline void trace_warp(const CommContext& c, bool start) {
+  if (threadIdx.x % kWarpSize != 0 || blockIdx.x >= kTraceBlocks) return;
+  unsigned long long* tr = reinterpret_cast<unsigned long long*>(c.local() + c.ws.trace) + 2 * blockIdx.x;
+  const unsigned long long now = globaltimer_ns();
+  if (start) {
+    if (threadIdx.x == 0) tr[0] = now;
+  } else {
+    atomicMax(&tr[1], now);
+  }
+}
+
 // Called once per warp when it has finished its share of a kernel: the last warp of the grid
 // advances the call number `seq`. No block barrier, so warps that stopped early on an error
 // simply never count (the Buffer is unusable after an error anyway).

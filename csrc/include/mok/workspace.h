@@ -5,6 +5,8 @@
 //
 //   error        ErrorReport                     first error seen by this rank's kernels
 //   counters     SeqCounters                     this rank's call numbers (private)
+//   trace        [kTraceBlocks][2] u64           first start / last end (globaltimer ns) of each
+//                                                block of the last transfer kernel (diagnostics)
 //   meta_ready   [M]      u64  routing slot m holds routing call g when == g+1 (owner writes)
 //   meta_released[W][M]   u64  reader r finished routing call g in slot m: g+1 (r writes, remotely)
 //   disp_ready   [Nd]     u64  dispatch ring chunk slot holds generation g when == g+1
@@ -24,6 +26,9 @@
 #include <cstdint>
 
 namespace mok {
+
+// Blocks whose start/end times a transfer kernel records (diagnostics; see device.h).
+constexpr int kTraceBlocks = 256;
 
 struct ErrorReport {
   int32_t code;   // ErrorCode
@@ -63,7 +68,7 @@ __host__ __device__ inline size_t align_up(size_t v, size_t a) { return (v + a -
 struct Workspace {
   WorkspaceConfig cfg;
   // Byte offsets of each region from the workspace base.
-  size_t error, counters, meta_ready, meta_released;
+  size_t error, counters, trace, meta_ready, meta_released;
   size_t disp_ready, disp_released, disp_gen, disp_readers, disp_done;
   size_t comb_ready, comb_released, comb_gen, comb_readers, comb_done;
   size_t meta, meta_slot_bytes;
@@ -79,6 +84,7 @@ struct Workspace {
     auto take = [&](size_t bytes) { size_t at = off; off = align_up(off + bytes, 256); return at; };
     w.error = take(sizeof(ErrorReport));
     w.counters = take(sizeof(SeqCounters));
+    w.trace = take(kTraceBlocks * 2 * 8);
     w.meta_ready = take(M * 8);
     w.meta_released = take(W * M * 8);
     w.disp_ready = take(Nd * 8);

@@ -1,0 +1,225 @@
+"""Megatron ``MoELayer`` forward + backward with each dispatcher, same experts, same input.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_layer.py --tokens 4096 --hidden 2048
+    torchrun --nproc-per-node 2 benchmarks/bench_layer.py --tiny        # CPU / gloo smoke
+
+Dispatchers: ``alltoall``, ``flex`` (only when ``deep_ep`` imports) and ``mok``. Every layer
+gets the same router / expert weights (Megatron's local ``SequentialMLP`` experts) and the
+same per-rank input. Each timed iteration is one forward + backward of the layer; time is
+CUDA events on GPU (``perf_counter`` on CPU), median over ``--iters`` (>= 20) iterations after
+``--warmup``; the reported number is the slowest rank's median (all_reduce MAX). One JSON
+per run goes to ``benchmarks/results/`` with the date, git commit, GPU model and count, and
+the exact command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dispatchers", default="alltoall,flex,mok")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--ffn-hidden", type=int, default=1024)
+    p.add_argument("--num-experts", type=int, default=16)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--tiny", action="store_true",
+                   help="toy sizes for CPU smoke runs (tokens 64, hidden 32, experts 4)")
+    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.tokens, args.hidden, args.ffn_hidden, args.num_experts, args.topk = 64, 32, 64, 4, 2
+    if args.iters < 20:
+        p.error("--iters must be >= 20")
+    return args
+
+
+def _git_commit():
+    try:
+        out = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        commit = out.stdout.strip() or None
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return commit, bool(dirty)
+    except Exception:
+        return None, None
+
+
+def _command():
+    """The command line as typed, as far as it can be known (torchrun's flags are not)."""
+    cmd = " ".join([os.path.basename(sys.executable)] + sys.argv)
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        cmd = f"torchrun --nproc-per-node {os.environ['LOCAL_WORLD_SIZE']} " + " ".join(sys.argv)
+    return cmd
+
+
+def init_distributed():
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(s.getsockname()[1]))
+        s.close()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+def bench_one(layer, x, gy, iters, warmup, device):
+    times = []
+    for i in range(warmup + iters):
+        xx = x.detach().requires_grad_(True)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            y, _ = layer(xx)
+            y.backward(gy)
+            end.record()
+            torch.cuda.synchronize()
+            dt = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            y, _ = layer(xx)
+            y.backward(gy)
+            dt = time.perf_counter() - t0
+        for p in layer.parameters():
+            p.grad = None
+        if i >= warmup:
+            times.append(dt)
+    return times
+
+
+def run(args):
+    warnings.filterwarnings("ignore", category=UserWarning)
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                 ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)
+    init_distributed()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    # A gloo group (tests, CPU runs) means CPU tensors even where a GPU is visible.
+    on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
+        args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+
+    import megatron_mok.megatron as mm
+    from megatron_mok.megatron import harness
+
+    mm.install()
+    harness.init_parallel(world, seed=args.seed)
+    harness.enable_cpu_megatron()
+
+    wanted = [d for d in args.dispatchers.split(",") if d]
+    skipped = {}
+    if "flex" in wanted and importlib.util.find_spec("deep_ep") is None:
+        wanted.remove("flex")
+        skipped["flex"] = "deep_ep is not importable"
+    if "flex" in wanted and device.type != "cuda":
+        wanted.remove("flex")
+        skipped["flex"] = "needs CUDA"
+
+    kw = dict(num_experts=args.num_experts, topk=args.topk, hidden=args.hidden,
+              ffn_hidden=args.ffn_hidden, dtype=dtype,
+              moe_router_load_balancing_type="aux_loss" if device.type == "cuda" else "none",
+              moe_aux_loss_coeff=1e-2 if device.type == "cuda" else 0.0)
+    g = torch.Generator().manual_seed(args.seed + rank)
+    x = torch.randn(args.tokens, 1, args.hidden, generator=g).to(dtype).to(device)
+    gy = torch.randn(args.tokens, 1, args.hidden, generator=g).to(dtype).to(device)
+
+    state, results = None, {}
+    for d in wanted:
+        torch.manual_seed(args.seed)
+        extra = {"moe_flex_dispatcher_backend": "deepep"} if d == "flex" else {}
+        cfg = harness.moe_config(d, ep_size=world, **kw, **extra)
+        layer = harness.build_moe_layer(cfg, device=device, dtype=dtype)
+        if state is None:
+            state = layer.state_dict()
+        else:
+            layer.load_state_dict(state)
+        times = bench_one(layer, x, gy, args.iters, args.warmup, device)
+        med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+        slowest = med.clone()
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        backend = getattr(layer.token_dispatcher, "backend_name", None)
+        results[d] = {"median_ms_slowest_rank": slowest.item() * 1e3,
+                      "median_ms_this_rank0": med.item() * 1e3,
+                      "min_ms_rank0": min(times) * 1e3, "max_ms_rank0": max(times) * 1e3,
+                      "iters": args.iters, "warmup": args.warmup, "mok_backend": backend}
+        del layer
+        if rank == 0:
+            print(f"{d:<9} fwd+bwd median {results[d]['median_ms_slowest_rank']:9.3f} ms "
+                  f"(slowest of {world} ranks)" + (f"  [mok backend: {backend}]" if backend else ""),
+                  flush=True)
+        dist.barrier()
+
+    commit, dirty = _git_commit()
+    from megatron.core import package_info
+
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit, "dirty_tree": dirty,
+        "command": _command(),
+        "launcher_env": {k: os.environ[k] for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                   "NCCL_NVLS_ENABLE") if k in os.environ},
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "gpu_count": world if device.type == "cuda" else 0, "world_size": world,
+        "backend": dist.get_backend(), "dtype": str(dtype).replace("torch.", ""),
+        "shape": {"tokens_per_rank": args.tokens, "hidden": args.hidden,
+                  "ffn_hidden": args.ffn_hidden, "num_experts": args.num_experts,
+                  "topk": args.topk, "experts": "SequentialMLP (Megatron local spec)"},
+        "versions": {"torch": torch.__version__, "megatron_core": package_info.__version__},
+        "results": results, "skipped": skipped,
+    }
+    path = None
+    if rank == 0:
+        os.makedirs(args.out_dir, exist_ok=True)
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        name = f"bench_layer_{report['device'].replace(' ', '_')}_x{world}_{stamp}"
+        path = os.path.join(args.out_dir, name + (f"_{args.tag}" if args.tag else "") + ".json")
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {path}", flush=True)
+    harness.destroy_parallel()
+    report["path"] = path
+    return report
+
+
+def main(argv=None):
+    report = run(parse_args(argv))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return report
+
+
+if __name__ == "__main__":
+    main()

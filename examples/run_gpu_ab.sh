@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# GPU proofs for the Megatron integration, on one node with >= 2 GPUs.
+#
+#   bash examples/run_gpu_ab.sh OUT_DIR [STAGE...]
+#
+# STAGE (default: ab):
+#   ab     the example trains 60 steps with alltoall and with mok (and flex if deep_ep
+#          imports) on 2 GPUs; prints the comparison table; JSON: OUT_DIR/ab/*.json
+#   tests  pytest tests/megatron on this machine (the GPU tests run: round trip, layout,
+#          full MoELayer alltoall vs mok, bitwise repeat; CPU tests re-run on this
+#          megatron-core); JUnit XML + JSON: OUT_DIR/tests/
+#   bench  benchmarks/bench_layer.py (alltoall, flex if deep_ep, mok); JSON: OUT_DIR/bench/
+#   all    ab tests bench
+# Each stage stays well under 5 minutes on 2x H200.
+#
+# megatron-core is installed from ./.whl when it is not importable (no registry needed).
+set -euo pipefail
+
+OUT_DIR=${1:?usage: run_gpu_ab.sh OUT_DIR [ab|tests|bench|all]...}
+shift || true
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(ab)
+[ "${STAGES[0]}" = all ] && STAGES=(ab tests bench)
+
+# NVLink multicast (NVLS) must stay off on these machines.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python}
+NPROC=${NPROC:-2}
+mkdir -p "$OUT_DIR"
+
+if ! $PY -c "import megatron.core" 2>/dev/null; then
+  echo "[run_gpu_ab] installing megatron-core and test deps from $REPO/.whl"
+  $PY -m pip install --no-index --find-links "$REPO/.whl" -q megatron-core six regex pyyaml pydantic pytest
+fi
+$PY - <<'EOF' | tee "$OUT_DIR/env.txt"
+import torch, megatron.core, megatron_mok
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
+print("megatron-core", megatron.core.package_info.__version__, "megatron_mok", megatron_mok.__version__,
+      "mok backends", megatron_mok.available_backends())
+EOF
+
+for stage in "${STAGES[@]}"; do
+  case "$stage" in
+    ab)
+      # 60 steps, bf16, 4 MoE layers, 16 experts top-4, 4x1024 tokens per GPU per step.
+      $PY "$REPO/examples/ab_dispatchers.py" --nproc-per-node "$NPROC" --out "$OUT_DIR/ab" -- \
+        --train-iters 60 --bf16 --num-layers 4 --hidden-size 1024 --ffn-hidden-size 2048 \
+        --moe-ffn-hidden-size 1024 --num-attention-heads 8 --num-experts 16 \
+        --moe-router-topk 4 --seq-length 1024 --micro-batch-size 4 --vocab-size 4096 \
+        --lr 3e-4 --quiet
+      ;;
+    tests)
+      mkdir -p "$OUT_DIR/tests"
+      set +e
+      MOK_TEST_TIMEOUT=240 $PY -m pytest "$REPO/tests/megatron" -q -rs \
+        --junitxml "$OUT_DIR/tests/megatron.xml" 2>&1 | tee "$OUT_DIR/tests/pytest.txt"
+      set -e
+      $PY - "$OUT_DIR/tests" <<'EOF'
+import json, sys, xml.etree.ElementTree as ET
+d = sys.argv[1]
+root = ET.parse(f"{d}/megatron.xml").getroot()
+cases = []
+for tc in root.iter("testcase"):
+    status = "passed"
+    for tag in ("failure", "error", "skipped"):
+        el = tc.find(tag)
+        if el is not None:
+            status = tag if tag != "failure" else "failed"
+            msg = el.get("message", "")
+            break
+    else:
+        msg = ""
+    cases.append({"test": f"{tc.get('classname')}::{tc.get('name')}", "status": status,
+                  "time_s": float(tc.get("time", 0)), "message": msg[:500]})
+json.dump({"cases": cases, "counts": {s: sum(c["status"] == s for c in cases)
+           for s in ("passed", "failed", "error", "skipped")}}, open(f"{d}/megatron_tests.json", "w"), indent=1)
+print(json.load(open(f"{d}/megatron_tests.json"))["counts"])
+EOF
+      ;;
+    bench)
+      $PY -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+        "$REPO/benchmarks/bench_layer.py" --out-dir "$OUT_DIR/bench" --iters 30 --warmup 5
+      ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
+echo "[run_gpu_ab] done: $OUT_DIR"

@@ -1,0 +1,267 @@
+"""A self-contained Megatron-Core GPT MoE training run on mock data.
+
+No Megatron-LM checkout: only ``megatron-core`` (0.16.x - 0.19.x) and ``megatron_mok``.
+The model is Megatron's ``GPTModel`` with the local layer spec (no TransformerEngine, no
+apex: ``SequentialMLP`` experts); the dispatcher is chosen with the usual flag::
+
+    torchrun --nproc-per-node 2 examples/train_gpt_moe.py \\
+        --moe-token-dispatcher-type mok --expert-model-parallel-size 2 \\
+        --train-iters 60 --output-json out/mok.json
+
+Every rank prints nothing; rank 0 prints loss, time and tokens/s/GPU per step, and writes a
+JSON summary. The mock data is a learnable next-token task (arithmetic sequences mod the
+vocabulary), identical for every dispatcher, so loss curves of two dispatchers can be
+compared step by step. Runs on CPU (gloo, reference backend) too, at toy sizes.
+
+Gradients: dense parameters are averaged over the data-parallel group; expert parameters
+over the expert-data-parallel group and scaled by 1/DP (what Megatron's DDP does); then
+AdamW. Kept explicit so the script has no optimizer / DDP version dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+DISPATCHERS = ("alltoall", "flex", "mok", "allgather")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--moe-token-dispatcher-type", choices=DISPATCHERS, default="mok")
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--ffn-hidden-size", type=int, default=512)
+    p.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--moe-router-topk", type=int, default=2)
+    p.add_argument("--moe-router-load-balancing-type", default=None,
+                   help="default: aux_loss on GPU, none on CPU (Megatron's aux-loss tracker "
+                        "allocates on CUDA)")
+    p.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
+    p.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    p.add_argument("--moe-flex-dispatcher-backend", default="deepep")
+    p.add_argument("--expert-model-parallel-size", type=int, default=None,
+                   help="default: the world size")
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--train-iters", type=int, default=50)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--bf16", action="store_true", help="bf16 params/activations")
+    p.add_argument("--timing-warmup", type=int, default=3,
+                   help="steps left out of the time / throughput summary")
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------ set-up
+def init_distributed():
+    """torchrun env (RANK/WORLD_SIZE/...) or an already-initialised group; else 1 process."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(s.getsockname()[1]))
+        s.close()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+def build_model(args, device):
+    from megatron.core.models.gpt import GPTModel
+    from megatron_mok.megatron import harness
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    lb = args.moe_router_load_balancing_type or ("aux_loss" if device.type == "cuda" else "none")
+    extra = {}
+    if args.moe_token_dispatcher_type == "flex":
+        extra["moe_flex_dispatcher_backend"] = args.moe_flex_dispatcher_backend
+    config = harness.moe_config(
+        args.moe_token_dispatcher_type, ep_size=args.expert_model_parallel_size,
+        num_experts=args.num_experts, topk=args.moe_router_topk, hidden=args.hidden_size,
+        ffn_hidden=args.ffn_hidden_size, dtype=dtype, num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
+        moe_router_load_balancing_type=lb,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff if lb != "none" else 0.0,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, **extra)
+    spec = harness.local_layer_spec(args.num_experts, cpu_router=device.type == "cpu")
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
+                     max_sequence_length=args.seq_length, pre_process=True, post_process=True,
+                     position_embedding_type="learned_absolute")
+    return model.to(device=device, dtype=dtype), config
+
+
+def mock_batch(args, step, dp_rank, device):
+    """Arithmetic sequences mod V with per-sample start/stride: next token is learnable.
+
+    Depends only on (seed, step, dp_rank): identical for every dispatcher."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + dp_rank)
+    b, s, v = args.micro_batch_size, args.seq_length, args.vocab_size
+    start = torch.randint(0, v, (b, 1), generator=g)
+    stride = torch.randint(1, 8, (b, 1), generator=g)
+    seq = (start + stride * torch.arange(s + 1).view(1, -1)) % v
+    tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    pos = torch.arange(s).view(1, -1).expand(b, s).contiguous()
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+    return tokens.to(device), pos.to(device), causal.to(device), labels.to(device)
+
+
+def sync_grads(model):
+    """Average dense grads over DP; expert grads over expert-DP, scaled by 1/DP."""
+    from megatron.core import parallel_state as ps
+
+    dp_group = ps.get_data_parallel_group()
+    dp = dist.get_world_size(dp_group)
+    edp_group = ps.get_expert_data_parallel_group()
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if getattr(p, "allreduce", True):
+            if dp > 1:
+                dist.all_reduce(p.grad, group=dp_group)
+            p.grad.div_(dp)
+        else:
+            if dist.get_world_size(edp_group) > 1:
+                dist.all_reduce(p.grad, group=edp_group)
+            p.grad.div_(dp)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _versions():
+    out = {"torch": torch.__version__}
+    try:
+        from megatron.core import package_info
+
+        out["megatron_core"] = package_info.__version__
+    except Exception:
+        pass
+    try:
+        import megatron_mok
+
+        out["megatron_mok"] = megatron_mok.__version__
+    except Exception:
+        pass
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    init_distributed()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    args.expert_model_parallel_size = args.expert_model_parallel_size or world
+    # A gloo group (tests, CPU runs) means CPU tensors even where a GPU is visible.
+    on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+
+    if args.moe_token_dispatcher_type == "mok":
+        import megatron_mok.megatron
+
+        megatron_mok.megatron.install()
+    if args.moe_token_dispatcher_type == "flex":
+        try:
+            import deep_ep  # noqa: F401
+        except ImportError:
+            raise SystemExit("--moe-token-dispatcher-type flex needs deep_ep (DeepEP) installed")
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from megatron_mok.megatron import harness
+
+    harness.init_parallel(args.expert_model_parallel_size, seed=args.seed)
+    harness.enable_cpu_megatron()
+    torch.manual_seed(args.seed)
+    model, config = build_model(args, device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.0)
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device) / dp)
+
+    tokens_per_step = args.micro_batch_size * args.seq_length
+    losses, times = [], []
+    for step in range(args.train_iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        tokens, pos, mask, labels = mock_batch(args, step, dp_rank, device)
+        per_token = model(tokens, pos, mask, labels=labels)
+        loss = per_token.float().mean()
+        loss.backward()
+        sync_grads(model)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        stat = torch.tensor([loss.item(), dt], dtype=torch.float64, device=device)
+        mean_loss = stat[:1].clone()
+        dist.all_reduce(mean_loss)
+        slow = stat[1:].clone()
+        dist.all_reduce(slow, op=dist.ReduceOp.MAX)
+        losses.append(float(mean_loss.item()) / world)
+        times.append(float(slow.item()))
+        if rank == 0 and not args.quiet:
+            print(f"step {step + 1:4d}/{args.train_iters} | loss {losses[-1]:.5f} | "
+                  f"{times[-1] * 1e3:8.1f} ms | {tokens_per_step / times[-1]:10.0f} tokens/s/GPU",
+                  flush=True)
+
+    timed = times[args.timing_warmup:] or times
+    med = statistics.median(timed)
+    mok_backend = None
+    for m in model.modules():
+        d = getattr(m, "token_dispatcher", None)
+        if d is not None and hasattr(d, "backend_name"):
+            mok_backend = d.backend_name
+            break
+    summary = {
+        "dispatcher": args.moe_token_dispatcher_type, "mok_backend": mok_backend,
+        "world_size": world, "expert_model_parallel_size": args.expert_model_parallel_size,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": "bf16" if args.bf16 else "fp32", "args": vars(args), "versions": _versions(),
+        "tokens_per_step_per_gpu": tokens_per_step, "losses": losses, "step_times_s": times,
+        "median_step_time_s": med, "tokens_per_s_per_gpu": tokens_per_step / med,
+        "final_loss": losses[-1], "command": " ".join([sys.executable] + sys.argv),
+    }
+    if rank == 0:
+        print(f"[{args.moe_token_dispatcher_type}] final loss {losses[-1]:.5f} | median step "
+              f"{med * 1e3:.1f} ms | {tokens_per_step / med:.0f} tokens/s/GPU", flush=True)
+        if args.output_json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
+            with open(args.output_json, "w") as f:
+                json.dump(summary, f, indent=1)
+    harness.destroy_parallel()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Creates .venv in the repository root (if missing) and installs what megatron_mok, its tests
+# and its benchmarks need; then installs the project itself in editable mode, which builds
+# the CUDA library when nvcc is found (see setup.py; MOK_SKIP_CUDA_BUILD=1 skips it).
+# Safe to run again: it only installs what is missing.
+#
+# Knobs (environment):
+#   PYTHON=python3.11            interpreter for the venv (default: python3)
+#   MOK_VENV=.venv               where the venv goes
+#   MOK_SYSTEM_SITE_PACKAGES=1   let the venv see the interpreter's packages (e.g. a machine
+#                                with a CUDA build of torch and no network)
+#   MOK_SKIP_DEPS=1              install no dependencies, only the project (offline machines)
+#   MOK_TORCH_SPEC=torch==2.13.0 the torch to install when none is importable
+#   MOK_MEGATRON_CORE_SPEC=megatron-core==0.16.1  (CI runs 0.16.x; 0.19.x is also supported)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+PYTHON="${PYTHON:-python3}"
+VENV="${MOK_VENV:-.venv}"
+TORCH_SPEC="${MOK_TORCH_SPEC:-torch==2.13.0}"
+# The versions the project is developed and tested with.
+DEPS=(numpy pytest packaging "${MOK_MEGATRON_CORE_SPEC:-megatron-core==0.16.1}")
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[setup] creating $VENV with $($PYTHON --version 2>&1)"
+    if [ "${MOK_SYSTEM_SITE_PACKAGES:-0}" = "1" ]; then
+        "$PYTHON" -m venv --system-site-packages "$VENV"
+    else
+        "$PYTHON" -m venv "$VENV"
+    fi
+fi
+PY="$ROOT/$VENV/bin/python"
+PIP=("$PY" -m pip install --disable-pip-version-check)
+# A CPU wheel of torch may lie on this disk; pip looks there too.
+if [ -d /opt/wheels ]; then
+    PIP+=(--find-links /opt/wheels)
+fi
+
+if [ "${MOK_SKIP_DEPS:-0}" != "1" ]; then
+    # setuptools >= 70.1 builds editable wheels without the separate `wheel` package.
+    "${PIP[@]}" -q "setuptools>=70.1" wheel
+    if "$PY" -c "import torch" 2>/dev/null; then
+        echo "[setup] torch $("$PY" -c 'import torch; print(torch.__version__)') already installed"
+    else
+        echo "[setup] installing $TORCH_SPEC"
+        "${PIP[@]}" -q "$TORCH_SPEC"
+    fi
+    # torch is already there, so megatron-core's plain `torch` requirement installs nothing more.
+    "${PIP[@]}" -q "${DEPS[@]}"
+fi
+
+if [ -f setup.py ] || [ -f pyproject.toml ]; then
+    echo "[setup] installing megatron_mok (editable; builds the CUDA library if nvcc is found)"
+    if [ "${MOK_SKIP_DEPS:-0}" = "1" ]; then
+        "${PIP[@]}" --no-build-isolation --no-deps -e .
+    else
+        "${PIP[@]}" --no-build-isolation -e .
+    fi
+else
+    echo "[setup] no setup.py yet: megatron_mok is used from the checkout (run from the repo root)"
+fi
+
+"$PY" - <<'PYEOF'
+import torch, megatron_mok
+from megatron_mok.cuda import library
+print(f"[setup] ok: python {__import__('sys').version.split()[0]}, torch {torch.__version__} "
+      f"(cuda available: {torch.cuda.is_available()}), megatron_mok {megatron_mok.__version__}, "
+      f"CUDA library built: {library.is_available()}")
+PYEOF

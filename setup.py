@@ -1,0 +1,92 @@
+"""megatron_mok: build and install.
+
+The package is pure Python plus one CUDA shared library, ``megatron_mok/_lib/libmok_cuda.so``,
+built from ``csrc/`` by ``make -C csrc`` with nvcc alone. The library has a plain C ABI
+(loaded through ctypes), so it needs no torch headers and does not depend on the torch
+version. The build runs when nvcc is found; the package always installs and imports without
+it (``backend="cuda"`` then raises with build instructions).
+
+Environment switches:
+    MOK_SKIP_CUDA_BUILD=1   do not build the CUDA library
+    MOK_CUDA_ARCH=90a       target (sm_90a for H100/H200; the kernels need sm_90)
+    CUDA_HOME / PATH        where nvcc is looked up
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+MIN_NVCC = (12, 3)
+
+
+def read_version() -> str:
+    text = (ROOT / "megatron_mok" / "version.py").read_text()
+    return re.search(r'__version__ = "([^"]+)"', text).group(1)
+
+
+def find_nvcc():
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
+        return str(Path(cuda_home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def nvcc_version(nvcc: str):
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def build_cuda_library() -> None:
+    """Builds megatron_mok/_lib/libmok_cuda.so in the source tree (editable installs use it in
+    place; regular installs ship it as package data)."""
+    if os.environ.get("MOK_SKIP_CUDA_BUILD", "0") == "1":
+        print("[megatron_mok] MOK_SKIP_CUDA_BUILD=1: not building the CUDA library")
+        return
+    nvcc = find_nvcc()
+    if nvcc is None:
+        print("[megatron_mok] nvcc not found: the CUDA library is not built "
+              "(backend='cuda' unavailable; set CUDA_HOME or put nvcc on PATH to build it)")
+        return
+    version = nvcc_version(nvcc)
+    if version < MIN_NVCC:
+        sys.exit(f"[megatron_mok] nvcc {version[0]}.{version[1]} is too old: the kernels need CUDA >= "
+                 f"{MIN_NVCC[0]}.{MIN_NVCC[1]} for sm_90a. Set MOK_SKIP_CUDA_BUILD=1 to install without them.")
+    arch = os.environ.get("MOK_CUDA_ARCH", "90a")
+    out = ROOT / "megatron_mok" / "_lib"
+    cmd = ["make", "-C", str(ROOT / "csrc"), f"ARCH={arch}", f"OUT={out}", f"NVCC={nvcc}"]
+    print("[megatron_mok] building the CUDA library:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+class BuildPyWithCuda(build_py):
+    def run(self):
+        build_cuda_library()
+        super().run()
+
+
+setup(
+    name="megatron_mok",
+    version=read_version(),
+    description="Pull-based, deterministic MoE token dispatcher for NVLink domains (Megatron-Core plugin)",
+    long_description=(ROOT / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_mok", "megatron_mok.*"]),
+    package_data={"megatron_mok": ["_lib/*.so"]},
+    install_requires=["torch>=2.6"],
+    extras_require={
+        "megatron": ["megatron-core>=0.16"],
+        "test": ["pytest", "numpy"],
+        "bench": ["numpy", "matplotlib"],
+    },
+    cmdclass={"build_py": BuildPyWithCuda},
+    entry_points={"console_scripts": ["mok-launch=megatron_mok.launch:main"]},
+)

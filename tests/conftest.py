@@ -1,0 +1,77 @@
+"""Markers, automatic skips and the end-of-session cleanup of the spawn harness.
+
+Markers (also listed by ``pytest --markers``):
+
+- ``gpu``: needs a CUDA device (skipped without one).
+- ``multigpu``: needs at least 2 CUDA devices (skipped with fewer).
+- ``megatron``: needs ``megatron.core`` importable (skipped without it).
+
+Shared helpers live in ``harness.py`` (spawn harness, seeded inputs, bitwise asserts) and
+``oracle.py`` (the independent oracle); this folder is on ``sys.path`` so tests, including
+those in sub-folders, import them as ``from harness import ...``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+import harness  # noqa: E402  (sets the no-multicast environment before anything else runs)
+import torch  # noqa: E402
+
+# The tests use tiny tensors; with spawned ranks sharing the cores, more intra-op threads
+# only oversubscribe the CPU (seen: 300x slower small ops under load).
+if not torch.cuda.is_available():
+    torch.set_num_threads(1)
+
+MARKERS = {
+    "gpu": "needs a CUDA device; skipped without one",
+    "multigpu": "needs >= 2 CUDA devices; skipped with fewer",
+    "megatron": "needs megatron-core (megatron.core importable); skipped without it",
+}
+
+
+def pytest_configure(config):
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def _have_megatron() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    n_gpu = _cuda_count()
+    have_mcore = None
+    for item in items:
+        if "gpu" in item.keywords and n_gpu == 0:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none visible)"))
+        if "multigpu" in item.keywords and n_gpu < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs >= 2 CUDA GPUs, found {n_gpu}"))
+        if "megatron" in item.keywords:
+            if have_mcore is None:
+                have_mcore = _have_megatron()
+            if not have_mcore:
+                item.add_marker(pytest.mark.skip(reason="needs megatron-core (pip install megatron-core)"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    harness.shutdown_pools()

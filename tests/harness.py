@@ -1,0 +1,500 @@
+"""Multi-process test harness and seeded inputs.
+
+``run_distributed(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on
+``world_size`` processes joined by one process group (gloo on CPU, NCCL with one GPU per
+rank), and returns the ranks' return values as a list. Any rank's exception fails the
+calling test with that rank's traceback; a call that does not finish within ``timeout``
+seconds fails the test instead of hanging CI. The processes are started with
+``torch.multiprocessing`` (spawn) and meet at a ``TCPStore`` that the parent holds on a
+free port chosen by the OS (never a fixed one).
+
+Starting a rank costs seconds (importing torch), so by default the ranks are kept alive
+and reused by later calls with the same ``(world_size, backend)``: a *pool*. A call in
+which a rank died, hung, or was left inside a collective by a failing peer tears the pool
+down, so the next call starts clean (when every rank returned or raised, the pool is
+kept). Pass ``fresh=True`` for a call whose ``fn`` changes process-global state (Megatron's ``parallel_state``, a CUDA context that a trap
+may have broken): it gets its own processes, ended after the call.
+
+``fn`` must be importable by name (a module-level function of a test module or of this
+file), and its arguments and return value picklable.
+
+``make_inputs(seed, world_size, T_per_rank, E, H, K, dtype, case=...)`` builds every rank's
+``(x, topk_idx, topk_weights)`` from one seed, so each rank can compute every expected
+output locally (see ``oracle.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_mod
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+# NVLink multicast (NVLS) can take a host's GPUs out of service on the lent machines; it
+# must be off before any process group or symmetric memory exists. Forced, not defaulted.
+_NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+os.environ.update(_NO_MULTICAST_ENV)
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("MOK_TEST_TIMEOUT", "180"))
+_STARTUP_TIMEOUT_S = float(os.environ.get("MOK_TEST_STARTUP_TIMEOUT", "180"))
+
+
+class DistributedTestError(AssertionError):
+    """A rank raised, died or timed out; the message carries every rank's report."""
+
+
+# ------------------------------------------------------------------------------- worker side
+def _worker_main(rank: int, world_size: int, port: int, backend: str, env: Dict[str, str],
+                 sys_path: List[str], task_q, result_q) -> None:
+    os.environ.update(env)
+    for p in reversed(sys_path):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import torch.distributed as dist
+
+    # Ranks share 2 cores in CI: one intra-op thread each, or small ops crawl.
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
+        kwargs = {}
+        if backend == "nccl":
+            kwargs["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=DEFAULT_TIMEOUT_S), **kwargs)
+    except BaseException:
+        result_q.put((-1, rank, "err", "process-group init failed:\n" + traceback.format_exc()))
+        return
+    result_q.put((-1, rank, "ok", None))
+
+    while True:
+        msg = task_q.get()
+        if msg is None:
+            break
+        call_id, payload, extra_path = msg
+        for p in reversed(extra_path):
+            if p not in sys.path:
+                sys.path.insert(0, p)
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+            out = fn(rank, world_size, *args, **kwargs)
+            try:
+                blob = pickle.dumps(out)
+            except Exception:
+                blob = pickle.dumps(f"<unpicklable result {type(out).__name__}: {out!r:.200}>")
+            result_q.put((call_id, rank, "ok", blob))
+        except BaseException:
+            result_q.put((call_id, rank, "err", traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+# ------------------------------------------------------------------------------- parent side
+class _Pool:
+    """``world_size`` spawned ranks joined by one process group, fed calls by queue."""
+
+    def __init__(self, world_size: int, backend: str):
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        self.world_size, self.backend = world_size, backend
+        ctx = mp.get_context("spawn")
+        # The parent owns the rendezvous store: port 0 lets the OS pick a free port, and
+        # holding the socket open means no other run can take it between pick and use.
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
+        env = dict(_NO_MULTICAST_ENV)
+        if backend == "gloo":
+            env.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+        self.result_q = ctx.Queue()
+        self.task_qs = [ctx.Queue() for _ in range(world_size)]
+        self.procs = []
+        self.next_id = 0
+        for r in range(world_size):
+            p = ctx.Process(target=_worker_main, daemon=True,
+                            args=(r, world_size, self.store.port, backend, env, list(sys.path),
+                                  self.task_qs[r], self.result_q),
+                            name=f"mok-test-rank{r}")
+            p.start()
+            self.procs.append(p)
+        try:
+            self._collect(-1, _STARTUP_TIMEOUT_S, what="process-group start-up")
+        except BaseException:
+            self.close(force=True)         # ranks that did start must not linger
+            raise
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def call(self, fn, args, kwargs, timeout: float) -> List[Any]:
+        try:
+            payload = pickle.dumps((fn, args, kwargs))
+        except Exception as e:  # fail here, not in a queue feeder thread
+            raise TypeError(f"run_distributed: cannot pickle {fn!r} and its arguments: {e}") from e
+        self.next_id += 1
+        call_id = self.next_id
+        for q in self.task_qs:
+            q.put((call_id, payload, list(sys.path)))
+        blobs = self._collect(call_id, timeout, what=getattr(fn, "__qualname__", repr(fn)))
+        return [pickle.loads(b) for b in blobs]
+
+    def _collect(self, call_id: int, timeout: float, what: str) -> List[Any]:
+        results: Dict[int, Any] = {}
+        errors: Dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        grace_deadline = None
+        while len(results) + len(errors) < self.world_size:
+            now = time.monotonic()
+            if grace_deadline is not None and now > grace_deadline:
+                break                          # peers of a failed rank may be stuck: stop
+            if now > deadline:
+                missing = sorted(set(range(self.world_size)) - set(results) - set(errors))
+                errors.setdefault(-1, f"TIMEOUT: {what} did not finish within {timeout:.0f} s; "
+                                      f"ranks {missing} never returned (hang?)")
+                break
+            try:
+                cid, rank, status, data = self.result_q.get(timeout=0.2)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(self.procs)
+                        if not p.is_alive() and r not in results and r not in errors]
+                for r in dead:
+                    errors[r] = f"rank {r} died (exit code {self.procs[r].exitcode})"
+                if dead and grace_deadline is None:
+                    grace_deadline = time.monotonic() + 2.0
+                continue
+            if cid != call_id:
+                continue                       # a late answer from an earlier, failed call
+            if status == "ok":
+                results[rank] = data
+            else:
+                errors[rank] = data
+                if grace_deadline is None:
+                    grace_deadline = time.monotonic() + 2.0
+        if errors:
+            everyone_answered = (len(results) + len(errors) == self.world_size
+                                 and -1 not in errors and self.alive())
+            if not everyone_answered:
+                # A rank still inside a collective, dead or hung: the pool is unusable.
+                self.close(force=True)
+            # else: each rank returned or raised at the top of its fn, so no collective is
+            # half-done and the ranks can take the next call.
+            lines = [f"run_distributed({what}, world_size={self.world_size}, "
+                     f"backend={self.backend}) failed:"]
+            for r in sorted(errors):
+                head = "harness" if r < 0 else f"rank {r}"
+                lines.append(f"----- {head} -----\n{errors[r]}")
+            stuck = sorted(set(range(self.world_size)) - set(results) - set(errors))
+            if stuck and -1 not in errors:
+                lines.append(f"(ranks {stuck} had not returned; they were killed)")
+            raise DistributedTestError("\n".join(lines))
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self.task_qs:
+                try:
+                    q.put(None)
+                except Exception:
+                    pass
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        self.procs = []
+
+
+_POOLS: Dict[Tuple[int, str], _Pool] = {}
+
+
+def run_distributed(fn, world_size: int, *args, backend: str = "gloo",
+                    timeout: Optional[float] = None, fresh: bool = False, **kwargs) -> List[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks.
+
+    Args:
+        fn: a module-level function (pickled by name).
+        world_size: number of ranks.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank ``r`` on ``cuda:r``).
+        timeout: seconds before the call counts as hung (default ``$MOK_TEST_TIMEOUT`` or 180).
+        fresh: run on new processes, ended after the call (for ``fn``s with global state).
+
+    Returns:
+        The ranks' return values, indexed by rank.
+
+    Raises:
+        DistributedTestError (an ``AssertionError``): a rank raised (its traceback is in the
+        message), died, or the call timed out.
+    """
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"backend='nccl' with world_size={world_size} needs {world_size} "
+                           f"GPUs, found {torch.cuda.device_count()}")
+    key = (world_size, backend)
+    if fresh:
+        pool = _Pool(world_size, backend)
+        try:
+            return pool.call(fn, args, kwargs, timeout)
+        finally:
+            pool.close(force=False)
+    pool = _POOLS.get(key)
+    if pool is not None and not pool.alive():
+        pool.close(force=True)
+        pool = None
+    if pool is None:
+        pool = _POOLS[key] = _Pool(world_size, backend)
+    try:
+        return pool.call(fn, args, kwargs, timeout)
+    except BaseException:
+        if not pool.procs or not pool.alive():
+            _POOLS.pop(key, None)
+            pool.close(force=True)
+        raise
+
+
+def shutdown_pools() -> None:
+    """End every pooled rank (called at the end of the pytest session)."""
+    for key in list(_POOLS):
+        _POOLS.pop(key).close(force=False)
+
+
+# ------------------------------------------------------------------------------ seeded inputs
+CASES = ("random", "unrouted", "one_expert", "duplicate", "skewed", "mixed")
+
+
+def make_inputs(seed: int, world_size: int, T_per_rank: Sequence[int], E: int, H: int, K: int,
+                dtype: torch.dtype, case: str = "random", values: str = "normal",
+                idx_dtype: torch.dtype = torch.int64, device="cpu"):
+    """Every rank's ``(x [T_r, H], topk_idx [T_r, K], topk_weights [T_r, K])``, from one seed.
+
+    Every rank calls this with the same arguments and gets the same list, so it knows what
+    its peers send. Cases (routing):
+
+    - ``random``: K distinct experts per token (as a top-k router picks them).
+    - ``unrouted``: distinct experts, about a third of the slots ``-1`` (some tokens fully).
+    - ``one_expert``: every token sends slot 0 to expert ``E-1`` (on the last rank) and
+      leaves the other slots ``-1``; all other experts get no rows.
+    - ``duplicate``: experts drawn with replacement, so a token may name one expert twice.
+    - ``skewed``: distinct experts drawn from the lowest ``min(E, K+1)`` ids: most experts
+      (and, for ``E > W``, whole ranks) get no rows.
+    - ``mixed``: with replacement and about a quarter ``-1``.
+
+    ``values="normal"`` draws ``x`` from N(0, 1) (rounded to ``dtype``); ``values="int"``
+    draws multiples of 1/8 in [-2, 2], so sums of up to 8 copies are exact in every dtype.
+    Weights are float32 in [0.05, 1).
+    """
+    if case not in CASES:
+        raise ValueError(f"unknown case {case!r}; one of {CASES}")
+    if len(T_per_rank) != world_size:
+        raise ValueError("T_per_rank needs one entry per rank")
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for T in T_per_rank:
+        if values == "int":
+            x = (torch.randint(-16, 17, (T, H), generator=g).float() / 8).to(dtype)
+        else:
+            x = torch.randn(T, H, generator=g).to(dtype)
+        if case in ("random", "unrouted"):
+            idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) \
+                if T else torch.empty(0, K, dtype=torch.int64)
+        elif case == "skewed":
+            lim = min(E, K + 1)
+            idx = torch.stack([torch.randperm(lim, generator=g)[:K] for _ in range(T)]) \
+                if T else torch.empty(0, K, dtype=torch.int64)
+        elif case == "one_expert":
+            idx = torch.full((T, K), -1, dtype=torch.int64)
+            idx[:, 0] = E - 1
+        else:  # duplicate, mixed
+            idx = torch.randint(0, E, (T, K), generator=g)
+        if case in ("unrouted", "mixed"):
+            drop = torch.rand(T, K, generator=g) < (0.34 if case == "unrouted" else 0.25)
+            if T >= 2:
+                drop[T // 2] = True            # at least one token with no routed slot
+            idx = torch.where(drop, torch.full_like(idx, -1), idx)
+        w = torch.rand(T, K, generator=g) * 0.95 + 0.05
+        out.append((x.contiguous().to(device), idx.to(idx_dtype).contiguous().to(device),
+                    w.float().contiguous().to(device)))
+    return out
+
+
+def seeded(seed: int, shape, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
+    """A seeded N(0, 1) tensor (any rank can recreate any other rank's)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+
+# --------------------------------------------------------------------------------- asserts
+_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+             torch.float64: torch.int64}
+
+
+def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str = "tensor") -> None:
+    """Same dtype, shape and bits (``-0.0 != +0.0``, NaN payloads compared)."""
+    assert isinstance(actual, torch.Tensor), f"{what}: not a tensor ({type(actual).__name__})"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert tuple(actual.shape) == tuple(expected.shape), \
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = actual.detach().cpu().contiguous(), expected.detach().cpu().contiguous()
+    if a.dtype in _INT_VIEW:
+        a, e = a.view(_INT_VIEW[a.dtype]), e.view(_INT_VIEW[e.dtype])
+    bad = (a != e)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        n = int(bad.sum())
+        raise AssertionError(
+            f"{what}: {n} of {a.numel()} elements differ bitwise; first at {first}: "
+            f"got {actual.detach().cpu()[first].item()!r}, expected {expected.detach().cpu()[first].item()!r}")
+
+
+# ------------------------------------------------------------------------------- case table
+def _per_rank(values: Sequence[int], world_size: int) -> List[int]:
+    return [values[r % len(values)] for r in range(world_size)]
+
+
+def contract_cases(world_size: int) -> Dict[str, dict]:
+    """The routing cases every backend is held to, sized for ``world_size`` ranks.
+
+    Each spec: ``T`` (tokens per rank), ``T_max``, ``E``, ``H``, ``K``, ``case`` (see
+    :func:`make_inputs`), ``idx_dtype``. Hidden sizes are multiples of 16 so the same table
+    serves the CUDA backend.
+    """
+    W = world_size
+
+    def spec(T, E, K, case="random", H=32, idx_dtype=torch.int64, slack=3):
+        return dict(T=list(T), T_max=max(T) + slack, E=E, H=H, K=min(K, E), case=case,
+                    idx_dtype=idx_dtype)
+
+    return {
+        "random": spec(_per_rank([11, 16, 5, 9], W), 4 * W, 4),
+        "random_int32_idx": spec(_per_rank([12, 7], W), 4 * W, 3, idx_dtype=torch.int32),
+        "t_max_exact": spec(_per_rank([8, 8], W), 2 * W, 2, slack=0),
+        "t0_on_rank0": spec([0] + [9] * (W - 1), 2 * W, 2),
+        "t0_everywhere": spec([0] * W, 2 * W, 2),
+        "t_max_zero": spec([0] * W, 2 * W, 2, slack=0),
+        "unrouted_slots": spec(_per_rank([10, 13, 6], W), 4 * W, 3, case="unrouted"),
+        "all_to_one_expert": spec(_per_rank([9, 6, 12], W), 4 * W, 3, case="one_expert"),
+        "experts_without_rows": spec(_per_rank([10, 7], W), 4 * W, 2, case="skewed"),
+        "k1": spec(_per_rank([9, 14], W), 2 * W, 1),
+        "e_equals_w": spec(_per_rank([7, 10], W), W, 2),
+        "e_equals_w_duplicates": spec(_per_rank([7, 10], W), W, 2, case="duplicate"),
+        "odd_t": spec(_per_rank([1, 3, 7, 5], W), 2 * W, 2),
+        "same_expert_twice": spec(_per_rank([9, 12], W), 2 * W, 4, case="duplicate"),
+        "mixed": spec(_per_rank([13, 4, 10, 7], W), 4 * W, 4, case="mixed"),
+        "dsv3_like": spec(_per_rank([48, 40], W), 8 * W, 8, H=64),
+    }
+
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _buffer(spec: dict, dtype, backend: str, partial=None, **kw):
+    import megatron_mok as mok
+
+    return mok.Buffer(None, num_experts=spec["E"], hidden=spec["H"], topk=spec["K"],
+                      max_tokens_per_rank=spec["T_max"], dtype=dtype, backend=backend,
+                      combine_partial_dtype=partial, **kw)
+
+
+def spec_inputs(spec: dict, world_size: int, dtype, seed: int, values: str = "normal", device="cpu"):
+    return make_inputs(seed, world_size, spec["T"], spec["E"], spec["H"], spec["K"], dtype,
+                       case=spec["case"], values=values, idx_dtype=spec["idx_dtype"], device=device)
+
+
+def check_contract_case(rank: int, world_size: int, spec: dict, seed: int,
+                        backend: str = "reference", device="cpu",
+                        dtypes: Sequence[torch.dtype] = DTYPES, **buffer_kw) -> Dict[str, int]:
+    """Dispatch and combine of one case against the oracle, bitwise, for every dtype and
+    both partial-dtype modes; plus combine(dispatch(x)) == x * routed slots on exact
+    inputs. Returns the row counts (so a test can see what it covered)."""
+    import oracle
+
+    stats = {}
+    for di, dtype in enumerate(dtypes):
+        inputs = spec_inputs(spec, world_size, dtype, seed + di, device=device)
+        routing = oracle.route(inputs, spec["E"])
+        exp = oracle.expected_dispatch(inputs, spec["E"], rank, routing)
+        x, idx, w = inputs[rank]
+        tag = f"[{spec['case']} {dtype} rank {rank}]"
+        # The expert outputs of every rank (seeded), for the combine check.
+        eo_all = [seeded(seed * 7919 + 31 * d + di, (routing[d].num_rows, spec["H"]), dtype)
+                  for d in range(world_size)]
+        for partial in (None, torch.float32):
+            buf = _buffer(spec, dtype, backend, partial, **buffer_kw)
+            res = buf.dispatch(x, idx, w)
+            ptag = f"{tag} partial={partial}"
+            assert_bitwise(res.tokens, exp["tokens"].to(device), f"tokens {ptag}")
+            assert_bitwise(res.probs, exp["probs"].to(device), f"probs {ptag}")
+            assert_bitwise(res.tokens_per_expert, exp["tokens_per_expert"].to(device),
+                           f"tokens_per_expert {ptag}")
+            assert_bitwise(res.src_rank, exp["src_rank"].to(device), f"src_rank {ptag}")
+            assert_bitwise(res.src_token, exp["src_token"].to(device), f"src_token {ptag}")
+            assert res.tokens_per_expert.device == x.device, f"tokens_per_expert device {ptag}"
+            y = buf.combine(eo_all[rank].to(device), res.handle)
+            want = oracle.expected_combine(routing, eo_all, rank, x.shape[0], dtype,
+                                           partial if partial is not None else dtype)
+            assert_bitwise(y, want.to(device), f"combine {ptag}")
+            buf.destroy()
+        stats[str(dtype)] = routing[rank].num_rows
+
+        # combine(dispatch(x)) with identity experts == x * (number of routed slots), exactly.
+        ints = spec_inputs(spec, world_size, dtype, seed + 100 + di, values="int", device=device)
+        xi, ii, wi = ints[rank]
+        n = oracle.routed_slots(ii.cpu()).to(device)
+        want = torch.where((n > 0).view(-1, 1), xi.float() * n.view(-1, 1).float(),
+                           torch.zeros((), device=device)).to(dtype)
+        for partial in (None, torch.float32):
+            buf = _buffer(spec, dtype, backend, partial, **buffer_kw)
+            res = buf.dispatch(xi, ii, wi)
+            y = buf.combine(res.tokens, res.handle)
+            assert_bitwise(y, want, f"identity round trip {tag} partial={partial}")
+            buf.destroy()
+    return stats
+
+
+def full_pass(buf, x0: torch.Tensor, idx: torch.Tensor, w0: torch.Tensor, seed: int,
+              expert_out_override: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+    """One forward + backward through ``buf``: dispatch, an expert (each row times its prob
+    and a factor of its source), combine, and a seeded upstream gradient. Returns every
+    output and gradient (detached, on CPU) for bitwise comparisons between runs/backends."""
+    x = x0.detach().clone().requires_grad_(True)
+    w = w0.detach().clone().requires_grad_(True)
+    res = buf.dispatch(x, idx, w)
+    # The expert's factor depends on the row's source, not its position, so static and
+    # dynamic mode (or two backends) compute the same thing; no host sync.
+    key = (res.src_rank * 131 + res.src_token * 7 + seed) % 17
+    scale = (1.0 + key.to(torch.float32) / 32).view(-1, 1)
+    eo = (res.tokens.float() * scale * res.probs[:, None]).to(buf.dtype).contiguous()
+    if expert_out_override is not None:
+        eo = expert_out_override
+    eo.retain_grad() if eo.requires_grad else None
+    y = buf.combine(eo, res.handle)
+    gy = seeded(seed + 1, tuple(y.shape), device=x0.device)
+    (y.float() * gy).sum().backward()
+    out = dict(tokens=res.tokens, probs=res.probs, tokens_per_expert=res.tokens_per_expert,
+               src_rank=res.src_rank, src_token=res.src_token, y=y, grad_x=x.grad,
+               grad_topk_weights=w.grad, grad_expert_out=eo.grad)
+    return {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+
+
+def assert_same_results(a: Dict[str, Any], b: Dict[str, Any], what: str) -> None:
+    assert a.keys() == b.keys(), f"{what}: fields {sorted(a)} != {sorted(b)}"
+    for k in a:
+        if a[k] is None or b[k] is None:
+            assert a[k] is None and b[k] is None, f"{what}: {k} is None on one side only"
+            continue
+        assert_bitwise(a[k], b[k], f"{what}: {k}")

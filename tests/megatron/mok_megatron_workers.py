@@ -1,0 +1,344 @@
+"""Rank functions for the Megatron tests (run by ``harness.run_distributed``).
+
+Each function initialises Megatron's ``parallel_state`` itself and tears it down (and the
+shared MoK Buffers) in ``finally``, so pooled ranks can take the next call.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _setup(ep_size: int, backend_env: str | None = None):
+    warnings.filterwarnings("ignore")
+    if backend_env:
+        os.environ["MOK_BACKEND"] = backend_env
+    else:
+        os.environ.pop("MOK_BACKEND", None)
+    os.environ.pop("MOK_MAX_TOKENS_PER_RANK", None)
+    import megatron_mok.megatron as mm
+    from megatron_mok.megatron import harness
+
+    mm.install()
+    harness.init_parallel(ep_size)
+    harness.enable_cpu_alltoall()
+    return harness
+
+
+def _device():
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _assert_bitwise(a, b, what):
+    from harness import assert_bitwise
+
+    assert_bitwise(a, b, what)
+
+
+def _ep_ranks():
+    from megatron.core import parallel_state
+
+    return dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group())
+
+
+# ------------------------------------------------------------------------ dispatcher checks
+def megatron_dropless_roundtrip(rank, world, ep_size, dtype_name, topk, num_experts,
+                                backend_env=None):
+    """Megatron's ``dispatcher_dropless_test``, applied to ``mok``: router probs replaced by
+    1/topk, tokens scaled by ``permuted_probs``, combined: the output is the input and the
+    input gradient is the upstream gradient. With topk a power of two every step is exact,
+    so the check is bitwise."""
+    h = _setup(ep_size, backend_env)
+    try:
+        dtype, dev = DTYPES[dtype_name], _device()
+        cfg = h.moe_config("mok", ep_size=ep_size, num_experts=num_experts, topk=topk,
+                           hidden=32, moe_router_load_balancing_type="none",
+                           moe_aux_loss_coeff=0.0)
+        layer = h.build_moe_layer(cfg, device=dev, dtype=dtype)
+        disp = layer.token_dispatcher
+        assert type(disp).__name__ == "MokTokenDispatcher", type(disp)
+        g = torch.Generator().manual_seed(1000 + rank)
+        x = torch.randn(16, 4, 32, generator=g).to(dtype).to(dev)
+        ans = x.clone()
+        x.requires_grad_(True)
+        probs, routing_map = layer.router(x)
+        probs = torch.ones_like(probs) / layer.router.topk
+
+        hs, p = disp.dispatch_preprocess(x, routing_map, probs)
+        hs, p = disp.token_dispatch(hs, p)
+        hs, tokens_per_expert, permuted_probs = disp.dispatch_postprocess(hs, p)
+        assert permuted_probs.dim() == 1 and permuted_probs.shape[0] == hs.shape[0]
+        assert int(tokens_per_expert.sum()) == hs.shape[0]
+        assert tokens_per_expert.shape == (num_experts // ep_size,)
+        hs = (hs * permuted_probs.unsqueeze(-1)).to(dtype)
+        out = disp.combine_postprocess(disp.token_combine(disp.combine_preprocess(hs)))
+        assert out.shape == ans.shape and out.dtype == dtype
+        if topk & (topk - 1) == 0:
+            _assert_bitwise(out, ans, "restored hidden states")
+        else:
+            torch.testing.assert_close(out, ans)
+        torch.autograd.backward(out, ans)
+        if topk & (topk - 1) == 0:
+            _assert_bitwise(x.grad, ans, "input gradient")
+        else:
+            torch.testing.assert_close(x.grad, ans)
+        return int(hs.shape[0])
+    finally:
+        h.destroy_parallel()
+
+
+def _seeded_routing(seed, ranks, num_tokens, num_experts, topk, hidden, dtype):
+    """Every EP rank's ``(x, routing_map, probs)``, from one seed, so each rank knows all."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, _ in enumerate(ranks):
+        T = num_tokens[i % len(num_tokens)]
+        x = torch.randn(T, hidden, generator=g).to(dtype)
+        rmap = torch.zeros(T, num_experts, dtype=torch.bool)
+        for t in range(T):
+            k = topk if t % 5 else max(topk - 1, 0)       # some tokens use fewer slots
+            if t == 3:
+                k = 0                                    # and one token none at all
+            rmap[t, torch.randperm(num_experts, generator=g)[:k]] = True
+        probs = (torch.rand(T, num_experts, generator=g) * 0.9 + 0.1) * rmap
+        out.append((x, rmap, probs.float()))
+    return out
+
+
+def dispatcher_layout_and_grads(rank, world, ep_size, dtype_name, backend_env=None):
+    """Exact expert-major layout (rows, ``tokens_per_expert``, ``permuted_probs``) against
+    every rank's seeded routing; then combine of ``tokens * permuted_probs`` and its
+    gradients to ``x`` and the dense ``probs`` against a local autograd reference."""
+    h = _setup(ep_size, backend_env)
+    try:
+        dtype, dev = DTYPES[dtype_name], _device()
+        E, K, H = 4 * ep_size, 3, 32
+        cfg = h.moe_config("mok", ep_size=ep_size, num_experts=E, topk=K, hidden=H,
+                           moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+        layer = h.build_moe_layer(cfg, device=dev, dtype=dtype)
+        disp = layer.token_dispatcher
+        ranks = _ep_ranks()
+        me = ranks.index(rank)
+        data = _seeded_routing(77, ranks, [10, 7, 12, 5], E, K, H, dtype)
+        e_local = E // ep_size
+        # expected rows: local expert, then source (EP) rank, then token
+        exp_rows, exp_probs, exp_tpe = [], [], []
+        for e in range(me * e_local, (me + 1) * e_local):
+            n = 0
+            for (xs, rm, ps) in data:
+                sel = rm[:, e].nonzero().flatten()
+                exp_rows.append(xs[sel])
+                exp_probs.append(ps[sel, e])
+                n += sel.numel()
+            exp_tpe.append(n)
+        exp_rows = torch.cat(exp_rows)
+        exp_probs = torch.cat(exp_probs)
+
+        x0, rmap, probs0 = data[me]
+        x = x0.detach().clone().to(dev).requires_grad_(True)
+        probs = probs0.detach().clone().to(dev).requires_grad_(True)
+        hs, p = disp.dispatch_preprocess(x, rmap.to(dev), probs)
+        hs, p = disp.token_dispatch(hs, p)
+        tokens, tpe, pprobs = disp.dispatch_postprocess(hs, p)
+        _assert_bitwise(tokens, exp_rows.to(dev), "expert-major rows")
+        _assert_bitwise(pprobs, exp_probs.to(dev), "permuted_probs")
+        assert tpe.dtype == torch.int64, tpe.dtype
+        assert tpe.tolist() == exp_tpe, (tpe.tolist(), exp_tpe)
+
+        y = disp.combine_postprocess(disp.token_combine(disp.combine_preprocess(
+            (tokens.float() * pprobs.unsqueeze(-1)).to(dtype))))
+        gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5 + rank)).to(dtype)
+        y.backward(gy.to(dev))
+
+        # local reference: y_t = sum_e probs[t, e] * x_t over routed e, in float32
+        xr = x0.detach().float().clone().requires_grad_(True)
+        pr = probs0.detach().clone().requires_grad_(True)
+        yr = (pr * rmap).sum(1, keepdim=True) * xr
+        yr.backward(gy.float())
+        tol = dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else dict(atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y.float().cpu(), yr.detach(), **tol)
+        torch.testing.assert_close(x.grad.float().cpu(), xr.grad, **tol)
+        torch.testing.assert_close(probs.grad.float().cpu(), pr.grad * rmap, **tol)
+        assert torch.all(probs.grad.cpu()[~rmap] == 0)
+
+        # a token count above the agreed T_max fails before any communication, naming the knob
+        big = disp.buffer.max_tokens_per_rank + 1
+        xb = torch.zeros(big, H, dtype=dtype, device=dev)
+        rb = torch.zeros(big, E, dtype=torch.bool, device=dev)
+        hb, pb = disp.dispatch_preprocess(xb, rb, torch.zeros(big, E, device=dev))
+        try:
+            disp.token_dispatch(hb, pb)
+        except ValueError as e:
+            assert "MOK_MAX_TOKENS_PER_RANK" in str(e), str(e)
+        else:
+            raise AssertionError("T > T_max did not raise")
+        return exp_tpe
+    finally:
+        h.destroy_parallel()
+
+
+# ------------------------------------------------------------------------ full MoELayer
+def _run_layer(layer, x, gy):
+    xx = x.clone().requires_grad_(True)
+    y, bias = layer(xx)
+    assert bias is None
+    y.backward(gy)
+    grads = {k: p.grad.detach().clone() for k, p in layer.named_parameters()}
+    for p in layer.parameters():
+        p.grad = None
+    return y.detach(), xx.grad.detach(), grads
+
+
+_EXPERT_KEY = re.compile(r"experts\.local_experts\.(\d+)\.(.*)")
+
+
+def layer_mok_vs_alltoall_cpu(rank, world):
+    """Full ``MoELayer`` on CPU: ``mok`` over EP=W against Megatron's ``alltoall`` with every
+    expert local (EP=1; its permute / unpermute path), same weights, same input: outputs and
+    all gradients agree (expert grads summed over ranks); ``mok`` twice is bitwise equal."""
+    h = _setup(world)
+    try:
+        E = 4 * world
+        kw = dict(num_experts=E, topk=2, hidden=32, moe_router_load_balancing_type="none",
+                  moe_aux_loss_coeff=0.0)
+        torch.manual_seed(0)
+        mok_layer = h.build_moe_layer(h.moe_config("mok", ep_size=world, **kw))
+        a2a_layer = h.build_moe_layer(h.moe_config("alltoall", ep_size=1, **kw),
+                                      pg_collection=h.single_rank_pg_collection())
+        assert type(mok_layer.token_dispatcher).__name__ == "MokTokenDispatcher"
+        assert type(a2a_layer.token_dispatcher).__name__ == "MoEAlltoAllTokenDispatcher"
+        shards = [None] * world
+        dist.all_gather_object(shards, mok_layer.state_dict())
+        e_local = E // world
+        full = {}
+        for r, sd in enumerate(shards):
+            for k, v in sd.items():
+                m = _EXPERT_KEY.match(k)
+                if m:
+                    full[f"experts.local_experts.{r * e_local + int(m.group(1))}.{m.group(2)}"] = v
+                elif r == 0:
+                    full[k] = v
+        a2a_layer.load_state_dict(full, strict=True)
+
+        g = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(8, 3, 32, generator=g)
+        gy = torch.randn(8, 3, 32, generator=g)
+        y_m, dx_m, g_m = _run_layer(mok_layer, x, gy)
+        y_m2, dx_m2, g_m2 = _run_layer(mok_layer, x, gy)
+        y_a, dx_a, g_a = _run_layer(a2a_layer, x, gy)
+
+        _assert_bitwise(y_m2, y_m, "mok output, run 2 vs run 1")
+        _assert_bitwise(dx_m2, dx_m, "mok input grad, run 2 vs run 1")
+        for k in g_m:
+            _assert_bitwise(g_m2[k], g_m[k], f"mok grad {k}, run 2 vs run 1")
+
+        tol = dict(atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y_m, y_a, **tol)
+        torch.testing.assert_close(dx_m, dx_a, **tol)
+        summed = {}
+        for k in sorted(g_a):
+            if k.startswith("experts."):
+                t = g_a[k].clone()
+                dist.all_reduce(t)
+                summed[k] = t
+        for k, v in g_m.items():
+            m = _EXPERT_KEY.match(k)
+            ref = summed[f"experts.local_experts.{rank * e_local + int(m.group(1))}.{m.group(2)}"] \
+                if m else g_a[k]
+            torch.testing.assert_close(v, ref, **tol, msg=lambda s: f"grad {k}: {s}")
+        assert float(y_m.abs().sum()) > 0 and all(float(v.abs().sum()) > 0 for v in g_m.values())
+        return sorted(g_m)
+    finally:
+        h.destroy_parallel()
+
+
+def layer_mok_vs_alltoall_gpu(rank, world, backend_env="cuda"):
+    """Full ``MoELayer`` in bf16 on GPUs: ``alltoall`` and ``mok`` over the same EP group,
+    same weights, same input. Outputs and every gradient agree within bf16 tolerance, and
+    mok's error against an fp32 run of the same layer is at most 2x alltoall's (+ 1 ulp
+    slack); ``mok`` twice is bitwise equal."""
+    h = _setup(world, backend_env)
+    try:
+        dev = _device()
+        kw = dict(num_experts=8 * world, topk=4, hidden=256, ffn_hidden=512,
+                  moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
+        torch.manual_seed(0)
+        a2a = h.build_moe_layer(h.moe_config("alltoall", ep_size=world, **kw), device=dev)
+        mok = h.build_moe_layer(h.moe_config("mok", ep_size=world, **kw), device=dev)
+        mok.load_state_dict(a2a.state_dict())
+        a2a_bf16 = h.build_moe_layer(h.moe_config("alltoall", ep_size=world,
+                                                  dtype=torch.bfloat16, **kw), device=dev)
+        mok_bf16 = h.build_moe_layer(h.moe_config("mok", ep_size=world,
+                                                  dtype=torch.bfloat16, **kw), device=dev)
+        sd16 = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
+                for k, v in a2a.state_dict().items()}
+        a2a_bf16.load_state_dict(sd16)
+        mok_bf16.load_state_dict(sd16)
+        assert type(mok_bf16.token_dispatcher).__name__ == "MokTokenDispatcher"
+        g = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(512, 2, 256, generator=g).to(dev)
+        gy = torch.randn(512, 2, 256, generator=g).to(dev)
+
+        ref = _run_layer(a2a, x, gy)                       # fp32 alltoall: the reference
+        ya, dxa, ga = _run_layer(a2a_bf16, x.bfloat16(), gy.bfloat16())
+        ym, dxm, gm = _run_layer(mok_bf16, x.bfloat16(), gy.bfloat16())
+        ym2, dxm2, gm2 = _run_layer(mok_bf16, x.bfloat16(), gy.bfloat16())
+        _assert_bitwise(ym2, ym, "mok output, run 2 vs run 1")
+        _assert_bitwise(dxm2, dxm, "mok input grad, run 2 vs run 1")
+        for k in gm:
+            _assert_bitwise(gm2[k], gm[k], f"mok grad {k}, run 2 vs run 1")
+
+        report = {}
+        pairs = [("output", ym, ya, ref[0]), ("input_grad", dxm, dxa, ref[1])]
+        pairs += [(f"grad:{k}", gm[k], ga[k], ref[2][k]) for k in gm]
+        for name, m, a, r in pairs:
+            torch.testing.assert_close(m.float(), a.float(), atol=2e-2, rtol=2e-2,
+                                       msg=lambda s: f"{name}: mok vs alltoall: {s}")
+            err_m = (m.float() - r.float()).abs().max().item()
+            err_a = (a.float() - r.float()).abs().max().item()
+            ulp = r.float().abs().max().item() * 2.0 ** -8
+            assert err_m <= 2 * err_a + ulp, f"{name}: mok err {err_m} > 2x alltoall err {err_a}"
+            report[name] = {"mok_vs_fp32": err_m, "alltoall_vs_fp32": err_a}
+        return report
+    finally:
+        h.destroy_parallel()
+
+
+# ------------------------------------------------------------------- example and benchmark
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load(relpath, name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_REPO, relpath))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def example_train(rank, world, dispatcher, out_json):
+    """``examples/train_gpt_moe.py`` at toy size, in this (pooled) process group."""
+    train = _load("examples/train_gpt_moe.py", "mok_example_train_gpt_moe")
+    summary = train.main(["--moe-token-dispatcher-type", dispatcher, "--train-iters", "5",
+                          "--seq-length", "32", "--micro-batch-size", "2", "--hidden-size", "64",
+                          "--ffn-hidden-size", "64", "--num-experts", "4", "--vocab-size", "128",
+                          "--timing-warmup", "1", "--quiet", "--output-json", out_json])
+    return summary["losses"]
+
+
+def bench_layer_tiny(rank, world, out_dir):
+    """``benchmarks/bench_layer.py --tiny`` in this (pooled) process group."""
+    bench = _load("benchmarks/bench_layer.py", "mok_bench_layer")
+    report = bench.run(bench.parse_args(["--tiny", "--iters", "20", "--warmup", "2",
+                                         "--out-dir", out_dir]))
+    return report["path"]

@@ -1,0 +1,161 @@
+"""``megatron_mok.megatron.install()``: registration, version gate, config-time checks, and
+the dense-routing -> top-k conversion. Single process, CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.megatron
+
+import megatron_mok.megatron as mm  # noqa: E402
+from megatron_mok.megatron import versions  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def installed():
+    mm.install()
+    yield
+
+
+def _cfg(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=1, hidden_size=16, num_attention_heads=4, num_moe_experts=8,
+                moe_router_topk=2, moe_token_dispatcher_type="mok", use_cpu_initialization=True)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def test_install_is_idempotent_and_reports_version():
+    v1 = mm.install()
+    v2 = mm.install()
+    assert v1 == v2 == versions.megatron_core_version()
+    assert mm.is_installed()
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    # patched once, not wrapped twice
+    assert MoELayer.__init__._mok_patched
+    assert not getattr(MoELayer.__init__.__wrapped__, "_mok_patched", False)
+    assert not getattr(TransformerConfig.__post_init__.__wrapped__, "_mok_patched", False)
+
+
+def test_mok_is_a_valid_config_value_and_choice():
+    from megatron.core.transformer.transformer_config import (MLATransformerConfig,
+                                                              TransformerConfig)
+
+    for cls in (TransformerConfig, MLATransformerConfig):
+        f = {x.name: x for x in dataclasses.fields(cls)}["moe_token_dispatcher_type"]
+        assert typing.get_origin(f.type) is typing.Literal
+        assert set(typing.get_args(f.type)) >= {"allgather", "alltoall", "flex", "mok"}
+    cfg = _cfg()
+    assert cfg.moe_token_dispatcher_type == "mok"
+    # dataclasses.replace re-runs __post_init__ with the checks
+    assert dataclasses.replace(cfg, moe_router_topk=4).moe_router_topk == 4
+
+
+def test_uninstall_restores_and_reinstall_works():
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    mm.uninstall()
+    try:
+        assert not mm.is_installed()
+        f = TransformerConfig.__dataclass_fields__["moe_token_dispatcher_type"]
+        assert "mok" not in typing.get_args(f.type)
+        assert not getattr(MoELayer.__init__, "_mok_patched", False)
+        assert not getattr(TransformerConfig.__post_init__, "_mok_patched", False)
+    finally:
+        mm.install()
+    assert "mok" in typing.get_args(TransformerConfig.__dataclass_fields__[
+        "moe_token_dispatcher_type"].type)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (dict(expert_tensor_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
+     "expert_tensor_parallel_size=1"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True),       # ETP defaults to TP
+     "expert_tensor_parallel_size=1"),
+    (dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+     "unset it"),
+    (dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True),
+     "unset moe_shared_expert_overlap"),
+    (dict(moe_router_padding_for_quantization=True, fp8="hybrid"),
+     "moe_router_padding_for_quantization"),
+    (dict(num_moe_experts=None), "num_moe_experts"),
+])
+def test_unsupported_configs_fail_at_config_time(overrides, needle):
+    with pytest.raises(mm.MokConfigError) as e:
+        _cfg(**overrides)
+    assert needle in str(e.value)
+    assert "moe_token_dispatcher_type='mok'" in str(e.value)
+
+
+def test_supported_variants_build_configs():
+    # router-side token dropping (capacity factor, no padding) and a non-overlapped
+    # shared expert are fine: MoK just sees fewer routes / Megatron runs the shared expert
+    _cfg(moe_expert_capacity_factor=1.25)
+    _cfg(moe_shared_expert_intermediate_size=32)
+    # other dispatchers are untouched by the MoK checks
+    _cfg(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=32,
+         moe_shared_expert_overlap=True)
+
+
+def test_version_gate():
+    assert versions.parse_version("0.19.2rc1") == (0, 19, 2)
+    assert versions.parse_version("0.16") == (0, 16, 0)
+    for ok in ("0.16.0", "0.16.1", "0.17.1", "0.18.2", "0.19.2"):
+        assert versions.check_supported(ok) == ok
+    for bad in ("0.15.3", "0.20.0", "1.0.0"):
+        with pytest.raises(RuntimeError, match="MOK_MEGATRON_SKIP_VERSION_CHECK"):
+            versions.check_supported(bad)
+
+
+def test_version_gate_override(monkeypatch):
+    monkeypatch.setenv(versions.SKIP_CHECK_ENV, "1")
+    with pytest.warns(UserWarning, match="0.20.0"):
+        assert versions.check_supported("0.20.0") == "0.20.0"
+
+
+def test_options_from_env_and_config(monkeypatch):
+    monkeypatch.setenv("MOK_BACKEND", "reference")
+    monkeypatch.setenv("MOK_MAX_TOKENS_PER_RANK", "4096")
+    monkeypatch.setenv("MOK_COMBINE_PARTIAL_DTYPE", "fp32")
+    o = mm.MokOptions.from_config(None)
+    assert (o.backend, o.max_tokens_per_rank, o.combine_partial_dtype) == \
+        ("reference", 4096, torch.float32)
+    cfg = _cfg()
+    cfg.moe_mok_backend = "cuda"                 # a config attribute wins over the env
+    assert mm.MokOptions.from_config(cfg).backend == "cuda"
+    monkeypatch.setenv("MOK_BACKEND", "nccl")
+    with pytest.raises(mm.MokConfigError, match="MOK_BACKEND"):
+        mm.MokOptions.from_config(None)
+
+
+def test_routing_map_to_topk():
+    from megatron_mok.megatron.dispatcher import routing_map_to_topk
+
+    rmap = torch.tensor([[0, 1, 0, 1, 0, 0],
+                         [1, 0, 0, 0, 0, 1],
+                         [0, 0, 0, 0, 0, 0],
+                         [0, 0, 1, 0, 0, 0]], dtype=torch.bool)
+    probs = (torch.arange(24, dtype=torch.float32).view(4, 6) / 10 * rmap).requires_grad_(True)
+    idx, w = routing_map_to_topk(rmap, probs, 2)
+    assert idx.tolist() == [[1, 3], [0, 5], [-1, -1], [2, -1]]
+    assert idx.dtype == torch.int64 and w.dtype == torch.float32
+    torch.testing.assert_close(w, torch.tensor([[0.1, 0.3], [0.6, 1.1], [0, 0], [2.0, 0]]))
+    w.sum().backward()
+    assert torch.equal(probs.grad, rmap.float())
+    # bf16 probs come through exactly as float32
+    idx2, w2 = routing_map_to_topk(rmap, probs.detach().bfloat16(), 2)
+    assert torch.equal(idx2, idx) and torch.equal(w2, w.detach().bfloat16().float())
+    # empty input
+    i0, w0 = routing_map_to_topk(rmap[:0], probs.detach()[:0], 2)
+    assert i0.shape == (0, 2) and w0.shape == (0, 2)
+    # more routes than top-k is an error, not a silent drop
+    with pytest.raises(RuntimeError, match="more than moe_router_topk"):
+        routing_map_to_topk(torch.ones(2, 6, dtype=torch.bool), torch.ones(2, 6), 2)

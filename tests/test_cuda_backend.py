@@ -1,0 +1,350 @@
+"""The CUDA backend against the reference backend, BITWISE, forward and backward, on real
+GPUs (NCCL, one process per GPU); plus repeatability, SM counts, ring wrap-around, CUDA
+graphs of static-shape mode, a missing peer, and world size 1.
+
+Skipped without GPUs (markers ``gpu``/``multigpu``, see conftest.py). The CPU tests at the
+bottom run the same comparison code with the reference backend on both sides over gloo,
+so the GPU tests' own logic is exercised on every CI run.
+
+NVLink multicast stays off: ``harness`` forces NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 before any process group.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import oracle
+from harness import (DTYPES, _buffer, assert_bitwise, assert_same_results, contract_cases,
+                     full_pass, make_inputs, run_distributed, spec_inputs)
+from test_cached_dispatch import check_cached_case
+from test_static_shape import _overflow, check_static_case
+
+GPU_WORLD_SIZES = [
+    pytest.param(2, marks=[pytest.mark.gpu, pytest.mark.multigpu]),
+    pytest.param(4, marks=[pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.skipif(
+        torch.cuda.device_count() < 4, reason="needs 4 GPUs")]),
+]
+CASE_NAMES = tuple(contract_cases(2))
+
+
+def _device_for(rank):
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", rank)
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- the comparisons
+def _backend_vs_reference(rank, world_size, name, seed, backend="cuda", **kw):
+    """Forward + backward of ``backend`` and of the reference on the same inputs: every
+    output and gradient bitwise equal; dispatch fields also against the oracle; the
+    identity round trip exact."""
+    dev = _device_for(rank)
+    spec = contract_cases(world_size)[name]
+    for di, dtype in enumerate(DTYPES):
+        inputs = spec_inputs(spec, world_size, dtype, seed + di, device=dev)
+        exp = oracle.expected_dispatch([tuple(t.cpu() for t in inp) for inp in inputs], spec["E"], rank)
+        ints = spec_inputs(spec, world_size, dtype, seed + 100 + di, values="int", device=dev)
+        xi, ii, wi = ints[rank]
+        n = oracle.routed_slots(ii.cpu())
+        want_id = torch.where((n > 0).view(-1, 1), xi.cpu().float() * n.view(-1, 1).float(),
+                              torch.zeros(())).to(dtype)
+        for partial in (None, torch.float32):
+            tag = f"[{name} {dtype} partial={partial} rank {rank}]"
+            buf = _buffer(spec, dtype, backend, partial, device=dev, **kw)
+            ref = _buffer(spec, dtype, "reference", partial, device=dev)
+            got = full_pass(buf, *inputs[rank], seed)
+            want = full_pass(ref, *inputs[rank], seed)
+            assert_same_results(got, want, f"{backend} vs reference {tag}")
+            for k in ("tokens", "probs", "tokens_per_expert", "src_rank", "src_token"):
+                assert_bitwise(got[k], exp[k], f"{k} vs oracle {tag}")
+            res = buf.dispatch(xi, ii, wi)
+            assert_bitwise(buf.combine(res.tokens, res.handle), want_id, f"identity round trip {tag}")
+            if hasattr(buf, "check_errors"):
+                buf.check_errors()
+            buf.destroy()
+            ref.destroy()
+    return True
+
+
+def _repeats_and_sms(rank, world_size, name, seed, backend="cuda", sms_list=(4, 16, 24), repeats=20):
+    dev = _device_for(rank)
+    spec = contract_cases(world_size)[name]
+    for di, dtype in enumerate((torch.bfloat16, torch.float32)):
+        inputs = spec_inputs(spec, world_size, dtype, seed + di, device=dev)
+        ref = _buffer(spec, dtype, "reference", device=dev)
+        want = full_pass(ref, *inputs[rank], seed)
+        ref.destroy()
+        for sms in sms_list:
+            buf = _buffer(spec, dtype, backend, device=dev, num_sms=sms)
+            tag = f"[{name} {dtype} num_sms={sms} rank {rank}]"
+            for i in range(repeats if sms == sms_list[-1] else 2):
+                assert_same_results(full_pass(buf, *inputs[rank], seed), want, f"run {i} {tag}")
+            buf.destroy()
+    return True
+
+
+def ring_chunk_bytes(H, K, elem=2, partial_elem=2):
+    """Bytes of one dispatch / combine ring chunk of the CUDA backend (its chunk size)."""
+    try:
+        from megatron_mok.cuda.backend import DEFAULT_CHUNK_TOKENS as C
+    except Exception:       # the reference-only self-check does not need the CUDA module
+        C = 64
+    return C * H * elem, C * H * partial_elem + C * K * 4
+
+
+def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3):
+    """``calls`` dispatch/combine calls of varying size through a ring of ``chunks`` chunks
+    (wraps many times); one call larger than the whole ring; each checked bitwise against
+    the reference, with a full backward every 50th call."""
+    dev = _device_for(rank)
+    H, K, E, T_max, dtype = 256, 4, 4 * world_size, 1024, torch.bfloat16
+    disp, comb = ring_chunk_bytes(H, K)
+    ring = chunks * max(disp, comb)
+    buf = mok_buffer(E, H, K, T_max, dtype, backend, dev, ring_bytes=ring, timeout_s=30)
+    ref = mok_buffer(E, H, K, T_max, dtype, "reference", dev)
+    g = torch.Generator().manual_seed(77)                      # same sequence on every rank
+    cases = ("duplicate", "mixed", "skewed", "one_expert")
+    big_call = calls // 2
+    rows_seen = 0
+    for i in range(calls):
+        T_all = [int(v) for v in torch.randint(0, 300, (world_size,), generator=g)]
+        if i == big_call:
+            T_all = [T_max] * world_size                       # T_max * H * 2 bytes > ring
+            assert T_max * H * 2 > ring
+        inputs = make_inputs(1000 + i, world_size, T_all, E, H, K, dtype, case=cases[i % 4], device=dev)
+        tag = f"call {i} T={T_all} rank {rank}"
+        if i % 50 == 7 or i == big_call:
+            assert_same_results(full_pass(buf, *inputs[rank], i), full_pass(ref, *inputs[rank], i), tag)
+            continue
+        a, b = buf.dispatch(*inputs[rank]), ref.dispatch(*inputs[rank])
+        assert_bitwise(a.tokens, b.tokens, f"tokens {tag}")
+        assert_bitwise(a.probs, b.probs, f"probs {tag}")
+        assert_bitwise(a.src_token, b.src_token, f"src_token {tag}")
+        eo = (a.tokens.float() * 1.25).to(dtype)
+        assert_bitwise(buf.combine(eo, a.handle), ref.combine(eo, b.handle), f"combine {tag}")
+        rows_seen += a.tokens.shape[0]
+    if hasattr(buf, "check_errors"):
+        buf.check_errors()
+    buf.destroy()
+    ref.destroy()
+    return rows_seen, ring
+
+
+def mok_buffer(E, H, K, T_max, dtype, backend, device, **kw):
+    import megatron_mok as mok
+
+    return mok.Buffer(None, num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T_max, dtype=dtype,
+                      backend=backend, device=device, **kw)
+
+
+# ------------------------------------------------------------------------------- GPU tests
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_cuda_matches_reference(name, world_size):
+    run_distributed(_backend_vs_reference, world_size, name, 2024, backend="nccl", timeout=300)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ("random", "mixed", "t0_everywhere", "k1", "same_expert_twice"))
+def test_cuda_world_size_1(name):
+    run_distributed(_backend_vs_reference, 1, name, 99, backend="nccl", timeout=300)
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+@pytest.mark.parametrize("name", ("random", "dsv3_like", "mixed"))
+def test_cuda_repeats_and_sm_counts_bitwise(name, world_size):
+    run_distributed(_repeats_and_sms, world_size, name, 5, backend="nccl", timeout=300)
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_ring_wraps_1000_calls(world_size):
+    out = run_distributed(_ring_wrap, world_size, 1000, backend="nccl", timeout=600)
+    rows, ring = out[0]
+    assert rows * 256 * 2 > 20 * ring, "the ring did not wrap many times"
+
+
+def _static_cuda(rank, world_size, name, extra_rows):
+    spec = contract_cases(world_size)[name]
+    return check_static_case(rank, world_size, spec, 41, extra_rows, backend="cuda",
+                             device=_device_for(rank))
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+@pytest.mark.parametrize("name,extra_rows", [("random", 5), ("unrouted_slots", 0), ("t0_on_rank0", 3)])
+def test_cuda_static_shape(name, extra_rows, world_size):
+    run_distributed(_static_cuda, world_size, name, extra_rows, backend="nccl", timeout=300)
+
+
+def _cached_cuda(rank, world_size, name, static_extra):
+    return check_cached_case(rank, world_size, contract_cases(world_size)[name], 61, backend="cuda",
+                             device=_device_for(rank), static_extra=static_extra)
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+@pytest.mark.parametrize("name,static_extra", [("random", None), ("mixed", None),
+                                                ("t0_on_rank0", None), ("mixed", 3)])
+def test_cuda_cached_dispatch(name, static_extra, world_size):
+    run_distributed(_cached_cuda, world_size, name, static_extra, backend="nccl", timeout=300)
+
+
+def _graph(rank, world_size, seed, backward):
+    """Capture dispatch -> expert -> combine (and optionally the backward) of static-shape
+    mode in one CUDA graph; replay it on new inputs copied into the static tensors."""
+    dev = _device_for(rank)
+    E, H, K, T, dtype = 4 * world_size, 128, 4, 64, torch.bfloat16
+    M = T * K * world_size                                    # never overflows
+    buf = mok_buffer(E, H, K, T, dtype, "cuda", dev, max_recv_tokens=M, timeout_s=30)
+    ref = mok_buffer(E, H, K, T, dtype, "reference", dev, max_recv_tokens=M)
+    x_s = torch.zeros(T, H, dtype=dtype, device=dev, requires_grad=backward)
+    w_s = torch.zeros(T, K, dtype=torch.float32, device=dev, requires_grad=backward)
+    idx_s = torch.zeros(T, K, dtype=torch.int64, device=dev)
+    gy_s = torch.zeros(T, H, dtype=torch.float32, device=dev)
+
+    def load(it):
+        x, idx, w = make_inputs(seed + it, world_size, [T] * world_size, E, H, K, dtype,
+                                case=("random", "mixed", "duplicate")[it % 3], device=dev)[rank]
+        with torch.no_grad():
+            x_s.copy_(x)
+            w_s.copy_(w)
+            idx_s.copy_(idx)
+            gy_s.copy_(torch.randn(T, H, generator=torch.Generator().manual_seed(seed * 3 + it)).to(dev))
+        return x, idx, w
+
+    def step(b, x, idx, w):
+        res = b.dispatch(x, idx, w)
+        eo = (res.tokens.float() * res.probs[:, None] * 1.5).to(dtype)
+        y = b.combine(eo, res.handle)
+        outs = [res.tokens, res.probs, res.src_rank, res.src_token, res.tokens_per_expert, y]
+        if backward:
+            outs += list(torch.autograd.grad((y.float() * gy_s).sum(), (x, w)))
+        return [o.detach() for o in outs]
+
+    load(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(buf, x_s, idx_s, w_s)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs_g = step(buf, x_s, idx_s, w_s)
+    names = ["tokens", "probs", "src_rank", "src_token", "tokens_per_expert", "y", "grad_x", "grad_w"]
+    for it in range(1, 7):
+        x, idx, w = load(it)
+        graph.replay()
+        torch.cuda.synchronize()
+        buf.check_errors()
+        xr = x.clone().requires_grad_(backward)
+        wr = w.clone().requires_grad_(backward)
+        want = step(ref, xr, idx, wr)
+        for nm, a, b in zip(names, outs_g, want):
+            assert_bitwise(a, b, f"graph replay {it} {nm} rank {rank}")
+    buf.destroy()
+    ref.destroy()
+    return True
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_graph_static_shape_forward(world_size):
+    run_distributed(_graph, world_size, 5, False, backend="nccl", timeout=300, fresh=True)
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_graph_static_shape_forward_backward(world_size):
+    run_distributed(_graph, world_size, 6, True, backend="nccl", timeout=300, fresh=True)
+
+
+def _missing_peer(rank, world_size, timeout_s):
+    """The last rank never calls dispatch: the others must raise a timeout error in about
+    ``timeout_s``, not hang."""
+    dev = _device_for(rank)
+    buf = mok_buffer(2 * world_size, 64, 2, 32, torch.bfloat16, "cuda", dev, timeout_s=timeout_s)
+    store = dist.distributed_c10d._get_default_store()
+    x, idx, w = make_inputs(1, world_size, [32] * world_size, 2 * world_size, 64, 2, torch.bfloat16,
+                            device=dev)[rank]
+    if rank == world_size - 1:
+        store.wait([f"mok_missing_peer_done_{r}" for r in range(world_size - 1)])
+        return None
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"(?i)time(d)?[ _]?out") as info:
+            buf.dispatch(x, idx, w)
+            buf.check_errors()
+        return time.monotonic() - t0, str(info.value)
+    finally:
+        store.set(f"mok_missing_peer_done_{rank}", "1")
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_missing_peer_times_out(world_size):
+    timeout_s = 2
+    out = run_distributed(_missing_peer, world_size, timeout_s, backend="nccl", timeout=120, fresh=True)
+    for took, msg in out[:-1]:
+        assert took < timeout_s + 20, f"the timeout error came after {took:.1f} s: {msg}"
+        assert "rank" in msg and "peer" in msg, f"the error should name rank and peer: {msg}"
+
+
+def _bad_expert_id_cuda(rank, world_size):
+    dev = _device_for(rank)
+    E = 2 * world_size
+    buf = mok_buffer(E, 64, 2, 16, torch.bfloat16, "cuda", dev, timeout_s=10)
+    x, idx, w = make_inputs(2, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
+    idx = idx.clone()
+    idx[3, 1] = E                                             # one bad id on every rank
+    with pytest.raises((ValueError, RuntimeError), match=r"(?i)expert id|outside"):
+        buf.dispatch(x, idx, w)
+        buf.check_errors()
+    return True
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_bad_expert_id_is_an_error(world_size):
+    run_distributed(_bad_expert_id_cuda, world_size, backend="nccl", timeout=120, fresh=True)
+
+
+def _overflow_cuda(rank, world_size):
+    return _overflow(rank, world_size, backend="cuda", device=_device_for(rank))
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_static_overflow_raises(world_size):
+    got = run_distributed(_overflow_cuda, world_size, backend="nccl", timeout=120, fresh=True)
+    assert got == ["ok"] * (world_size - 1) + ["raised"]
+
+
+def _cuda_input_errors(rank, world_size):
+    dev = _device_for(rank)
+    buf = mok_buffer(2 * world_size, 64, 2, 16, torch.bfloat16, "cuda", dev)
+    x, idx, w = make_inputs(2, world_size, [16] * world_size, 2 * world_size, 64, 2, torch.bfloat16)[rank]
+    with pytest.raises(ValueError, match=r"needs CUDA tensors"):
+        buf.dispatch(x, idx, w)                               # CPU tensors
+    with pytest.raises(ValueError, match=r"topk_idx is on"):
+        buf.dispatch(x.to(dev), idx, w.to(dev))
+    with pytest.raises(ValueError, match=r"hidden % 8"):
+        mok_buffer(2 * world_size, 60, 2, 16, torch.bfloat16, "cuda", dev)
+    buf.destroy()
+    return True
+
+
+@pytest.mark.gpu
+def test_cuda_input_errors():
+    run_distributed(_cuda_input_errors, 1, backend="nccl", timeout=120)
+
+
+# --------------------------------------------------- CPU self-checks of the comparison code
+@pytest.mark.parametrize("name", ("mixed", "t0_on_rank0", "dsv3_like"))
+def test_comparison_code_runs_on_cpu(name):
+    """The GPU comparison with the reference on both sides (gloo): must pass, and proves the
+    GPU tests' own code (inputs, oracle fields, identity, backward) is sound."""
+    run_distributed(_backend_vs_reference, 2, name, 2024, "reference")
+
+
+def test_repeat_and_ring_code_runs_on_cpu():
+    run_distributed(_repeats_and_sms, 2, "random", 5, "reference", (4, 24), 3)
+    rows = run_distributed(_ring_wrap, 2, 12, "reference")
+    assert all(r[0] > 0 for r in rows)
