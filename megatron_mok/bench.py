@@ -168,6 +168,8 @@ def worker(rank: int, world: int, port: int, args) -> None:
     dist.all_reduce(bw, op=dist.ReduceOp.MIN)
     floor_us = float(xbytes) / (float(bw) * 1e9) * 1e6 if float(bw) > 0 else 0.0
     report = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": _git_commit(),
+        "command": " ".join([os.path.basename(sys.executable), "-m", "megatron_mok.bench"] + sys.argv[1:]),
         "world_size": world, "device": torch.cuda.get_device_name(rank) if use_cuda else "cpu",
         "backend": backend_name, "tokens": args.tokens, "hidden": args.hidden,
         "experts": args.experts, "topk": args.topk, "dtype": args.dtype,
@@ -196,6 +198,16 @@ def worker(rank: int, world: int, port: int, args) -> None:
     dist.destroy_process_group()
     if int(flag) != 0:
         sys.exit(1)
+
+
+def _git_commit() -> str:
+    try:
+        import subprocess
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001 - no git, no checkout: say so
+        return "unknown"
 
 
 def free_port() -> int:

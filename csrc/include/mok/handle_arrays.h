@@ -41,8 +41,10 @@ struct HandleArrays {
   int32_t* task_k;
   size_t total_bytes;
 
+  // At least one: every layout kernel launches one block per chunk, and T_max = 0 is legal.
   __host__ __device__ static int chunks_per_call(const WorkspaceConfig& c) {
-    return (c.max_tokens + c.chunk_tokens - 1) / c.chunk_tokens;
+    const int n = (c.max_tokens + c.chunk_tokens - 1) / c.chunk_tokens;
+    return n > 0 ? n : 1;
   }
 
   // q: index of my token t among all my tokens that hit rank d, or -1.
@@ -65,7 +67,7 @@ struct HandleArrays {
     a.send_pos = (int32_t*)take(T * W * 4);
     a.send_base = (int32_t*)take(cpc * W * 4);
     a.send_count = (int32_t*)take(W * 4);
-    a.chunk_readers = (uint64_t*)take((cpc > 0 ? cpc : 1) * 8);
+    a.chunk_readers = (uint64_t*)take(cpc * 8);
     a.src_count = (int32_t*)take(W * 4);
     a.chunk_rows = (int32_t*)take(W * cpc * E * 4);
     a.chunk_tasks = (int32_t*)take(W * cpc * 4);
