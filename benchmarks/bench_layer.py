@@ -19,7 +19,6 @@ import datetime
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -80,19 +79,10 @@ def _command():
 
 
 def init_distributed():
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ:
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(s.getsockname()[1]))
-        s.close()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("gloo")
+    """torchrun env (RANK/WORLD_SIZE/...) or an already-initialised group; else 1 process."""
+    from megatron_mok.megatron.harness import init_distributed as _init
+
+    _init()
 
 
 def bench_one(layer, x, gy, iters, warmup, device):
