@@ -1,0 +1,76 @@
+"""The compiled library's C ABI, checked without a GPU (it loads on any x86-64 machine).
+
+CI builds ``libmok_cuda.so`` with nvcc; these tests make sure the build exports what
+``megatron_mok/cuda/bindings.py`` declares, that argument checks refuse bad configurations
+with a message, and that the workspace layout (computed in C++, one place) is sane.
+"""
+
+import pytest
+
+from megatron_mok.cuda import library
+
+pytestmark = pytest.mark.skipif(not library.is_available(),
+                                reason="libmok_cuda.so not built (no nvcc on this machine)")
+
+
+def _create(lib, **over):
+    cfg = dict(world=2, rank=0, hidden=7168, elem=2, pelem=2, topk=8, e_local=128, t_max=4096,
+               chunk=64, meta=16, disp_chunks=100, comb_chunks=90)
+    cfg.update(over)
+    return lib.mok_create(cfg["world"], cfg["rank"], cfg["hidden"], cfg["elem"], cfg["pelem"],
+                          cfg["topk"], cfg["e_local"], cfg["t_max"], cfg["chunk"], cfg["meta"],
+                          cfg["disp_chunks"], cfg["comb_chunks"])
+
+
+def test_workspace_layout_holds_both_rings():
+    lib = library.get()
+    ctx = _create(lib)
+    try:
+        total = lib.mok_workspace_bytes(ctx)
+        chunk_d = 64 * 7168 * 2                      # C rows of H bf16 elements
+        chunk_c = 64 * 7168 * 2 + 64 * 8 * 4         # partials + prob-gradient side values
+        assert total >= 100 * chunk_d + 90 * chunk_c
+        # Flags, counters, routing slots: well under 64 MiB on top of the rings.
+        assert total - (100 * chunk_d + 90 * chunk_c) < 64 << 20
+        assert 0 <= lib.mok_error_offset(ctx) < total
+        assert 0 <= lib.mok_trace_offset(ctx) < total
+        scratch = lib.mok_handle_scratch_bytes(ctx)
+        assert scratch >= 2 * 4096 * 8 * 4 * 2       # task rows and slots, W * T_max * K each
+        assert 0 < lib.mok_handle_totals_offset(ctx) < scratch
+    finally:
+        lib.mok_destroy(ctx)
+
+
+def test_layout_grows_with_t_max_and_zero_t_max_is_valid():
+    lib = library.get()
+    small, zero = _create(lib, t_max=64), _create(lib, t_max=0)
+    try:
+        assert small and zero
+        assert lib.mok_handle_scratch_bytes(small) > lib.mok_handle_scratch_bytes(zero) > 0
+    finally:
+        lib.mok_destroy(small)
+        lib.mok_destroy(zero)
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(hidden=100), "hidden must be a positive multiple of 8"),
+    (dict(topk=33), "topk must be in"),
+    (dict(world=65), "world size"),
+    (dict(rank=2), "rank outside"),
+    (dict(disp_chunks=0), "ring sizes must be >= 1"),
+])
+def test_bad_configuration_is_refused_with_a_message(over, message):
+    lib = library.get()
+    assert not _create(lib, **over)
+    assert message in lib.mok_last_error().decode()
+
+
+def test_calls_before_peers_are_set_fail_cleanly():
+    lib = library.get()
+    ctx = _create(lib)
+    try:
+        rc = lib.mok_dispatch_fill(ctx, None, None, None, None, None, 0)
+        assert rc != 0
+        assert "mok_set_peers" in lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(ctx)
