@@ -145,8 +145,6 @@ def worker(rank, world, port, args, errq):
                              backend="cuda", device=dev, num_sms=sms, timeout_s=5)
             bad = run_pair([ref, cud], x, idx, w, args.seed)
             check(f"H=7168 num_sms={sms}", not bad, str(bad))
-            first = cud.combine(cud.dispatch(x, idx, w).tokens.contiguous(),
-                                cud.dispatch(x, idx, w).handle) if False else None
             res0 = cud.dispatch(x, idx, w)
             y0 = cud.combine(res0.tokens, res0.handle)
             same = True

@@ -1,0 +1,24 @@
+"""Messages of device-side errors (megatron_mok/cuda/errors.py), decoded from the raw report
+the kernels write: they must name the rank, the peer and what was awaited."""
+
+from megatron_mok.cuda.errors import describe
+
+
+def test_timeout_names_rank_peer_and_what():
+    msg = describe([1, 0, 1, 1, 7, 0, 0, 0], timeout_s=2.0, max_recv_tokens=None)
+    assert "rank 0 timed out after 2 s waiting for peer 1" in msg
+    assert "routing" in msg and "did the peer call dispatch?" in msg
+    assert "can no longer be used" in msg
+
+
+def test_bad_expert_and_overflow_and_unknown():
+    assert "flat slot 12" in describe([2, 1, -1, 0, 12, 0, 0, 0], 60.0, None)
+    over = describe([3, 1, -1, 0, 5000, 0, 0, 0], 60.0, 4096)
+    assert "received 5000 rows" in over and "max_recv_tokens=4096" in over
+    assert "error code 9" in describe([9, 0, 0, 0, 0, 0, 0, 0], 60.0, None)
+
+
+def test_detail_is_read_as_a_64_bit_value():
+    # low word negative as int32 (bit 31 set), high word 1: detail = 2**32 + 2**31
+    msg = describe([3, 0, -1, 0, -2**31, 1, 0, 0], 60.0, 8)
+    assert f"received {2**32 + 2**31} rows" in msg
