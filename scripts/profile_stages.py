@@ -25,22 +25,6 @@ for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     os.environ.setdefault(k, v)
 
 
-def median_us(fn, iters, warmup):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4096)
@@ -60,6 +44,10 @@ def main():
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", device_id=dev)
     import megatron_mok as mok
+    from megatron_mok.bench import timed
+
+    def median_us(fn, iters, warmup):  # CUDA events, median (the main job's timer)
+        return timed(fn, iters, warmup, dev)
 
     g = torch.Generator().manual_seed(rank)
     T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
