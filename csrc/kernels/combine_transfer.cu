@@ -64,7 +64,6 @@ struct CombineShape {
 template <typename T, typename P>
 __device__ void produce(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
                         const CombineShape& sh, const T* expert_out, const float* grad_probs) {
-  __shared__ bool ok;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int n_warps = blockDim.x / kWarpSize;
   RingView mine = RingView::combine(c.ws, c.local());
@@ -76,16 +75,7 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
       const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(s) * sh.cps + j;
       const int64_t slot = static_cast<int64_t>(g % N);
       if (slot % a.num_producers != blockIdx.x) continue;
-      if (threadIdx.x == 0) ok = true;
-      __syncthreads();
-      const uint64_t prev = mine.gen[slot], prev_readers = mine.readers[slot];
-      if (prev != 0 && threadIdx.x < c.world && ((prev_readers >> threadIdx.x) & 1)) {
-        if (!wait_geq(c, mine.released + threadIdx.x * N + slot, prev, threadIdx.x,
-                      kWaitCombineReleased, static_cast<int64_t>(g)))
-          ok = false;
-      }
-      __syncthreads();
-      if (!ok) return;
+      if (!ring_slot_acquire(c, mine, slot, g, kWaitCombineReleased)) return;
       char* chunk = mine.ring + slot * mine.chunk_bytes;
       const int rows_here = min(sh.C, n - j * sh.C);
       for (int q = warp; q < rows_here; q += n_warps) {
@@ -112,12 +102,7 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
         }
       }
       __syncthreads();
-      if (threadIdx.x == 0) {
-        mine.gen[slot] = g + 1;
-        mine.readers[slot] = 1ull << s;
-        __threadfence_system();
-        st_release_sys(mine.ready + slot, g + 1);
-      }
+      if (threadIdx.x == 0) ring_slot_publish(mine, slot, g, 1ull << s);
     }
   }
 }

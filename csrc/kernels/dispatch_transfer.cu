@@ -26,7 +26,6 @@ struct DispatchShape {
 
 __device__ void produce(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
                         const DispatchShape& sh, const int4* x) {
-  __shared__ bool ok;
   RingView mine = RingView::dispatch(c.ws, c.local());
   const int64_t N = mine.num_chunks;
   const int n_chunks = (a.num_tokens + sh.C - 1) / sh.C;
@@ -37,16 +36,7 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
     if (slot % a.num_producers != blockIdx.x) continue;
     const uint64_t readers = h.chunk_readers[j];
     if (readers == 0) continue;  // nobody else needs this chunk: skip the copy
-    if (threadIdx.x == 0) ok = true;
-    __syncthreads();
-    const uint64_t prev = mine.gen[slot], prev_readers = mine.readers[slot];
-    if (prev != 0 && threadIdx.x < c.world && ((prev_readers >> threadIdx.x) & 1)) {
-      if (!wait_geq(c, mine.released + threadIdx.x * N + slot, prev, threadIdx.x,
-                    kWaitDispatchReleased, static_cast<int64_t>(g)))
-        ok = false;
-    }
-    __syncthreads();
-    if (!ok) return;
+    if (!ring_slot_acquire(c, mine, slot, g, kWaitDispatchReleased)) return;
     const int rows = min(sh.C, a.num_tokens - j * sh.C);
     const int4* src = x + static_cast<size_t>(j) * sh.C * sh.vec_per_row;
     int4* dst = reinterpret_cast<int4*>(mine.ring + slot * mine.chunk_bytes);
@@ -65,12 +55,7 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
       }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      mine.gen[slot] = g + 1;
-      mine.readers[slot] = readers;
-      __threadfence_system();
-      st_release_sys(mine.ready + slot, g + 1);
-    }
+    if (threadIdx.x == 0) ring_slot_publish(mine, slot, g, readers);
   }
 }
 

@@ -6,6 +6,7 @@
 
 #include "device.h"
 #include "handle_arrays.h"
+#include "ring.h"
 
 namespace mok {
 

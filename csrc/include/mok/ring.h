@@ -1,0 +1,40 @@
+// Slot reuse and publication on a staging ring (dispatch and combine rings share these).
+// A slot is overwritten only after every reader of its previous generation released it; the
+// check happens here, right before the overwrite, so a ring that never wraps never waits.
+#pragma once
+
+#include "device.h"
+
+namespace mok {
+
+// Block-wide (every thread of the block calls it): wait until the readers of generation
+// `gen[slot]` (the slot's previous content) released it. False on timeout/abort: the caller
+// stops. `g` (the generation about to be written) and `what` only label an error report.
+__device__ inline bool ring_slot_acquire(const CommContext& c, const RingView& r, int64_t slot,
+                                         uint64_t g, int32_t what) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) ok = 1;
+  __syncthreads();
+  const uint64_t prev = r.gen[slot], prev_readers = r.readers[slot];
+  const int reader = threadIdx.x;
+  if (prev != 0 && reader < c.world && ((prev_readers >> reader) & 1)) {
+    if (!wait_geq(c, r.released + static_cast<size_t>(reader) * r.num_chunks + slot, prev, reader,
+                  what, static_cast<int64_t>(g)))
+      ok = 0;
+  }
+  __syncthreads();
+  const bool res = ok != 0;
+  __syncthreads();  // `ok` is reused by the next call
+  return res;
+}
+
+// One thread, after the block's writes to the slot (and a __syncthreads): record generation g
+// and its readers (for the next reuse check), then publish the slot with one release store.
+__device__ inline void ring_slot_publish(const RingView& r, int64_t slot, uint64_t g, uint64_t readers) {
+  r.gen[slot] = g + 1;
+  r.readers[slot] = readers;
+  __threadfence_system();
+  st_release_sys(r.ready + slot, g + 1);
+}
+
+}  // namespace mok
