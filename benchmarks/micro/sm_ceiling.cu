@@ -80,20 +80,22 @@ __global__ void __launch_bounds__(1024, 1)
 // One warp per block; lane 0 issues everything: loads of `stages` pieces in flight, each stored
 // to its K rows straight from shared memory as soon as it lands. The lanes fetch the
 // destination rows of the next 32 items together, so lane 0 never waits on a global load.
+// Several warps per block (blockDim.x / 32) run independent pipelines of `stages` stages each.
 __global__ void rep_bulk(Src src, char* dst, const int* map, int n_tasks, int K, int piece, int stages) {
   extern __shared__ __align__(128) char smem[];
-  const int lane = threadIdx.x;
-  uint64_t* bar = reinterpret_cast<uint64_t*>(smem);
-  char* buf = smem + 1024;
+  const int lane = threadIdx.x % 32, wib = threadIdx.x / 32, nwb = blockDim.x / 32;
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem) + wib * stages;
+  char* buf = smem + 1024 + static_cast<size_t>(wib) * stages * piece;
   const int ppr = kRowBytes / piece;
   const int n_items_all = n_tasks * ppr;
-  const int n = (n_items_all - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) / gridDim.x;
+  const int vb = blockIdx.x * nwb + wib, nvb = gridDim.x * nwb;  // this warp's "virtual block"
+  const int n = (n_items_all - vb + nvb - 1) / nvb;
   if (lane == 0) {
     for (int s = 0; s < stages; ++s) mbar_init(&bar[s], 1);
     fence_mbar_init();
   }
   __syncwarp();
-  auto item = [&](int j) { return static_cast<int>(blockIdx.x) + j * static_cast<int>(gridDim.x); };
+  auto item = [&](int j) { return vb + j * nvb; };
   auto issue = [&](int j) {
     const int it = item(j), st = j % stages;
     mbar_expect_tx(&bar[st], piece);
@@ -320,10 +322,8 @@ int main(int argc, char** argv) {
   int max_sms = 0;
   CK(cudaDeviceGetAttribute(&max_sms, cudaDevAttrMultiProcessorCount, 0));
   const int smem_max = 226 * 1024;
-  CK(cudaFuncSetAttribute(rep_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
-  CK(cudaFuncSetAttribute(red_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
-  if (n_gpu == 2) {
-    CK(cudaSetDevice(1));
+  for (int d = 0; d < n_gpu; ++d) {  // a function attribute is per device
+    CK(cudaSetDevice(d));
     CK(cudaFuncSetAttribute(rep_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
     CK(cudaFuncSetAttribute(red_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_max));
   }
@@ -349,6 +349,17 @@ int main(int argc, char** argv) {
   cases.push_back({"rep_reg_u8_local", "16B register copies, 8 in flight/lane, 1024 thr", 1,
                    kSrcRows * row_mb, kDstRows * row_mb, 0,
                    [&](Dev& v, int d, int n) { rep_reg<8><<<n, 1024, 0, v.s>>>(src_for(d, 0), v.dst, v.map, kSrcRows, kK); }});
+  for (int nw : {4, 8}) {
+    for (int piece : {kRowBytes, kRowBytes / 2}) {
+      const int stages = (smem_max - 1024) / piece / nw;
+      cases.push_back({"rep_bulk_local_w" + std::to_string(nw) + "_p" + std::to_string(piece),
+                       std::to_string(nw) + " issuing warps x " + std::to_string(stages) + " stages", 1,
+                       kSrcRows * row_mb, kDstRows * row_mb, 0,
+                       [=](Dev& v, int d, int n) {
+                         rep_bulk<<<n, 32 * nw, 1024 + nw * stages * piece, v.s>>>(src_for(d, 0), v.dst, v.map, kSrcRows, kK, piece, stages);
+                       }});
+    }
+  }
   for (int piece : {kRowBytes, kRowBytes / 2, kRowBytes / 4}) {
     const int stages = std::min(64, (smem_max - 1024) / piece);
     cases.push_back({"rep_bulk_local_p" + std::to_string(piece), "bulk copies, " + std::to_string(stages) + " stages in flight/SM", 1,
@@ -397,7 +408,20 @@ int main(int argc, char** argv) {
   printf("{\"gpu\": \"%s\", \"gpus\": %d, \"sm_count\": %d, \"row_bytes\": %d, \"K\": %d, \"cases\": [\n",
          prop.name, n_gpu, max_sms, kRowBytes, kK);
   bool first = true;
+  const char* only = getenv("CEILING_CASES");  // comma-separated substrings; unset = all
   for (auto& c : cases) {
+    if (only != nullptr) {
+      bool hit = false;
+      std::string list(only);
+      size_t a = 0;
+      while (a <= list.size()) {
+        size_t b = list.find(',', a);
+        if (b == std::string::npos) b = list.size();
+        if (b > a && c.name.find(list.substr(a, b - a)) != std::string::npos) hit = true;
+        a = b + 1;
+      }
+      if (!hit) continue;
+    }
     for (int n : sms) {
       if (n > max_sms) continue;
       const double us = time_us(c.n_dev, [&](Dev& v, int d) { c.launch(v, d, n); });

@@ -85,7 +85,7 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
         for (int v0 = lane * kCombineVec; v0 < sh.H; v0 += kWarpSize * kCombineVec * U) {
           float acc[U][kCombineVec];
           zero(acc);
-          sum_rows<T, (sizeof(T) == 4 ? 4 : 8)>(acc, expert_out, rows, sh.K, a.row_cap, v0, sh.H);
+          sum_rows<T, (sizeof(T) == 4 ? 2 : 4)>(acc, expert_out, rows, sh.K, a.row_cap, v0, sh.H);
 #pragma unroll
           for (int u = 0; u < U; ++u)
             if (group_live(v0, u, sh.H)) Vec8<P>::store(dst + v0 + u * kWarpSize * kCombineVec, acc[u]);
@@ -116,14 +116,12 @@ __device__ __forceinline__ const P* remote_partial(const CommContext& c, const C
   return reinterpret_cast<const P*>(chunk) + static_cast<size_t>(q % sh.C) * sh.H;
 }
 
-// Waits until every remote partial of token t is staged and starts asynchronous copies of the
-// first `pf_rows` of them (in rank order) into `buf`, one commit group per token.
+// Waits until every remote partial of token t is staged (the warp's cache of ready chunks
+// skips the flag read for tokens of a chunk already seen).
 template <typename P>
-__device__ bool prefetch_token(const CommContext& c, const HandleArrays& h, const CombineShape& sh,
-                               int64_t N, SeenGens& seen, int t, P* buf, int pf_rows) {
-  const int lane = threadIdx.x % kWarpSize, W = c.world, me = c.rank;
-  const int vecs = sh.H * static_cast<int>(sizeof(P)) / 16;
-  int staged = 0;
+__device__ bool wait_token_partials(const CommContext& c, const HandleArrays& h, const CombineShape& sh,
+                                    int64_t N, SeenGens& seen, int t) {
+  const int W = c.world, me = c.rank;
   for (int d = 0; d < W; ++d) {
     const int q = h.send_index(c.ws.cfg, t, d);
     if (q < 0 || d == me) continue;
@@ -134,21 +132,18 @@ __device__ bool prefetch_token(const CommContext& c, const HandleArrays& h, cons
         return false;
       seen.set(d, g);
     }
-    if (staged < pf_rows) {
-      const int4* src = reinterpret_cast<const int4*>(remote_partial<P>(c, sh, N, d, q));
-      int4* dst = reinterpret_cast<int4*>(buf + static_cast<size_t>(staged) * sh.H);
-      for (int v = lane; v < vecs; v += kWarpSize) cp_async_16(dst + v, src + v);
-      ++staged;
-    }
   }
-  cp_async_commit();
   return true;
 }
+
+// Remote partials loaded per step together with the own rows (registers; ranks past these are
+// loaded when summed): the NVLink reads are in flight while the own rows stream from HBM.
+constexpr int kPrefetchRanks = 1;
 
 template <typename T, typename P>
 __device__ void consume(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
                         const CombineShape& sh, const T* expert_out, const float* grad_probs,
-                        T* y, float* grad_w, char* smem, int pf_rows) {
+                        T* y, float* grad_w) {
   const int lane = threadIdx.x % kWarpSize;
   const int warps_per_block = blockDim.x / kWarpSize;
   const int n_warps = (gridDim.x - a.num_producers) * warps_per_block;
@@ -156,36 +151,40 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   const int W = c.world, me = c.rank;
   const int64_t N = RingView::combine(c.ws, c.local()).num_chunks;
   const int my_first_task = h.task_off[me];
-  // Two buffers per warp: token t is summed from one while token t + n_warps lands in the other.
-  P* bufs[2];
-  for (int i = 0; i < 2; ++i)
-    bufs[i] = reinterpret_cast<P*>(smem) +
-              (static_cast<size_t>(threadIdx.x / kWarpSize) * 2 + i) * pf_rows * sh.H;
   SeenGens seen;
-  int cur = 0;
-  if (warp < a.num_tokens && !prefetch_token<P>(c, h, sh, N, seen, warp, bufs[0], pf_rows)) return;
 
   for (int t = warp; t < a.num_tokens; t += n_warps) {
     // q of t for rank d (index among my tokens sent to d), or -1: read where needed (L1 hits).
     auto pos = [&](int d) { return h.send_index(c.ws.cfg, t, d); };
-    const int next = t + n_warps;
-    if (next < a.num_tokens) {
-      if (!prefetch_token<P>(c, h, sh, N, seen, next, bufs[cur ^ 1], pf_rows)) return;
-    } else {
-      cp_async_commit();  // an empty group keeps "all but the newest" meaning token t
-    }
-    cp_async_wait<1>();
-    __syncwarp();
-    const P* staged = bufs[cur];
+    if (!wait_token_partials<P>(c, h, sh, N, seen, t)) return;
     const int32_t* my_rows = nullptr;
     int my_task = -1;
     if (pos(me) >= 0) {
       my_task = my_first_task + pos(me);
       my_rows = h.task_rows + static_cast<size_t>(my_task) * sh.K;
     }
+    // The first kPrefetchRanks remote ranks (in rank order) holding a partial of t.
+    const P* pf_src[kPrefetchRanks];
+    int n_pf = 0;
+    for (int d = 0; d < W && n_pf < kPrefetchRanks; ++d) {
+      const int q = pos(d);
+      if (q < 0 || d == me) continue;
+      const P* src = remote_partial<P>(c, sh, N, d, q);
+#pragma unroll
+      for (int i = 0; i < kPrefetchRanks; ++i)
+        if (i == n_pf) pf_src[i] = src;
+      ++n_pf;
+    }
     for (int v0 = lane * kCombineVec; v0 < sh.H; v0 += kWarpSize * kCombineVec * U) {
-      float acc[U][kCombineVec], part[U][kCombineVec];
+      Raw8<P> pf[kPrefetchRanks][U];
+#pragma unroll
+      for (int i = 0; i < kPrefetchRanks; ++i)
+        if (i < n_pf)
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+            if (group_live(v0, u, sh.H)) load_raw(pf[i][u], pf_src[i] + v0 + u * kWarpSize * kCombineVec);
       // My own partial, reduced here from my rows (same order and rounding as a producer).
+      float part[U][kCombineVec], acc[U][kCombineVec];
       zero(part);
       if (my_rows != nullptr) {
         sum_rows<T, (sizeof(T) == 4 ? 2 : 4)>(part, expert_out, my_rows, sh.K, a.row_cap, v0, sh.H);
@@ -194,7 +193,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
 #pragma unroll
           for (int e = 0; e < kCombineVec; ++e) part[u][e] = round_to<P>(part[u][e]);
       }
-      // Sum in rank order: staged partials from shared memory, the rest straight from the peer.
+      // Sum in rank order.
       zero(acc);
       int remote_i = 0;
       for (int d = 0; d < W; ++d) {
@@ -207,22 +206,24 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
             for (int e = 0; e < kCombineVec; ++e) acc[u][e] += part[u][e];
           continue;
         }
-        Raw8<P> r[U];
-        if (remote_i < pf_rows) {
-          const P* src = staged + static_cast<size_t>(remote_i) * sh.H;
+        if (remote_i < kPrefetchRanks) {
 #pragma unroll
-          for (int u = 0; u < U; ++u)
-            if (group_live(v0, u, sh.H)) load_raw_generic(r[u], src + v0 + u * kWarpSize * kCombineVec);
+          for (int i = 0; i < kPrefetchRanks; ++i)
+            if (i == remote_i)
+#pragma unroll
+              for (int u = 0; u < U; ++u)
+                if (group_live(v0, u, sh.H)) add_raw<P>(acc[u], pf[i][u]);
         } else {
           const P* src = remote_partial<P>(c, sh, N, d, q);
+          Raw8<P> r[U];
 #pragma unroll
           for (int u = 0; u < U; ++u)
             if (group_live(v0, u, sh.H)) load_raw(r[u], src + v0 + u * kWarpSize * kCombineVec);
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+            if (group_live(v0, u, sh.H)) add_raw<P>(acc[u], r[u]);
         }
         ++remote_i;
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-          if (group_live(v0, u, sh.H)) add_raw<P>(acc[u], r[u]);
       }
 #pragma unroll
       for (int u = 0; u < U; ++u)
@@ -271,23 +272,19 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         }
       }
     }
-    __syncwarp();  // every lane is done with bufs[cur] before the next prefetch refills it
-    cur ^= 1;
   }
 }
 
 template <typename T, typename P>
-__global__ void __launch_bounds__(kTransferThreads, 1)
+__global__ void __launch_bounds__(kCombineThreads, 1)
     combine_transfer_kernel(CommContext c, HandleArrays h, TransferArgs a, CombineShape sh,
-                            const T* expert_out, const float* grad_probs, T* y, float* grad_w,
-                            int pf_rows) {
-  extern __shared__ __align__(16) char smem[];
+                            const T* expert_out, const float* grad_probs, T* y, float* grad_w) {
   sh.seq = c.counters()->comb_seq;
   trace_warp(c, true);
   if (blockIdx.x < a.num_producers)
     produce<T, P>(c, h, a, sh, expert_out, grad_probs);
   else
-    consume<T, P>(c, h, a, sh, expert_out, grad_probs, y, grad_w, smem, pf_rows);
+    consume<T, P>(c, h, a, sh, expert_out, grad_probs, y, grad_w);
   trace_warp(c, false);
   warp_done_advance(&c.counters()->comb_warps_done, &c.counters()->comb_seq);
 }
@@ -296,17 +293,8 @@ template <typename T, typename P>
 cudaError_t launch_typed(const CommContext& c, const HandleArrays& h, const TransferArgs& t,
                          const CombineShape& sh, const void* expert_out, const float* grad_probs,
                          void* y, float* grad_w, cudaStream_t s) {
-  // Shared memory: two prefetch buffers per consumer warp, each pf_rows remote partials.
-  const size_t row_bytes = static_cast<size_t>(sh.H) * sizeof(P);
-  const size_t warps = kTransferThreads / kWarpSize;
-  const int pf_rows = static_cast<int>(std::min<size_t>(c.world - 1, kMaxDynamicSmem / (warps * 2 * row_bytes)));
-  const size_t smem = warps * 2 * pf_rows * row_bytes;
-  auto kernel = combine_transfer_kernel<T, P>;
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem)))
-    return e;
-  kernel<<<t.num_blocks, kTransferThreads, smem, s>>>(
-      c, h, t, sh, static_cast<const T*>(expert_out), grad_probs, static_cast<T*>(y), grad_w, pf_rows);
+  combine_transfer_kernel<T, P><<<t.num_blocks, kCombineThreads, 0, s>>>(
+      c, h, t, sh, static_cast<const T*>(expert_out), grad_probs, static_cast<T*>(y), grad_w);
   return cudaGetLastError();
 }
 

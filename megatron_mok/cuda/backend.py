@@ -90,10 +90,11 @@ class CudaBackend:
         self.host_report = torch.zeros(12, dtype=torch.int32, pin_memory=True)
         sms = self.lib.mok_sm_count(dev.index)
         self.num_blocks = max(2, min(buf.num_sms or DEFAULT_NUM_SMS, sms))
-        # Role split, from per-block traces at 24 SMs (benchmarks/NOTES.md): dispatch staging
-        # needs ~1/6 of the blocks, combine producers ~3/8 (consumers also reduce own rows).
+        # Role split (benchmarks/NOTES.md #7, #9): dispatch staging needs ~1/6 of the blocks;
+        # combine producers reduce the remote tokens' rows (~45% of the combine's local bytes),
+        # consumers the own rows plus the pulled partials and the output.
         self.dispatch_producers = _env_int("MOK_DISPATCH_PRODUCERS", max(1, self.num_blocks // 6))
-        self.combine_producers = _env_int("MOK_COMBINE_PRODUCERS", max(1, self.num_blocks * 3 // 8))
+        self.combine_producers = _env_int("MOK_COMBINE_PRODUCERS", max(1, self.num_blocks * 11 // 24))
         self.broken: Optional[str] = None
 
     # ----------------------------------------------------------------------------- helpers

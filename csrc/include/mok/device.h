@@ -247,27 +247,19 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
-// The last chunk generation a warp saw ready, per rank (ranks >= kSeenCache are not cached).
-// A warp's chunks from one rank only move forward, so one number per rank is enough.
-constexpr int kSeenCache = 8;
+// The last chunk generation a warp saw ready, per rank: lane d holds rank d's (ranks >= 32
+// are not cached). A warp's chunks from one rank only move forward, so one number per rank
+// is enough. Every lane of the warp must make the same calls (the value moves by shuffle);
+// two registers per lane instead of one per rank.
 struct SeenGens {
-  uint64_t g[kSeenCache];
-  __device__ SeenGens() {
-#pragma unroll
-    for (int i = 0; i < kSeenCache; ++i) g[i] = 0;
-  }
+  uint64_t g = 0;
   // True when generation `gen` of rank d is known to be ready.
   __device__ bool has(int d, uint64_t gen) const {
-    uint64_t v = 0;
-#pragma unroll
-    for (int i = 0; i < kSeenCache; ++i)
-      if (i == d) v = g[i];
-    return v > gen;
+    const uint64_t v = __shfl_sync(0xffffffffu, g, d % kWarpSize);
+    return d < kWarpSize && v > gen;
   }
   __device__ void set(int d, uint64_t gen) {
-#pragma unroll
-    for (int i = 0; i < kSeenCache; ++i)
-      if (i == d) g[i] = gen + 1;
+    if (static_cast<int>(threadIdx.x % kWarpSize) == d) g = gen + 1;
   }
 };
 
