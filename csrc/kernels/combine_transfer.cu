@@ -10,6 +10,7 @@
 //                    when d is me) in fp32; round once to the output dtype.
 // No floating-point atomics: every sum has one fixed order, so results are bitwise stable.
 #include <algorithm>
+#include <cstdlib>
 
 #include "mok/launch.h"
 
@@ -136,14 +137,34 @@ __device__ bool wait_token_partials(const CommContext& c, const HandleArrays& h,
   return true;
 }
 
-// Remote partials loaded per step together with the own rows (registers; ranks past these are
-// loaded when summed): the NVLink reads are in flight while the own rows stream from HBM.
-constexpr int kPrefetchRanks = 1;
+// Rank order's first remote rank holding a partial of token t, or -1.
+__device__ __forceinline__ int first_remote(const CommContext& c, const HandleArrays& h, int t) {
+  for (int d = 0; d < c.world; ++d)
+    if (d != c.rank && h.send_index(c.ws.cfg, t, d) >= 0) return d;
+  return -1;
+}
 
-template <typename T, typename P>
+// Steps of the per-warp partial stream kept in flight (shared memory: 16 warps x kDepth steps
+// x 32 lanes x U x 16 B per bf16 group = 224 KB either way).
+template <typename P>
+struct PartialStream {
+  static constexpr int kDepth = sizeof(P) == 4 ? 7 : 14;
+  static constexpr size_t kSmemBytes =
+      static_cast<size_t>(kCombineThreads / kWarpSize) * kDepth * U * kWarpSize * sizeof(Raw8<P>);
+};
+
+// Consumer warps: my tokens t = warp, warp + n_warps, ... Each token is summed in steps of
+// U x 256 elements per warp (S steps per token). The first remote partial of every token is
+// streamed into shared memory kDepth steps ahead of its use with 16-byte cp.async (one commit
+// group per step, empty where there is nothing to fetch), so its NVLink latency hides behind
+// the own-row reductions of the steps before; further remote partials (world > 2) are loaded
+// when summed.
+template <typename T, typename P, int kOwnRows>
 __device__ void consume(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
                         const CombineShape& sh, const T* expert_out, const float* grad_probs,
-                        T* y, float* grad_w) {
+                        T* y, float* grad_w, Raw8<P>* smem) {
+  constexpr int D = PartialStream<P>::kDepth;
+  constexpr int kStepElems = kWarpSize * kCombineVec * U;
   const int lane = threadIdx.x % kWarpSize;
   const int warps_per_block = blockDim.x / kWarpSize;
   const int n_warps = (gridDim.x - a.num_producers) * warps_per_block;
@@ -151,43 +172,69 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   const int W = c.world, me = c.rank;
   const int64_t N = RingView::combine(c.ws, c.local()).num_chunks;
   const int my_first_task = h.task_off[me];
+  const int S = (sh.H + kStepElems - 1) / kStepElems;
+  const int n_tok = a.num_tokens > warp ? (a.num_tokens - warp + n_warps - 1) / n_warps : 0;
+  const int64_t n_pieces = static_cast<int64_t>(n_tok) * S;
+  Raw8<P>* slots = smem + static_cast<size_t>(threadIdx.x / kWarpSize) * D * U * kWarpSize + lane;
   SeenGens seen;
 
-  for (int t = warp; t < a.num_tokens; t += n_warps) {
+  // Stream piece p = step p % S of the warp's token p / S. Waits for that token's partials the
+  // first time it is reached. Always commits one group, so "all but the newest D - 1 groups
+  // complete" means "piece p - D + 1 and everything before it landed".
+  const P* issue_src = nullptr;
+  auto issue = [&](int64_t p) -> bool {
+    if (p < n_pieces) {
+      const int k = static_cast<int>(p / S), st = static_cast<int>(p % S);
+      if (st == 0) {
+        const int t = warp + k * n_warps;
+        if (!wait_token_partials<P>(c, h, sh, N, seen, t)) return false;
+        const int d0 = first_remote(c, h, t);
+        issue_src = d0 < 0 ? nullptr : remote_partial<P>(c, sh, N, d0, h.send_index(c.ws.cfg, t, d0));
+      }
+      if (issue_src != nullptr) {
+        Raw8<P>* slot = slots + static_cast<size_t>(p % D) * U * kWarpSize;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int v = st * kStepElems + u * kWarpSize * kCombineVec + lane * kCombineVec;
+          if (v < sh.H)
+#pragma unroll
+            for (int i = 0; i < Raw8<P>::kVecs; ++i)
+              cp_async_16(&slot[u * kWarpSize].v[i], reinterpret_cast<const int4*>(issue_src + v) + i);
+        }
+      }
+    }
+    cp_async_commit();
+    return true;
+  };
+  for (int64_t p = 0; p < D; ++p)
+    if (!issue(p)) { cp_async_wait<0>(); return; }
+
+  for (int k = 0; k < n_tok; ++k) {
+    const int t = warp + k * n_warps;
     // q of t for rank d (index among my tokens sent to d), or -1: read where needed (L1 hits).
     auto pos = [&](int d) { return h.send_index(c.ws.cfg, t, d); };
-    if (!wait_token_partials<P>(c, h, sh, N, seen, t)) return;
     const int32_t* my_rows = nullptr;
     int my_task = -1;
     if (pos(me) >= 0) {
       my_task = my_first_task + pos(me);
       my_rows = h.task_rows + static_cast<size_t>(my_task) * sh.K;
     }
-    // The first kPrefetchRanks remote ranks (in rank order) holding a partial of t.
-    const P* pf_src[kPrefetchRanks];
-    int n_pf = 0;
-    for (int d = 0; d < W && n_pf < kPrefetchRanks; ++d) {
-      const int q = pos(d);
-      if (q < 0 || d == me) continue;
-      const P* src = remote_partial<P>(c, sh, N, d, q);
+    const int d0 = first_remote(c, h, t);
+    for (int st = 0; st < S; ++st) {
+      const int64_t p = static_cast<int64_t>(k) * S + st;
+      const int v0 = st * kStepElems + lane * kCombineVec;
+      cp_async_wait<D - 1>();
+      Raw8<P> pf[U];
+      const Raw8<P>* slot = slots + static_cast<size_t>(p % D) * U * kWarpSize;
+      if (d0 >= 0)
 #pragma unroll
-      for (int i = 0; i < kPrefetchRanks; ++i)
-        if (i == n_pf) pf_src[i] = src;
-      ++n_pf;
-    }
-    for (int v0 = lane * kCombineVec; v0 < sh.H; v0 += kWarpSize * kCombineVec * U) {
-      Raw8<P> pf[kPrefetchRanks][U];
-#pragma unroll
-      for (int i = 0; i < kPrefetchRanks; ++i)
-        if (i < n_pf)
-#pragma unroll
-          for (int u = 0; u < U; ++u)
-            if (group_live(v0, u, sh.H)) load_raw(pf[i][u], pf_src[i] + v0 + u * kWarpSize * kCombineVec);
+        for (int u = 0; u < U; ++u)
+          if (group_live(v0, u, sh.H)) pf[u] = slot[u * kWarpSize];
       // My own partial, reduced here from my rows (same order and rounding as a producer).
       float part[U][kCombineVec], acc[U][kCombineVec];
       zero(part);
       if (my_rows != nullptr) {
-        sum_rows<T, (sizeof(T) == 4 ? 2 : 4)>(part, expert_out, my_rows, sh.K, a.row_cap, v0, sh.H);
+        sum_rows<T, kOwnRows>(part, expert_out, my_rows, sh.K, a.row_cap, v0, sh.H);
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -195,7 +242,6 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       }
       // Sum in rank order.
       zero(acc);
-      int remote_i = 0;
       for (int d = 0; d < W; ++d) {
         const int q = pos(d);
         if (q < 0) continue;
@@ -204,15 +250,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
           for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int e = 0; e < kCombineVec; ++e) acc[u][e] += part[u][e];
-          continue;
-        }
-        if (remote_i < kPrefetchRanks) {
+        } else if (d == d0) {
 #pragma unroll
-          for (int i = 0; i < kPrefetchRanks; ++i)
-            if (i == remote_i)
-#pragma unroll
-              for (int u = 0; u < U; ++u)
-                if (group_live(v0, u, sh.H)) add_raw<P>(acc[u], pf[i][u]);
+          for (int u = 0; u < U; ++u)
+            if (group_live(v0, u, sh.H)) add_raw<P>(acc[u], pf[u]);
         } else {
           const P* src = remote_partial<P>(c, sh, N, d, q);
           Raw8<P> r[U];
@@ -223,12 +264,13 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
           for (int u = 0; u < U; ++u)
             if (group_live(v0, u, sh.H)) add_raw<P>(acc[u], r[u]);
         }
-        ++remote_i;
       }
 #pragma unroll
       for (int u = 0; u < U; ++u)
         if (group_live(v0, u, sh.H))
           Vec8<T>::store(y + static_cast<size_t>(t) * sh.H + v0 + u * kWarpSize * kCombineVec, acc[u]);
+      // The slot's values were used above; now refill it with the piece D steps ahead.
+      if (!issue(p + D)) { cp_async_wait<0>(); return; }
     }
     if (grad_w != nullptr && lane < sh.K) {
       float val = 0.f;
@@ -275,16 +317,17 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   }
 }
 
-template <typename T, typename P>
+template <typename T, typename P, int kOwnRows>
 __global__ void __launch_bounds__(kCombineThreads, 1)
     combine_transfer_kernel(CommContext c, HandleArrays h, TransferArgs a, CombineShape sh,
                             const T* expert_out, const float* grad_probs, T* y, float* grad_w) {
+  extern __shared__ __align__(16) int4 smem[];
   sh.seq = c.counters()->comb_seq;
   trace_warp(c, true);
   if (blockIdx.x < a.num_producers)
     produce<T, P>(c, h, a, sh, expert_out, grad_probs);
   else
-    consume<T, P>(c, h, a, sh, expert_out, grad_probs, y, grad_w);
+    consume<T, P, kOwnRows>(c, h, a, sh, expert_out, grad_probs, y, grad_w, reinterpret_cast<Raw8<P>*>(smem));
   trace_warp(c, false);
   warp_done_advance(&c.counters()->comb_warps_done, &c.counters()->comb_seq);
 }
@@ -293,7 +336,16 @@ template <typename T, typename P>
 cudaError_t launch_typed(const CommContext& c, const HandleArrays& h, const TransferArgs& t,
                          const CombineShape& sh, const void* expert_out, const float* grad_probs,
                          void* y, float* grad_w, cudaStream_t s) {
-  combine_transfer_kernel<T, P><<<t.num_blocks, kCombineThreads, 0, s>>>(
+  constexpr size_t smem = PartialStream<P>::kSmemBytes;
+  // Own rows loaded per batch by a consumer lane: 4 spills a few registers, 2 does not
+  // (MOK_COMBINE_ROWS=2|4 chooses; benchmarks/NOTES.md #10 measured both).
+  const char* rows_env = getenv("MOK_COMBINE_ROWS");
+  const bool four = sizeof(T) != 4 && rows_env != nullptr && rows_env[0] == '4';
+  auto kernel = four ? combine_transfer_kernel<T, P, 4> : combine_transfer_kernel<T, P, (sizeof(T) == 4 ? 1 : 2)>;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem)))
+    return e;
+  kernel<<<t.num_blocks, kCombineThreads, smem, s>>>(
       c, h, t, sh, static_cast<const T*>(expert_out), grad_probs, static_cast<T*>(y), grad_w);
   return cudaGetLastError();
 }
