@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "mok/bulk.h"
+#include "mok/row_sum.h"
 #include "mok/ptx.h"
 
 using namespace mok;
@@ -246,12 +247,34 @@ __global__ void red_bulk(const char* rows, char* out, const int* map, int n_task
   }
 }
 
+// The combine's own loop (mok/row_sum.h): a task has 1-8 rows (as a top-8 token on one of two
+// ranks), listed in task_rows [n_tasks, 8] with -1 padding; kRows rows' loads per batch.
+template <int kRows>
+__global__ void __launch_bounds__(512, 1)
+    red_rows(const __nv_bfloat16* rows, __nv_bfloat16* out, const int* task_rows, int n_tasks) {
+  constexpr int H = kRowBytes / 2;
+  const int lane = threadIdx.x % 32;
+  const int n_warps = gridDim.x * (blockDim.x / 32);
+  const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  for (int t = warp; t < n_tasks; t += n_warps) {
+    for (int v0 = lane * 8; v0 < H; v0 += 32 * 8 * U) {
+      float acc[U][kCombineVec];
+      zero(acc);
+      sum_rows<__nv_bfloat16, kRows>(acc, rows, task_rows + t * 8, 8, 1ll << 40, v0, H);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (group_live(v0, u, H)) Vec8<__nv_bfloat16>::store(out + static_cast<size_t>(t) * H + v0 + u * 256, acc[u]);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------- host
 struct Dev {
   int id;
   char* src;      // 8192 source rows (local pool)
   char* dst;      // 32768 rows
   int* map;       // 32768 destinations
+  int* task_rows; // [8192, 8] rows of each task (1-8, -1 padded), ~4 on average
   cudaStream_t s;
   cudaEvent_t a, b;
 };
@@ -308,6 +331,24 @@ int main(int argc, char** argv) {
     for (int i = 0; i < kDstRows; ++i) m[i] = i;
     std::shuffle(m.begin(), m.end(), rng);
     CK(cudaMemcpy(v.map, m.data(), m.size() * 4, cudaMemcpyHostToDevice));
+    {
+      // Rows per task: how many of a token's 8 distinct experts (of 256) are among 128 local ones.
+      std::vector<int> tr(static_cast<size_t>(kSrcRows) * 8, -1);
+      int next = 0;
+      for (int t = 0; t < kSrcRows; ++t) {
+        int n = 0;
+        do {
+          std::vector<int> e(256);
+          for (int i = 0; i < 256; ++i) e[i] = i;
+          std::shuffle(e.begin(), e.end(), rng);
+          n = 0;
+          for (int i = 0; i < 8; ++i) n += e[i] < 128;
+        } while (n == 0);
+        for (int k = 0; k < n; ++k) tr[t * 8 + k] = m[(next++) % kDstRows];
+      }
+      CK(cudaMalloc(&v.task_rows, tr.size() * 4));
+      CK(cudaMemcpy(v.task_rows, tr.data(), tr.size() * 4, cudaMemcpyHostToDevice));
+    }
     CK(cudaStreamCreateWithFlags(&v.s, cudaStreamNonBlocking));
     CK(cudaEventCreate(&v.a));
     CK(cudaEventCreate(&v.b));
@@ -373,6 +414,25 @@ int main(int argc, char** argv) {
                    [&](Dev& v, int d, int n) {
                      red_reg<2><<<n, 512, 0, v.s>>>(reinterpret_cast<const __nv_bfloat16*>(v.dst),
                                                     reinterpret_cast<__nv_bfloat16*>(v.src), v.map, kSrcRows);
+                   }});
+  // ~4 rows per task on average: reads ~32768 rows.
+  cases.push_back({"red_rows2_var", "mok/row_sum.h loop, 1-8 rows per task, 2 rows per batch", 1,
+                   kDstRows * row_mb, kSrcRows * row_mb, 0,
+                   [&](Dev& v, int d, int n) {
+                     red_rows<2><<<n, 512, 0, v.s>>>(reinterpret_cast<const __nv_bfloat16*>(v.dst),
+                                                     reinterpret_cast<__nv_bfloat16*>(v.src), v.task_rows, kSrcRows);
+                   }});
+  cases.push_back({"red_rows4_var", "mok/row_sum.h loop, 1-8 rows per task, 4 rows per batch", 1,
+                   kDstRows * row_mb, kSrcRows * row_mb, 0,
+                   [&](Dev& v, int d, int n) {
+                     red_rows<4><<<n, 512, 0, v.s>>>(reinterpret_cast<const __nv_bfloat16*>(v.dst),
+                                                     reinterpret_cast<__nv_bfloat16*>(v.src), v.task_rows, kSrcRows);
+                   }});
+  cases.push_back({"red_rows8_var", "mok/row_sum.h loop, 1-8 rows per task, 8 rows per batch", 1,
+                   kDstRows * row_mb, kSrcRows * row_mb, 0,
+                   [&](Dev& v, int d, int n) {
+                     red_rows<8><<<n, 512, 0, v.s>>>(reinterpret_cast<const __nv_bfloat16*>(v.dst),
+                                                     reinterpret_cast<__nv_bfloat16*>(v.src), v.task_rows, kSrcRows);
                    }});
   for (int piece : {kRowBytes / 4, kRowBytes / 8}) {
     const int stages = std::min(32, (smem_max - 1024) / (kK * piece));

@@ -13,48 +13,10 @@
 #include <cstdlib>
 
 #include "mok/launch.h"
+#include "mok/row_sum.h"
 
 namespace mok {
 namespace {
-
-constexpr int U = kCombineUnroll;  // 8-element groups per lane per step
-
-__device__ __forceinline__ void zero(float (&a)[U][kCombineVec]) {
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-#pragma unroll
-    for (int e = 0; e < kCombineVec; ++e) a[u][e] = 0.f;
-}
-
-__device__ __forceinline__ bool group_live(int v0, int u, int H) {
-  return v0 + u * kWarpSize * kCombineVec < H;
-}
-
-// acc += the task's rows (in row order) at groups v0 + u*256. Loads go out kRows rows at a
-// time, all before their adds, so kRows * U loads per lane are in flight.
-template <typename T, int kRows>
-__device__ __forceinline__ void sum_rows(float (&acc)[U][kCombineVec], const T* base,
-                                         const int32_t* rows, int K, int64_t row_cap, int v0, int H) {
-  for (int k0 = 0; k0 < K; k0 += kRows) {
-    Raw8<T> raw[kRows][U];
-    bool live[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int row = k0 + r < K ? rows[k0 + r] : -1;
-      live[r] = row >= 0 && row < row_cap;
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (live[r] && group_live(v0, u, H))
-          load_raw(raw[r][u], base + static_cast<size_t>(row) * H + v0 + u * kWarpSize * kCombineVec);
-    }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (live[r] && group_live(v0, u, H)) add_raw<T>(acc[u], raw[r][u]);
-    if (!live[kRows - 1]) break;  // rows are packed first: a dead slot ends the list
-  }
-}
 
 struct CombineShape {
   uint64_t seq;      // this call's number on the combine ring (read at kernel start)
@@ -178,18 +140,32 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   Raw8<P>* slots = smem + static_cast<size_t>(threadIdx.x / kWarpSize) * D * U * kWarpSize + lane;
   SeenGens seen;
 
-  // Stream piece p = step p % S of the warp's token p / S. Waits for that token's partials the
-  // first time it is reached. Always commits one group, so "all but the newest D - 1 groups
-  // complete" means "piece p - D + 1 and everything before it landed".
+  // Stream piece p = step p % S of the warp's token p / S. A token is streamed only if its
+  // first remote partial is ready when its first piece is issued: the stream never WAITS, since
+  // this warp has not yet released the chunks of the tokens before it, and a producer may be
+  // waiting for exactly those slots (small rings). Unstreamed tokens load that partial when
+  // summed. Always commits one group, so "all but the newest D - 1 groups complete" means
+  // "piece p - D + 1 and everything before it landed".
   const P* issue_src = nullptr;
-  auto issue = [&](int64_t p) -> bool {
+  uint64_t streamed = 0;  // bit k % 64: token k of this warp is streamed (D / S + 1 <= 15 in flight)
+  auto issue = [&](int64_t p) {
     if (p < n_pieces) {
       const int k = static_cast<int>(p / S), st = static_cast<int>(p % S);
       if (st == 0) {
         const int t = warp + k * n_warps;
-        if (!wait_token_partials<P>(c, h, sh, N, seen, t)) return false;
         const int d0 = first_remote(c, h, t);
-        issue_src = d0 < 0 ? nullptr : remote_partial<P>(c, sh, N, d0, h.send_index(c.ws.cfg, t, d0));
+        issue_src = nullptr;
+        streamed &= ~(1ull << (k % 64));
+        if (d0 >= 0) {
+          const int q = h.send_index(c.ws.cfg, t, d0);
+          const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + q / sh.C;
+          const uint64_t* flag = RingView::combine(c.ws, c.peers.base[d0]).ready + g % N;
+          // Not seen.set: the cache may only record chunks checked in token order.
+          if (seen.has(d0, g) || __shfl_sync(0xffffffffu, ld_acquire_sys(flag), 0) >= g + 1) {
+            issue_src = remote_partial<P>(c, sh, N, d0, q);
+            streamed |= 1ull << (k % 64);
+          }
+        }
       }
       if (issue_src != nullptr) {
         Raw8<P>* slot = slots + static_cast<size_t>(p % D) * U * kWarpSize;
@@ -204,10 +180,8 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       }
     }
     cp_async_commit();
-    return true;
   };
-  for (int64_t p = 0; p < D; ++p)
-    if (!issue(p)) { cp_async_wait<0>(); return; }
+  for (int64_t p = 0; p < D; ++p) issue(p);
 
   for (int k = 0; k < n_tok; ++k) {
     const int t = warp + k * n_warps;
@@ -219,7 +193,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       my_task = my_first_task + pos(me);
       my_rows = h.task_rows + static_cast<size_t>(my_task) * sh.K;
     }
-    const int d0 = first_remote(c, h, t);
+    if (!wait_token_partials<P>(c, h, sh, N, seen, t)) { cp_async_wait<0>(); return; }
+    // The streamed rank, or -1 when t's first remote partial was not ready in time (then it is
+    // loaded like any further rank's).
+    const int d0 = (streamed >> (k % 64)) & 1 ? first_remote(c, h, t) : -1;
     for (int st = 0; st < S; ++st) {
       const int64_t p = static_cast<int64_t>(k) * S + st;
       const int v0 = st * kStepElems + lane * kCombineVec;
@@ -270,7 +247,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         if (group_live(v0, u, sh.H))
           Vec8<T>::store(y + static_cast<size_t>(t) * sh.H + v0 + u * kWarpSize * kCombineVec, acc[u]);
       // The slot's values were used above; now refill it with the piece D steps ahead.
-      if (!issue(p + D)) { cp_async_wait<0>(); return; }
+      issue(p + D);
     }
     if (grad_w != nullptr && lane < sh.K) {
       float val = 0.f;

@@ -1,0 +1,49 @@
+// Row sums of the combine: a lane reduces U groups of 8 elements of a task's rows in fp32, in
+// row order, from +0.0 (the contract's order). Shared by the combine kernel and the SM-ceiling
+// microbenchmark (benchmarks/micro), which measures this exact loop.
+#pragma once
+
+#include "device.h"
+
+namespace mok {
+
+constexpr int U = kCombineUnroll;  // 8-element groups per lane per step
+
+__device__ __forceinline__ void zero(float (&a)[U][kCombineVec]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int e = 0; e < kCombineVec; ++e) a[u][e] = 0.f;
+}
+
+__device__ __forceinline__ bool group_live(int v0, int u, int H) {
+  return v0 + u * kWarpSize * kCombineVec < H;
+}
+
+// acc += the task's rows (in row order) at groups v0 + u*256. Loads go out kRows rows at a
+// time, all before their adds, so kRows * U loads per lane are in flight.
+template <typename T, int kRows>
+__device__ __forceinline__ void sum_rows(float (&acc)[U][kCombineVec], const T* base,
+                                         const int32_t* rows, int K, int64_t row_cap, int v0, int H) {
+  for (int k0 = 0; k0 < K; k0 += kRows) {
+    Raw8<T> raw[kRows][U];
+    bool live[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = k0 + r < K ? rows[k0 + r] : -1;
+      live[r] = row >= 0 && row < row_cap;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (live[r] && group_live(v0, u, H))
+          load_raw(raw[r][u], base + static_cast<size_t>(row) * H + v0 + u * kWarpSize * kCombineVec);
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (live[r] && group_live(v0, u, H)) add_raw<T>(acc[u], raw[r][u]);
+    if (!live[kRows - 1]) break;  // rows are packed first: a dead slot ends the list
+  }
+}
+
+}  // namespace mok
