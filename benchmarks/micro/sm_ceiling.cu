@@ -268,6 +268,28 @@ __global__ void __launch_bounds__(512, 1)
   }
 }
 
+// The same with the task's row ids held in registers (mok/row_sum.h sum_held_rows).
+template <int kBatch>
+__global__ void __launch_bounds__(512, 1)
+    red_held(const __nv_bfloat16* rows, __nv_bfloat16* out, const int* task_rows, int n_tasks) {
+  constexpr int H = kRowBytes / 2;
+  const int lane = threadIdx.x % 32;
+  const int n_warps = gridDim.x * (blockDim.x / 32);
+  const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  for (int t = warp; t < n_tasks; t += n_warps) {
+    HeldRows hr;
+    hr.load(task_rows + t * 8, 8);
+    for (int v0 = lane * 8; v0 < H; v0 += 32 * 8 * U) {
+      float acc[U][kCombineVec];
+      zero(acc);
+      sum_held_rows<__nv_bfloat16, kBatch>(acc, rows, hr, 1ll << 40, v0, H);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (group_live(v0, u, H)) Vec8<__nv_bfloat16>::store(out + static_cast<size_t>(t) * H + v0 + u * 256, acc[u]);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------- host
 struct Dev {
   int id;
@@ -432,6 +454,18 @@ int main(int argc, char** argv) {
                    kDstRows * row_mb, kSrcRows * row_mb, 0,
                    [&](Dev& v, int d, int n) {
                      red_rows<8><<<n, 512, 0, v.s>>>(reinterpret_cast<const __nv_bfloat16*>(v.dst),
+                                                     reinterpret_cast<__nv_bfloat16*>(v.src), v.task_rows, kSrcRows);
+                   }});
+  cases.push_back({"red_held4_var", "row ids in registers, 1-8 rows per task, 4 rows per batch", 1,
+                   kDstRows * row_mb, kSrcRows * row_mb, 0,
+                   [&](Dev& v, int d, int n) {
+                     red_held<4><<<n, 512, 0, v.s>>>(reinterpret_cast<const __nv_bfloat16*>(v.dst),
+                                                     reinterpret_cast<__nv_bfloat16*>(v.src), v.task_rows, kSrcRows);
+                   }});
+  cases.push_back({"red_held8_var", "row ids in registers, 1-8 rows per task, 8 rows per batch", 1,
+                   kDstRows * row_mb, kSrcRows * row_mb, 0,
+                   [&](Dev& v, int d, int n) {
+                     red_held<8><<<n, 512, 0, v.s>>>(reinterpret_cast<const __nv_bfloat16*>(v.dst),
                                                      reinterpret_cast<__nv_bfloat16*>(v.src), v.task_rows, kSrcRows);
                    }});
   for (int piece : {kRowBytes / 4, kRowBytes / 8}) {

@@ -45,10 +45,16 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
         const int task = first + j * sh.C + q;
         const int32_t* rows = h.task_rows + static_cast<size_t>(task) * sh.K;
         P* dst = reinterpret_cast<P*>(chunk) + static_cast<size_t>(q) * sh.H;
+        HeldRows held;
+        const bool use_held = sh.K <= kHeldRows;
+        if (use_held) held.load(rows, sh.K);
         for (int v0 = lane * kCombineVec; v0 < sh.H; v0 += kWarpSize * kCombineVec * U) {
           float acc[U][kCombineVec];
           zero(acc);
-          sum_rows<T, (sizeof(T) == 4 ? 2 : 4)>(acc, expert_out, rows, sh.K, a.row_cap, v0, sh.H);
+          if (use_held)
+            sum_held_rows<T, (sizeof(T) == 4 ? 2 : 4)>(acc, expert_out, held, a.row_cap, v0, sh.H);
+          else
+            sum_rows<T, (sizeof(T) == 4 ? 2 : 4)>(acc, expert_out, rows, sh.K, a.row_cap, v0, sh.H);
 #pragma unroll
           for (int u = 0; u < U; ++u)
             if (group_live(v0, u, sh.H)) Vec8<P>::store(dst + v0 + u * kWarpSize * kCombineVec, acc[u]);

@@ -46,4 +46,49 @@ __device__ __forceinline__ void sum_rows(float (&acc)[U][kCombineVec], const T* 
   }
 }
 
+// Rows of one task held in registers: a task of a top-K token with K <= kHeldRows has at most
+// kHeldRows rows here. Loading the ids once per task (not once per step, as sum_rows must)
+// keeps every step's data loads independent of any other load (benchmarks/NOTES.md #11).
+constexpr int kHeldRows = 8;
+
+struct HeldRows {
+  int row[kHeldRows];  // packed: live rows first, -1 after
+  int n;               // live rows
+  __device__ __forceinline__ void load(const int32_t* rows, int K) {
+    n = 0;
+#pragma unroll
+    for (int r = 0; r < kHeldRows; ++r) {
+      row[r] = r < K ? rows[r] : -1;
+      n += row[r] >= 0;
+    }
+  }
+};
+
+// acc += the held rows (row order) at groups v0 + u*256, kBatch rows' loads in flight at once.
+// Rows at or past row_cap (static-shape overflow, reported elsewhere) are skipped.
+template <typename T, int kBatch>
+__device__ __forceinline__ void sum_held_rows(float (&acc)[U][kCombineVec], const T* base,
+                                              const HeldRows& h, int64_t row_cap, int v0, int H) {
+#pragma unroll
+  for (int b = 0; b < kHeldRows; b += kBatch) {
+    if (b >= h.n) break;
+    Raw8<T> raw[kBatch][U];
+#pragma unroll
+    for (int r = 0; r < kBatch; ++r) {
+      const bool live = b + r < h.n && h.row[b + r] < row_cap;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (live && group_live(v0, u, H))
+          load_raw(raw[r][u], base + static_cast<size_t>(h.row[b + r]) * H + v0 + u * kWarpSize * kCombineVec);
+    }
+#pragma unroll
+    for (int r = 0; r < kBatch; ++r) {
+      const bool live = b + r < h.n && h.row[b + r] < row_cap;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (live && group_live(v0, u, H)) add_raw<T>(acc[u], raw[r][u]);
+    }
+  }
+}
+
 }  // namespace mok
