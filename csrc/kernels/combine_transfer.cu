@@ -22,11 +22,19 @@ struct CombineShape {
   uint64_t seq;      // this call's number on the combine ring (read at kernel start)
   int H, K, C, cps;  // hidden, topk, rows per chunk, chunks per source region
   int64_t cpc;       // chunks per call: W regions of cps chunks
+  int phased;        // every block produces, then consumes (the call fits in the ring)
+};
+
+// Blocks [first, first + count) play a role.
+struct Role {
+  int first, count;
+  __device__ int index() const { return static_cast<int>(blockIdx.x) - first; }
 };
 
 template <typename T, typename P>
-__device__ void produce(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
-                        const CombineShape& sh, const T* expert_out, const float* grad_probs) {
+__device__ __noinline__ void produce(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+                        const CombineShape& sh, const Role& role, const T* expert_out,
+                        const float* grad_probs) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int n_warps = blockDim.x / kWarpSize;
   RingView mine = RingView::combine(c.ws, c.local());
@@ -37,7 +45,7 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
     for (int j = 0; j * sh.C < n; ++j) {
       const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(s) * sh.cps + j;
       const int64_t slot = static_cast<int64_t>(g % N);
-      if (slot % a.num_producers != blockIdx.x) continue;
+      if (slot % role.count != role.index()) continue;
       if (!ring_slot_acquire(c, mine, slot, g, kWaitCombineReleased)) return;
       char* chunk = mine.ring + slot * mine.chunk_bytes;
       const int rows_here = min(sh.C, n - j * sh.C);
@@ -128,15 +136,16 @@ struct PartialStream {
 // the own-row reductions of the steps before; further remote partials (world > 2) are loaded
 // when summed.
 template <typename T, typename P, int kOwnRows>
-__device__ void consume(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
-                        const CombineShape& sh, const T* expert_out, const float* grad_probs,
+__device__ __noinline__ void consume(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+                        const CombineShape& sh, const Role& role, const T* expert_out,
+                        const float* grad_probs,
                         T* y, float* grad_w, Raw8<P>* smem) {
   constexpr int D = PartialStream<P>::kDepth;
   constexpr int kStepElems = kWarpSize * kCombineVec * U;
   const int lane = threadIdx.x % kWarpSize;
   const int warps_per_block = blockDim.x / kWarpSize;
-  const int n_warps = (gridDim.x - a.num_producers) * warps_per_block;
-  const int warp = (blockIdx.x - a.num_producers) * warps_per_block + threadIdx.x / kWarpSize;
+  const int n_warps = role.count * warps_per_block;
+  const int warp = role.index() * warps_per_block + threadIdx.x / kWarpSize;
   const int W = c.world, me = c.rank;
   const int64_t N = RingView::combine(c.ws, c.local()).num_chunks;
   const int my_first_task = h.task_off[me];
@@ -307,10 +316,22 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   extern __shared__ __align__(16) int4 smem[];
   sh.seq = c.counters()->comb_seq;
   trace_warp(c, true);
-  if (blockIdx.x < a.num_producers)
-    produce<T, P>(c, h, a, sh, expert_out, grad_probs);
-  else
-    consume<T, P, kOwnRows>(c, h, a, sh, expert_out, grad_probs, y, grad_w, reinterpret_cast<Raw8<P>*>(smem));
+  Raw8<P>* stream = reinterpret_cast<Raw8<P>*>(smem);
+  if (sh.phased) {
+    // The whole call fits in the ring, so producing never waits for this call's consumers:
+    // every block reduces its share of the remote tasks first, then sums its share of my
+    // tokens, by which time the peers' partials are (mostly) staged. No block idles while
+    // the other role is the bottleneck, and the partial stream rarely finds a chunk unready.
+    const Role all{0, static_cast<int>(gridDim.x)};
+    produce<T, P>(c, h, a, sh, all, expert_out, grad_probs);
+    consume<T, P, kOwnRows>(c, h, a, sh, all, expert_out, grad_probs, y, grad_w, stream);
+  } else if (static_cast<int>(blockIdx.x) < a.num_producers) {
+    // A call larger than the ring: producers must run alongside the consumers that free slots.
+    produce<T, P>(c, h, a, sh, Role{0, a.num_producers}, expert_out, grad_probs);
+  } else {
+    consume<T, P, kOwnRows>(c, h, a, sh, Role{a.num_producers, a.num_blocks - a.num_producers},
+                            expert_out, grad_probs, y, grad_w, stream);
+  }
   trace_warp(c, false);
   warp_done_advance(&c.counters()->comb_warps_done, &c.counters()->comb_seq);
 }
@@ -354,6 +375,9 @@ cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
   sh.C = c.ws.cfg.chunk_tokens;
   sh.cps = HandleArrays::chunks_per_call(c.ws.cfg);
   sh.cpc = static_cast<int64_t>(sh.cps) * c.world;
+  // MOK_COMBINE_PHASED=0 forces the role split (tests cover both schedules).
+  const char* phased_env = getenv("MOK_COMBINE_PHASED");
+  sh.phased = sh.cpc <= c.ws.cfg.comb_ring_chunks && !(phased_env != nullptr && phased_env[0] == '0');
   switch (dtype_code) {
     case kBF16:
       return launch_partial<__nv_bfloat16>(partial_code, c, h, t, sh, expert_out, grad_probs, y, grad_w, s);
