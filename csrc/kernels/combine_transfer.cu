@@ -32,7 +32,7 @@ struct Role {
 };
 
 template <typename T, typename P>
-__device__ __noinline__ void produce(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+__device__ void produce(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
                         const CombineShape& sh, const Role& role, const T* expert_out,
                         const float* grad_probs) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
@@ -136,7 +136,7 @@ struct PartialStream {
 // the own-row reductions of the steps before; further remote partials (world > 2) are loaded
 // when summed.
 template <typename T, typename P, int kOwnRows>
-__device__ __noinline__ void consume(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+__device__ void consume(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
                         const CombineShape& sh, const Role& role, const T* expert_out,
                         const float* grad_probs,
                         T* y, float* grad_w, Raw8<P>* smem) {
