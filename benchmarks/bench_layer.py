@@ -59,6 +59,8 @@ def parse_args(argv=None):
 
 
 def _git_commit():
+    if os.environ.get("MOK_COMMIT"):  # see benchmarks/common.py git_commit
+        return os.environ["MOK_COMMIT"], False
     try:
         out = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=10)

@@ -91,6 +91,10 @@ SHAPES_BY_NAME = {s.name: s for s in GPU_SHAPES + CPU_SHAPES}
 
 # ------------------------------------------------------------------------- environment
 def git_commit() -> str:
+    # MOK_COMMIT wins: a lent GPU machine gets a copy of the working tree whose .git may be a
+    # stale snapshot, so the launcher passes the commit it sent.
+    if os.environ.get("MOK_COMMIT"):
+        return os.environ["MOK_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=10)

@@ -201,6 +201,9 @@ def worker(rank: int, world: int, port: int, args) -> None:
 
 
 def _git_commit() -> str:
+    # MOK_COMMIT wins (a lent GPU machine may carry a stale copy of .git).
+    if os.environ.get("MOK_COMMIT"):
+        return os.environ["MOK_COMMIT"]
     try:
         import subprocess
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,9 @@
 # time limit, so one stuck stage cannot eat the others' time.
 set -uo pipefail
 OUT=${1:?usage: run_gpu_proofs.sh OUT_DIR [COMMIT]}
-COMMIT=${2:-unknown}
+COMMIT=${2:-${MOK_COMMIT:-unknown}}
+# Every tool below records this commit (a lent machine's .git can be a stale snapshot).
+export MOK_COMMIT=$COMMIT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHON=${PYTHON:-python3}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

@@ -5,7 +5,7 @@
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${1:?usage: run_sm_ceiling.sh OUT_DIR [COMMIT]}
-COMMIT=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+COMMIT=${2:-${MOK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}}
 HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$OUT"
 nvcc -O3 -std=c++17 -I"$HERE/../../csrc/include" -gencode=arch=compute_90a,code=sm_90a \
