@@ -107,6 +107,16 @@ def main():
             print(f"[trace] rank {rank} sms={sms} {name}: starts within {max(ps):.1f} us; producers "
                   f"({prod}) end {min(pe):.1f}..{max(pe):.1f} us; consumers ({len(ce)}) end "
                   f"{min(ce):.1f}..{max(ce):.1f} us", flush=True)
+            # Phased kernels (every block produces, then consumes) also mark the first phase's
+            # end per block in the trace's second half; then the role labels above do not apply.
+            half = tr.shape[0] // 2
+            ph = tr[half: half + be.num_blocks, 1].cpu()
+            if be.num_blocks <= half and int(ph.min()) > 0:
+                pend = [(int(v) - t0) / 1e3 for v in ph.tolist()]
+                ends = [e for _, e in rel]
+                print(f"[trace] rank {rank} sms={sms} {name} (phased, all {be.num_blocks} blocks): "
+                      f"produce phase ends {min(pend):.1f}..{max(pend):.1f} us; consume phase ends "
+                      f"{min(ends):.1f}..{max(ends):.1f} us", flush=True)
         if args.kernels and rank == 0 and sms == 24:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:

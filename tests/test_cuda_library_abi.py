@@ -74,3 +74,26 @@ def test_calls_before_peers_are_set_fail_cleanly():
         assert "mok_set_peers" in lib.mok_last_error().decode()
     finally:
         lib.mok_destroy(ctx)
+
+
+@pytest.mark.parametrize("blocks, producers, mode, message", [
+    (24, 4, 3, "mode must be 0 (both roles), 1 (stage) or 2 (pull)"),
+    (24, 24, 0, "1 <= num_producers < num_blocks"),
+    (24, 0, 0, "1 <= num_producers < num_blocks"),
+    (0, 0, 1, "num_blocks >= 1"),
+    (0, 0, 2, "num_blocks >= 1"),
+])
+def test_dispatch_transfer_refuses_bad_roles_before_launching(blocks, producers, mode, message):
+    # Peers are only recorded by mok_set_peers, so fake (never dereferenced) pointers let the
+    # argument checks run on a machine without a GPU; every case fails before any launch.
+    import ctypes
+    lib = library.get()
+    ctx = _create(lib)
+    try:
+        peers = (ctypes.c_uint64 * 2)(1 << 40, 2 << 40)
+        assert lib.mok_set_peers(ctx, peers, 2, 1.0) == 0
+        rc = lib.mok_dispatch_transfer(ctx, None, None, None, 0, None, 0, blocks, producers, mode)
+        assert rc != 0
+        assert message in lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(ctx)

@@ -121,12 +121,15 @@ int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
 
 int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const void* x,
                           int num_tokens, void* out_rows, int64_t row_cap,
-                          int num_blocks, int num_producers) {
+                          int num_blocks, int num_producers, int mode) {
   if (int e = check_ready(ctx)) return e;
-  if (num_producers < 1 || num_blocks <= num_producers)
+  if (mode != kTransferBoth && mode != kTransferStage && mode != kTransferPull)
+    return fail("dispatch transfer mode must be 0 (both roles), 1 (stage) or 2 (pull)");
+  if (mode == kTransferBoth && (num_producers < 1 || num_blocks <= num_producers))
     return fail("dispatch transfer needs 1 <= num_producers < num_blocks");
+  if (num_blocks < 1) return fail("dispatch transfer needs num_blocks >= 1");
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
-  TransferArgs t{num_tokens, num_blocks, num_producers, row_cap};
+  TransferArgs t{num_tokens, num_blocks, num_producers, row_cap, mode};
   return check_launch(launch_dispatch_transfer(ctx->comm, h, t, x, out_rows, ctx->comm.ws.cfg.elem_bytes,
                                                static_cast<cudaStream_t>(stream)),
                       "dispatch transfer launch");
@@ -142,7 +145,7 @@ int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert
   if (partial_code != dtype_code && partial_code != kFP32)
     return fail("the combine partial dtype must be the token dtype or float32");
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
-  TransferArgs t{num_tokens, num_blocks, num_producers, row_cap};
+  TransferArgs t{num_tokens, num_blocks, num_producers, row_cap, kTransferBoth};
   return check_launch(launch_combine_transfer(ctx->comm, h, t, expert_out, grad_probs, y, grad_w,
                                               dtype_code, partial_code, static_cast<cudaStream_t>(stream)),
                       "combine launch");

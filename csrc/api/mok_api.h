@@ -28,9 +28,12 @@ int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void
                         int64_t* tokens_per_expert, int64_t row_cap);
 int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
                       int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap);
+/* mode 0: one kernel, num_producers blocks stage and the rest pull; 1: every block stages
+ * (out_rows unused); 2: every block pulls. An eager dispatch launches 1 on a side stream
+ * before reading R, then 2 once the rows are allocated (megatron_mok/cuda/backend.py). */
 int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const void* x,
                           int num_tokens, void* out_rows, int64_t row_cap,
-                          int num_blocks, int num_producers);
+                          int num_blocks, int num_producers, int mode);
 int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert_out,
                 const float* grad_probs, int num_tokens, void* y, float* grad_w,
                 int64_t row_cap, int dtype_code, int partial_code, int num_blocks,

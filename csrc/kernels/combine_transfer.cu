@@ -324,6 +324,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
     // the other role is the bottleneck, and the partial stream rarely finds a chunk unready.
     const Role all{0, static_cast<int>(gridDim.x)};
     produce<T, P>(c, h, a, sh, all, expert_out, grad_probs);
+    trace_phase_end(c);
     consume<T, P, kOwnRows>(c, h, a, sh, all, expert_out, grad_probs, y, grad_w, stream);
   } else if (static_cast<int>(blockIdx.x) < a.num_producers) {
     // A call larger than the ring: producers must run alongside the consumers that free slots.

@@ -24,8 +24,14 @@ struct DispatchShape {
   int K;
 };
 
+// Blocks [first, first + count) play a role.
+struct Role {
+  int first, count;
+  __device__ int index() const { return static_cast<int>(blockIdx.x) - first; }
+};
+
 __device__ void produce(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
-                        const DispatchShape& sh, const int4* x) {
+                        const DispatchShape& sh, const Role& role, const int4* x) {
   RingView mine = RingView::dispatch(c.ws, c.local());
   const int64_t N = mine.num_chunks;
   const int n_chunks = (a.num_tokens + sh.C - 1) / sh.C;
@@ -33,7 +39,7 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
     const uint64_t g = sh.seq * sh.cpc + j;
     const int64_t slot = static_cast<int64_t>(g % N);
     // A slot always belongs to the same producer block, so its generations are written in order.
-    if (slot % a.num_producers != blockIdx.x) continue;
+    if (slot % role.count != role.index()) continue;
     const uint64_t readers = h.chunk_readers[j];
     if (readers == 0) continue;  // nobody else needs this chunk: skip the copy
     if (!ring_slot_acquire(c, mine, slot, g, kWaitDispatchReleased)) return;
@@ -60,11 +66,11 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
 }
 
 __device__ void consume(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
-                        const DispatchShape& sh, const int4* x, int4* out) {
+                        const DispatchShape& sh, const Role& role, const int4* x, int4* out) {
   const int lane = threadIdx.x % kWarpSize;
   const int warps_per_block = blockDim.x / kWarpSize;
-  const int n_warps = (gridDim.x - a.num_producers) * warps_per_block;
-  const int warp = (blockIdx.x - a.num_producers) * warps_per_block + threadIdx.x / kWarpSize;
+  const int n_warps = role.count * warps_per_block;
+  const int warp = role.index() * warps_per_block + threadIdx.x / kWarpSize;
   const int n_rows = h.totals[0];
   RingView mine = RingView::dispatch(c.ws, c.local());
   const int64_t N = mine.num_chunks;
@@ -142,14 +148,30 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
 __global__ void __launch_bounds__(kDispatchThreads, 1)
     dispatch_transfer_kernel(CommContext c, HandleArrays h, TransferArgs a, DispatchShape sh,
                              const int4* x, int4* out) {
-  sh.seq = c.counters()->disp_seq;
+  SeqCounters* n = c.counters();
+  const int G = static_cast<int>(gridDim.x);
   trace_warp(c, true);
-  if (blockIdx.x < a.num_producers)
-    produce(c, h, a, sh, x);
+  if (a.mode == kTransferStage) {
+    sh.seq = n->disp_seq;
+    produce(c, h, a, sh, Role{0, G}, x);
+    trace_warp(c, false);
+    warp_done_advance(&n->disp_warps_done, &n->disp_seq);
+    return;
+  }
+  if (a.mode == kTransferPull) {
+    sh.seq = n->disp_pull_seq;
+    consume(c, h, a, sh, Role{0, G}, x, out);
+    trace_warp(c, false);
+    warp_done_advance(&n->disp_pull_warps_done, &n->disp_pull_seq);
+    return;
+  }
+  sh.seq = n->disp_seq;
+  if (static_cast<int>(blockIdx.x) < a.num_producers)
+    produce(c, h, a, sh, Role{0, a.num_producers}, x);
   else
-    consume(c, h, a, sh, x, out);
+    consume(c, h, a, sh, Role{a.num_producers, G - a.num_producers}, x, out);
   trace_warp(c, false);
-  warp_done_advance(&c.counters()->disp_warps_done, &c.counters()->disp_seq);
+  warp_done_advance(&n->disp_warps_done, &n->disp_seq, &n->disp_pull_seq);
 }
 
 }  // namespace

@@ -1,9 +1,11 @@
 """The CUDA backend: pull-based dispatch/combine over peer memory (kernels in ``csrc/``).
 
 Per call, everything stays on the device except one host read per eager dispatch: the row
-count ``R``, needed to allocate ``tokens [R, H]``. It is read after the layout kernels,
-before the transfer is launched (static-shape mode, ``max_recv_tokens``, skips it and never
-syncs). Call numbers (routing, dispatch ring, combine ring) live on the device and advance
+count ``R``, needed to allocate ``tokens [R, H]``. The read does not stall the transfer: the
+staging half of it (copying my tokens into my ring for the peers) needs no output, so it is
+launched on a side stream first; the host then waits only for the layout kernels, allocates
+the rows and launches the pulling half, while the staging runs (static-shape mode,
+``max_recv_tokens``, reads nothing and runs both halves as one kernel). Call numbers (routing, dispatch ring, combine ring) live on the device and advance
 identically on every rank, because every rank makes the same calls in the same order; being
 on the device, they advance on CUDA-graph replays too.
 """
@@ -96,6 +98,9 @@ class CudaBackend:
         self.dispatch_producers = _env_int("MOK_DISPATCH_PRODUCERS", max(1, self.num_blocks // 6))
         self.combine_producers = _env_int("MOK_COMBINE_PRODUCERS", max(1, self.num_blocks * 11 // 24))
         self.broken: Optional[str] = None
+        # Eager dispatch: the staging kernel runs here while the host reads R.
+        self.side_stream = torch.cuda.Stream(device=dev)
+        self._layout_read = torch.cuda.Event()
 
     # ----------------------------------------------------------------------------- helpers
     def _check(self, rc: int) -> None:
@@ -150,13 +155,19 @@ class CudaBackend:
         self._check(self.lib.mok_dispatch_layout(
             self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
             self._ptr(w), T, b.num_experts, self._ptr(tpe), layout_cap))
+        staged = None
         if static:
             R, cap = None, b.max_recv_tokens
         else:
-            # The one host read of an eager dispatch: R (and the error report with it).
+            # Stage first (side stream, after the layout), then the one host read of an eager
+            # dispatch: R (and the error report with it). The host waits for the layout
+            # kernels only; the GPU keeps staging meanwhile.
+            main = torch.cuda.current_stream(self.device)
+            staged = self._launch_staging(x, T, scratch, main)
             self.host_report[:4].copy_(totals, non_blocking=True)
             self.host_report[4:].copy_(self.error_words, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
+            self._layout_read.record(main)
+            self._layout_read.synchronize()
             self._raise_if_error(self.host_report[4:])
             R = cap = int(self.host_report[0])
         tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
@@ -167,7 +178,15 @@ class CudaBackend:
         self._check(self.lib.mok_dispatch_fill(
             self.ctx, stream, self._ptr(scratch), self._ptr(src_rank),
             self._ptr(src_token), self._ptr(probs), cap))
-        self._transfer(x, T, scratch, tokens, cap)
+        if staged is None:
+            self._transfer(x, T, scratch, tokens, cap)
+        else:
+            self._check(self.lib.mok_dispatch_transfer(
+                self.ctx, stream, self._ptr(scratch), self._ptr(x), T, self._ptr(tokens), cap,
+                self.num_blocks - self.dispatch_producers, 0, 2))
+            # Later work on this stream (an in-place update of x, the next call) comes after
+            # the staging.
+            torch.cuda.current_stream(self.device).wait_event(staged)
         handle = DispatchHandle(
             buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=cap, src_rank=src_rank,
             src_token=src_token, tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
@@ -175,9 +194,28 @@ class CudaBackend:
         return tokens, probs, handle
 
     def _transfer(self, x, T, scratch, out, cap):
+        """Both halves of the transfer as one kernel (cached and static-shape dispatches)."""
         self._check(self.lib.mok_dispatch_transfer(
             self.ctx, self._stream(), self._ptr(scratch), self._ptr(x), T,
-            self._ptr(out), cap, self.num_blocks, self.dispatch_producers))
+            self._ptr(out), cap, self.num_blocks, self.dispatch_producers, 0))
+
+    def _launch_staging(self, x, T, scratch, main) -> torch.cuda.Event:
+        """The staging half of an eager dispatch on the side stream, after the layout kernels
+        queued on ``main``; returns the event that marks its end. Its blocks and the pulling
+        kernel's add up to ``num_sms``."""
+        side = self.side_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self._check(self.lib.mok_dispatch_transfer(
+                self.ctx, ctypes.c_void_p(side.cuda_stream), self._ptr(scratch), self._ptr(x), T,
+                ctypes.c_void_p(0), 0, self.dispatch_producers, 0, 1))
+        # The caching allocator must not hand x or the layout arrays to other work before
+        # the staging kernel is done with them.
+        x.record_stream(side)
+        scratch.record_stream(side)
+        done = torch.cuda.Event()
+        done.record(side)
+        return done
 
     def dispatch_cached(self, x, handle: DispatchHandle):
         self._alive()

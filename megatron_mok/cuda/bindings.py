@@ -18,7 +18,7 @@ _SIGNATURES = {
                                     c_int, c_void_p, c_int64]),
     "mok_dispatch_fill": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64]),
     "mok_dispatch_transfer": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int,
-                                      c_void_p, c_int64, c_int, c_int]),
+                                      c_void_p, c_int64, c_int, c_int, c_int]),
     "mok_combine": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int,
                             c_void_p, c_void_p, c_int64, c_int, c_int, c_int, c_int]),
     "mok_last_error": (ctypes.c_char_p, []),

@@ -43,10 +43,19 @@ __device__ inline void trace_warp(const CommContext& c, bool start) {
   }
 }
 
+// Diagnostics: the end of a block's first phase (phased kernels), in trace row
+// kTraceBlocks / 2 + block (so only for grids of up to kTraceBlocks / 2 blocks).
+__device__ inline void trace_phase_end(const CommContext& c) {
+  if (threadIdx.x % kWarpSize != 0 || blockIdx.x >= kTraceBlocks / 2) return;
+  unsigned long long* tr = reinterpret_cast<unsigned long long*>(c.local() + c.ws.trace) +
+                           2 * (kTraceBlocks / 2 + blockIdx.x);
+  atomicMax(&tr[1], globaltimer_ns());
+}
+
 // Called once per warp when it has finished its share of a kernel: the last warp of the grid
 // advances the call number `seq`. No block barrier, so warps that stopped early on an error
 // simply never count (the Buffer is unusable after an error anyway).
-__device__ inline void warp_done_advance(uint32_t* warps_done, uint64_t* seq) {
+__device__ inline void warp_done_advance(uint32_t* warps_done, uint64_t* seq, uint64_t* seq2 = nullptr) {
   __syncwarp();
   if (threadIdx.x % kWarpSize == 0) {
     const uint32_t total = gridDim.x * gridDim.y * (blockDim.x / kWarpSize);
@@ -54,6 +63,7 @@ __device__ inline void warp_done_advance(uint32_t* warps_done, uint64_t* seq) {
     if (atomicAdd(warps_done, 1u) + 1 == total) {
       *warps_done = 0;
       *seq += 1;
+      if (seq2 != nullptr) *seq2 += 1;
       __threadfence();
     }
   }

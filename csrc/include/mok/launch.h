@@ -40,6 +40,14 @@ struct TransferArgs {
   int32_t num_blocks;    // SMs used
   int32_t num_producers; // blocks that stage (the rest pull)
   int64_t row_cap;
+  int32_t mode;          // dispatch only: TransferMode
+};
+
+// Which roles one dispatch transfer launch plays.
+enum TransferMode : int32_t {
+  kTransferBoth = 0,   // one kernel: num_producers blocks stage, the rest pull
+  kTransferStage = 1,  // every block stages (eager dispatch, on the side stream, before R is read)
+  kTransferPull = 2,   // every block pulls (eager dispatch, after R is read and rows allocated)
 };
 
 // Stage x into my dispatch ring and pull every task's token into its expert-major rows.

@@ -41,11 +41,17 @@ struct ErrorReport {
 
 // Call numbers live on the device, so CUDA-graph replays advance them like eager calls do.
 // Every rank makes the same calls in the same order, so the numbers agree across ranks.
+// An eager dispatch runs its staging and its pulls as two kernels on two streams (see
+// dispatch_transfer.cu), so the dispatch ring has one call number per side: each kernel
+// reads and advances its own; the one-kernel transfer advances both. Every call advances
+// both once, so they agree whenever a call starts.
 struct SeqCounters {
-  uint64_t meta_seq;   // routing publications (full dispatches)
-  uint64_t disp_seq;   // dispatch transfers (full and cached)
-  uint64_t comb_seq;   // combines
-  uint32_t meta_warps_done, disp_warps_done, comb_warps_done, publish_blocks_done;
+  uint64_t meta_seq;       // routing publications (full dispatches)
+  uint64_t disp_seq;       // dispatch transfers, staging side (full and cached)
+  uint64_t disp_pull_seq;  // dispatch transfers, pulling side
+  uint64_t comb_seq;       // combines
+  uint32_t meta_warps_done, disp_warps_done, disp_pull_warps_done, comb_warps_done;
+  uint32_t publish_blocks_done, pad;
 };
 
 struct WorkspaceConfig {
