@@ -98,9 +98,15 @@ class CudaBackend:
         self.dispatch_producers = _env_int("MOK_DISPATCH_PRODUCERS", max(1, self.num_blocks // 6))
         self.combine_producers = _env_int("MOK_COMBINE_PRODUCERS", max(1, self.num_blocks * 11 // 24))
         self.broken: Optional[str] = None
-        # Eager dispatch: the staging kernel runs here while the host reads R.
+        # Eager dispatch: the staging kernel runs on the side stream while the host reads R
+        # (MOK_EAGER_STAGE_FIRST=0: one kernel after the read, as static mode does). Events are
+        # reused: a wait binds to the record made before it, so re-recording is safe.
+        self.stage_first = _env_int("MOK_EAGER_STAGE_FIRST", 1) != 0
         self.side_stream = torch.cuda.Stream(device=dev)
+        self._side_raw = ctypes.c_void_p(self.side_stream.cuda_stream)
         self._layout_read = torch.cuda.Event()
+        self._layout_done = torch.cuda.Event()
+        self._staged = torch.cuda.Event()
 
     # ----------------------------------------------------------------------------- helpers
     def _check(self, rc: int) -> None:
@@ -163,7 +169,8 @@ class CudaBackend:
             # dispatch: R (and the error report with it). The host waits for the layout
             # kernels only; the GPU keeps staging meanwhile.
             main = torch.cuda.current_stream(self.device)
-            staged = self._launch_staging(x, T, scratch, main)
+            if self.stage_first:
+                staged = self._launch_staging(x, T, scratch, main)
             self.host_report[:4].copy_(totals, non_blocking=True)
             self.host_report[4:].copy_(self.error_words, non_blocking=True)
             self._layout_read.record(main)
@@ -186,7 +193,7 @@ class CudaBackend:
                 self.num_blocks - self.dispatch_producers, 0, 2))
             # Later work on this stream (an in-place update of x, the next call) comes after
             # the staging.
-            torch.cuda.current_stream(self.device).wait_event(staged)
+            main.wait_event(staged)
         handle = DispatchHandle(
             buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=cap, src_rank=src_rank,
             src_token=src_token, tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
@@ -204,18 +211,17 @@ class CudaBackend:
         queued on ``main``; returns the event that marks its end. Its blocks and the pulling
         kernel's add up to ``num_sms``."""
         side = self.side_stream
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            self._check(self.lib.mok_dispatch_transfer(
-                self.ctx, ctypes.c_void_p(side.cuda_stream), self._ptr(scratch), self._ptr(x), T,
-                ctypes.c_void_p(0), 0, self.dispatch_producers, 0, 1))
+        self._layout_done.record(main)
+        side.wait_event(self._layout_done)
+        self._check(self.lib.mok_dispatch_transfer(
+            self.ctx, self._side_raw, self._ptr(scratch), self._ptr(x), T,
+            ctypes.c_void_p(0), 0, self.dispatch_producers, 0, 1))
         # The caching allocator must not hand x or the layout arrays to other work before
         # the staging kernel is done with them.
         x.record_stream(side)
         scratch.record_stream(side)
-        done = torch.cuda.Event()
-        done.record(side)
-        return done
+        self._staged.record(side)
+        return self._staged
 
     def dispatch_cached(self, x, handle: DispatchHandle):
         self._alive()
