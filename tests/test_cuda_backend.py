@@ -10,6 +10,7 @@ NVLink multicast stays off: ``harness`` forces NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 before any process group.
 """
 
+import os
 import time
 
 import pytest
@@ -164,6 +165,47 @@ def test_cuda_ring_wraps_1000_calls(world_size):
     out = run_distributed(_ring_wrap, world_size, 1000, backend="nccl", timeout=600)
     rows, ring = out[0]
     assert rows * 256 * 2 > 20 * ring, "the ring did not wrap many times"
+
+
+# Alternative schedules, chosen by environment variables the backend reads when a Buffer is
+# made (eager staging on a side stream before the host read, MOK_EAGER_STAGE_FIRST=1) or at
+# each combine launch (role split instead of phases, MOK_COMBINE_PHASED=0). Each must give
+# the reference's bits; the ring test also runs the eager staging through a wrapping ring.
+ALT_SCHEDULES = [
+    pytest.param({"MOK_EAGER_STAGE_FIRST": "1"}, id="eager_stage_first"),
+    pytest.param({"MOK_COMBINE_PHASED": "0"}, id="combine_role_split"),
+]
+
+
+def _with_env(env, fn, rank, world_size, *args):
+    os.environ.update(env)
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+
+
+def _schedule_vs_reference(rank, world_size, env, name, seed):
+    return _with_env(env, _backend_vs_reference, rank, world_size, name, seed)
+
+
+def _schedule_ring_wrap(rank, world_size, env, calls):
+    return _with_env(env, _ring_wrap, rank, world_size, calls)
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+@pytest.mark.parametrize("env", ALT_SCHEDULES)
+@pytest.mark.parametrize("name", ("random", "mixed", "dsv3_like", "t0_everywhere"))
+def test_cuda_alternative_schedules_match_reference(name, env, world_size):
+    run_distributed(_schedule_vs_reference, world_size, env, name, 77, backend="nccl", timeout=300)
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+@pytest.mark.parametrize("env", ALT_SCHEDULES)
+def test_cuda_alternative_schedules_wrap_the_ring(env, world_size):
+    rows, ring = run_distributed(_schedule_ring_wrap, world_size, env, 200, backend="nccl", timeout=600)[0]
+    assert rows * 256 * 2 > 4 * ring, "the ring did not wrap"
 
 
 def _static_cuda(rank, world_size, name, extra_rows):

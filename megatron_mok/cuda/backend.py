@@ -1,11 +1,14 @@
 """The CUDA backend: pull-based dispatch/combine over peer memory (kernels in ``csrc/``).
 
 Per call, everything stays on the device except one host read per eager dispatch: the row
-count ``R``, needed to allocate ``tokens [R, H]``. The read does not stall the transfer: the
-staging half of it (copying my tokens into my ring for the peers) needs no output, so it is
-launched on a side stream first; the host then waits only for the layout kernels, allocates
-the rows and launches the pulling half, while the staging runs (static-shape mode,
-``max_recv_tokens``, reads nothing and runs both halves as one kernel). Call numbers (routing, dispatch ring, combine ring) live on the device and advance
+count ``R``, needed to allocate ``tokens [R, H]``. The host waits for the layout kernels only,
+then allocates the rows and launches the transfer (static-shape mode, ``max_recv_tokens``,
+reads nothing and never syncs). ``MOK_EAGER_STAGE_FIRST=1`` instead launches the staging
+half of the transfer (copying my tokens into my ring for the peers, which needs no output)
+on a side stream before the read, and the pulling half after it, so the GPU is not idle
+during the read; measured on 2x H200 it is 50-90 us slower per dispatch than the default
+(the second launch and the cross-stream events cost more than the gap they fill;
+benchmarks/NOTES.md #13), so it is off by default. Call numbers (routing, dispatch ring, combine ring) live on the device and advance
 identically on every rank, because every rank makes the same calls in the same order; being
 on the device, they advance on CUDA-graph replays too.
 """
@@ -98,10 +101,10 @@ class CudaBackend:
         self.dispatch_producers = _env_int("MOK_DISPATCH_PRODUCERS", max(1, self.num_blocks // 6))
         self.combine_producers = _env_int("MOK_COMBINE_PRODUCERS", max(1, self.num_blocks * 11 // 24))
         self.broken: Optional[str] = None
-        # Eager dispatch: the staging kernel runs on the side stream while the host reads R
-        # (MOK_EAGER_STAGE_FIRST=0: one kernel after the read, as static mode does). Events are
-        # reused: a wait binds to the record made before it, so re-recording is safe.
-        self.stage_first = _env_int("MOK_EAGER_STAGE_FIRST", 1) != 0
+        # MOK_EAGER_STAGE_FIRST=1: the eager dispatch's staging kernel runs on the side stream
+        # while the host reads R (module docstring). Events are reused: a wait binds to the
+        # record made before it, so re-recording is safe.
+        self.stage_first = _env_int("MOK_EAGER_STAGE_FIRST", 0) != 0
         self.side_stream = torch.cuda.Stream(device=dev)
         self._side_raw = ctypes.c_void_p(self.side_stream.cuda_stream)
         self._layout_read = torch.cuda.Event()
@@ -165,9 +168,8 @@ class CudaBackend:
         if static:
             R, cap = None, b.max_recv_tokens
         else:
-            # Stage first (side stream, after the layout), then the one host read of an eager
-            # dispatch: R (and the error report with it). The host waits for the layout
-            # kernels only; the GPU keeps staging meanwhile.
+            # The one host read of an eager dispatch: R (and the error report with it). The
+            # host waits for the layout kernels only (with stage-first, the GPU keeps staging).
             main = torch.cuda.current_stream(self.device)
             if self.stage_first:
                 staged = self._launch_staging(x, T, scratch, main)
