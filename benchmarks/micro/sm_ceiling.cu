@@ -437,37 +437,20 @@ int main(int argc, char** argv) {
                      red_reg<2><<<n, 512, 0, v.s>>>(reinterpret_cast<const __nv_bfloat16*>(v.dst),
                                                     reinterpret_cast<__nv_bfloat16*>(v.src), v.map, kSrcRows);
                    }});
-  // ~4 rows per task on average: reads ~32768 rows.
-  cases.push_back({"red_rows2_var", "mok/row_sum.h loop, 1-8 rows per task, 2 rows per batch", 1,
-                   kDstRows * row_mb, kSrcRows * row_mb, 0,
-                   [&](Dev& v, int d, int n) {
-                     red_rows<2><<<n, 512, 0, v.s>>>(reinterpret_cast<const __nv_bfloat16*>(v.dst),
-                                                     reinterpret_cast<__nv_bfloat16*>(v.src), v.task_rows, kSrcRows);
-                   }});
-  cases.push_back({"red_rows4_var", "mok/row_sum.h loop, 1-8 rows per task, 4 rows per batch", 1,
-                   kDstRows * row_mb, kSrcRows * row_mb, 0,
-                   [&](Dev& v, int d, int n) {
-                     red_rows<4><<<n, 512, 0, v.s>>>(reinterpret_cast<const __nv_bfloat16*>(v.dst),
-                                                     reinterpret_cast<__nv_bfloat16*>(v.src), v.task_rows, kSrcRows);
-                   }});
-  cases.push_back({"red_rows8_var", "mok/row_sum.h loop, 1-8 rows per task, 8 rows per batch", 1,
-                   kDstRows * row_mb, kSrcRows * row_mb, 0,
-                   [&](Dev& v, int d, int n) {
-                     red_rows<8><<<n, 512, 0, v.s>>>(reinterpret_cast<const __nv_bfloat16*>(v.dst),
-                                                     reinterpret_cast<__nv_bfloat16*>(v.src), v.task_rows, kSrcRows);
-                   }});
-  cases.push_back({"red_held4_var", "row ids in registers, 1-8 rows per task, 4 rows per batch", 1,
-                   kDstRows * row_mb, kSrcRows * row_mb, 0,
-                   [&](Dev& v, int d, int n) {
-                     red_held<4><<<n, 512, 0, v.s>>>(reinterpret_cast<const __nv_bfloat16*>(v.dst),
-                                                     reinterpret_cast<__nv_bfloat16*>(v.src), v.task_rows, kSrcRows);
-                   }});
-  cases.push_back({"red_held8_var", "row ids in registers, 1-8 rows per task, 8 rows per batch", 1,
-                   kDstRows * row_mb, kSrcRows * row_mb, 0,
-                   [&](Dev& v, int d, int n) {
-                     red_held<8><<<n, 512, 0, v.s>>>(reinterpret_cast<const __nv_bfloat16*>(v.dst),
-                                                     reinterpret_cast<__nv_bfloat16*>(v.src), v.task_rows, kSrcRows);
-                   }});
+  // The combine's loops over tasks of 1-8 rows (~4 on average: reads ~32768 rows).
+  using TaskKernel = void (*)(const __nv_bfloat16*, __nv_bfloat16*, const int*, int);
+  auto add_task_case = [&](const char* name, const char* what, TaskKernel kernel) {
+    cases.push_back({name, what, 1, kDstRows * row_mb, kSrcRows * row_mb, 0,
+                     [&, kernel](Dev& v, int d, int n) {
+                       kernel<<<n, 512, 0, v.s>>>(reinterpret_cast<const __nv_bfloat16*>(v.dst),
+                                                  reinterpret_cast<__nv_bfloat16*>(v.src), v.task_rows, kSrcRows);
+                     }});
+  };
+  add_task_case("red_rows2_var", "mok/row_sum.h loop, 1-8 rows per task, 2 rows per batch", red_rows<2>);
+  add_task_case("red_rows4_var", "mok/row_sum.h loop, 1-8 rows per task, 4 rows per batch", red_rows<4>);
+  add_task_case("red_rows8_var", "mok/row_sum.h loop, 1-8 rows per task, 8 rows per batch", red_rows<8>);
+  add_task_case("red_held4_var", "row ids in registers, 1-8 rows per task, 4 rows per batch", red_held<4>);
+  add_task_case("red_held8_var", "row ids in registers, 1-8 rows per task, 8 rows per batch", red_held<8>);
   for (int piece : {kRowBytes / 4, kRowBytes / 8}) {
     const int stages = std::min(32, (smem_max - 1024) / (kK * piece));
     cases.push_back({"red_bulk_local_p" + std::to_string(piece), "bulk loads, " + std::to_string(stages) + " stages of 4 pieces, 8 summing warps", 1,
