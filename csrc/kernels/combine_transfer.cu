@@ -1,13 +1,15 @@
-// The combine data path: one persistent kernel, two roles (as dispatch_transfer.cu).
+// The combine data path: one persistent kernel, two kinds of work.
 //
-//   producer blocks  for every remote source s, reduce each of its tasks' rows here in row
-//                    order (fp32 from +0.0), round once to the partial dtype, and stage the
-//                    partial in my combine ring, in s's region, at the token's index among
-//                    s's tokens that come here (s knows that index: send_pos). Optional side
-//                    values carry the prob gradients of the task's slots.
-//   consumer warps   one of my tokens at a time: for every rank d holding rows of it, in
-//                    rank order, add d's partial (pulled over NVLink, or reduced right here
-//                    when d is me) in fp32; round once to the output dtype.
+//   produce  for every remote source s, reduce each of its tasks' rows here in row order
+//            (fp32 from +0.0), round once to the partial dtype, and stage the partial in my
+//            combine ring, in s's region, at the token's index among s's tokens that come
+//            here (s knows that index: send_pos). Optional side values carry the prob
+//            gradients of the task's slots.
+//   consume  one of my tokens at a time: for every rank d holding rows of it, in rank order,
+//            add d's partial (pulled over NVLink, or reduced right here when d is me) in fp32;
+//            round once to the output dtype.
+// Schedule: when the call fits in the ring, every block produces, then consumes ("phased");
+// otherwise producer and consumer blocks run side by side (docs/DESIGN.md, "One combine").
 // No floating-point atomics: every sum has one fixed order, so results are bitwise stable.
 #include <algorithm>
 #include <cstdlib>
@@ -23,12 +25,6 @@ struct CombineShape {
   int H, K, C, cps;  // hidden, topk, rows per chunk, chunks per source region
   int64_t cpc;       // chunks per call: W regions of cps chunks
   int phased;        // every block produces, then consumes (the call fits in the ring)
-};
-
-// Blocks [first, first + count) play a role.
-struct Role {
-  int first, count;
-  __device__ int index() const { return static_cast<int>(blockIdx.x) - first; }
 };
 
 template <typename T, typename P>
@@ -342,11 +338,9 @@ cudaError_t launch_typed(const CommContext& c, const HandleArrays& h, const Tran
                          const CombineShape& sh, const void* expert_out, const float* grad_probs,
                          void* y, float* grad_w, cudaStream_t s) {
   constexpr size_t smem = PartialStream<P>::kSmemBytes;
-  // Own rows loaded per batch by a consumer lane: 4 spills a few registers, 2 does not
-  // (MOK_COMBINE_ROWS=2|4 chooses; benchmarks/NOTES.md #10 measured both).
-  const char* rows_env = getenv("MOK_COMBINE_ROWS");
-  const bool four = sizeof(T) != 4 && rows_env != nullptr && rows_env[0] == '4';
-  auto kernel = four ? combine_transfer_kernel<T, P, 4> : combine_transfer_kernel<T, P, (sizeof(T) == 4 ? 1 : 2)>;
+  // Own rows loaded per batch by a consumer lane: 2 (1 for fp32 rows). 4 spills registers
+  // and measured slower in both schedules (benchmarks/NOTES.md #10, #12).
+  auto kernel = combine_transfer_kernel<T, P, (sizeof(T) == 4 ? 1 : 2)>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)))
     return e;

@@ -24,12 +24,6 @@ struct DispatchShape {
   int K;
 };
 
-// Blocks [first, first + count) play a role.
-struct Role {
-  int first, count;
-  __device__ int index() const { return static_cast<int>(blockIdx.x) - first; }
-};
-
 __device__ void produce(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
                         const DispatchShape& sh, const Role& role, const int4* x) {
   RingView mine = RingView::dispatch(c.ws, c.local());

@@ -30,6 +30,13 @@ struct CommContext {
   __device__ SeqCounters* counters() const { return ws.counters_at(local()); }
 };
 
+// Blocks [first, first + count) of a transfer kernel's grid play one role (produce or
+// consume); a block may play both in turn (the phased combine).
+struct Role {
+  int first, count;
+  __device__ int index() const { return static_cast<int>(blockIdx.x) - first; }
+};
+
 // Diagnostics: block b's first-warp start and last-warp end (globaltimer ns) of the latest
 // transfer kernel, in the workspace's trace region; read by CudaBackend.read_trace().
 __device__ inline void trace_warp(const CommContext& c, bool start) {
