@@ -124,7 +124,7 @@ __global__ void rep_bulk(Src src, char* dst, const int* map, int n_tasks, int K,
                    buf + static_cast<size_t>(st) * piece, piece);
       bulk_commit();
       if (j >= 1 && j - 1 + stages < n) {
-        asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");  // item j-1's stores read its stage
+        bulk_wait_read<1>();  // item j-1's stores have read its stage
         issue(j - 1 + stages);
       }
     }

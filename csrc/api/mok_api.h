@@ -29,8 +29,9 @@ int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void
 int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
                       int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap);
 /* mode 0: one kernel, num_producers blocks stage and the rest pull; 1: every block stages
- * (out_rows unused); 2: every block pulls. An eager dispatch launches 1 on a side stream
- * before reading R, then 2 once the rows are allocated (megatron_mok/cuda/backend.py). */
+ * (out_rows unused); 2: every block pulls. With MOK_EAGER_STAGE_FIRST=1 an eager dispatch
+ * launches 1 on a side stream before reading R, then 2 once the rows are allocated
+ * (megatron_mok/cuda/backend.py); otherwise every dispatch uses 0. */
 int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const void* x,
                           int num_tokens, void* out_rows, int64_t row_cap,
                           int num_blocks, int num_producers, int mode);

@@ -1,6 +1,8 @@
 // Bulk (TMA, non-tensor) copies between global and shared memory, completed on mbarriers
 // (loads) or bulk async-groups (stores). One thread issues them; the copy engine of the SM
 // moves the bytes, so a warp keeps whole token rows in flight without holding registers.
+// Used by benchmarks/micro/sm_ceiling.cu; the kernels stopped using them when measured no
+// faster than 16-byte register copies (benchmarks/NOTES.md #5, #8).
 #pragma once
 
 #include <cstdint>
@@ -55,9 +57,11 @@ __device__ __forceinline__ void bulk_store(void* gdst, const void* smem_src, uin
 
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
-// All of this thread's bulk stores have finished READING shared memory (it may be reused).
-__device__ __forceinline__ void bulk_wait_read_all() {
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+// All but this thread's newest kPending bulk-store groups have finished READING shared
+// memory (their stages may be reused).
+template <int kPending = 0>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
 }
 
 // All of this thread's bulk stores are complete (written to global memory).

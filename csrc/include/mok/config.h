@@ -10,8 +10,8 @@ namespace mok {
 constexpr int kLayoutThreads = 256;
 constexpr int kScanThreads = 1024;
 // Threads of a combine block: 16 warps at up to 128 registers per lane (fp32 accumulators
-// plus 4 rows x 2 groups of loads in flight); the SM-ceiling microbenchmark's reduction reached
-// ~73 GB/s per SM this way (benchmarks/NOTES.md #8).
+// plus 2-4 rows x 2 groups of loads in flight); the SM-ceiling microbenchmark's reduction
+// reached ~73 GB/s per SM with this shape (benchmarks/NOTES.md #8).
 constexpr int kCombineThreads = 512;
 constexpr int kWarpSize = 32;
 // 16-byte vectors per lane in flight in the copy loops (MOK_BRIEF: >= 4 independent loads).

@@ -46,8 +46,8 @@ struct TransferArgs {
 // Which roles one dispatch transfer launch plays.
 enum TransferMode : int32_t {
   kTransferBoth = 0,   // one kernel: num_producers blocks stage, the rest pull
-  kTransferStage = 1,  // every block stages (eager dispatch, on the side stream, before R is read)
-  kTransferPull = 2,   // every block pulls (eager dispatch, after R is read and rows allocated)
+  kTransferStage = 1,  // every block stages (stage-first eager dispatch: side stream, before the read)
+  kTransferPull = 2,   // every block pulls (stage-first eager dispatch: after the read)
 };
 
 // Stage x into my dispatch ring and pull every task's token into its expert-major rows.
