@@ -67,10 +67,4 @@ __device__ __forceinline__ void bulk_wait_read() {
 // All of this thread's bulk stores are complete (written to global memory).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
-// Order generic-proxy accesses to global memory (a flag we acquired, data we published)
-// against async-proxy (bulk copy) accesses to it.
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
 }  // namespace mok
