@@ -25,6 +25,9 @@ struct CombineShape {
   int H, K, C, cps;  // hidden, topk, rows per chunk, chunks per source region
   int64_t cpc;       // chunks per call: W regions of cps chunks
   int phased;        // every block produces, then consumes (the call fits in the ring)
+
+  // Generation of chunk j of source region s (rank s's tokens) in this call.
+  __device__ uint64_t gen(int s, int j) const { return seq * cpc + static_cast<uint64_t>(s) * cps + j; }
 };
 
 template <typename T, typename P>
@@ -39,7 +42,7 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
     if (s == c.rank) continue;  // my own partials are reduced by my consumers directly
     const int first = h.task_off[s], n = h.task_off[s + 1] - first;
     for (int j = 0; j * sh.C < n; ++j) {
-      const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(s) * sh.cps + j;
+      const uint64_t g = sh.gen(s, j);
       const int64_t slot = static_cast<int64_t>(g % N);
       if (slot % role.count != role.index()) continue;
       if (!ring_slot_acquire(c, mine, slot, g, kWaitCombineReleased)) return;
@@ -84,21 +87,20 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
 template <typename P>
 __device__ __forceinline__ const P* remote_partial(const CommContext& c, const CombineShape& sh,
                                                    int64_t N, int d, int q) {
-  const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(c.rank) * sh.cps + q / sh.C;
+  const uint64_t g = sh.gen(c.rank, q / sh.C);
   const char* chunk = c.peers.base[d] + c.ws.comb_ring + (g % N) * c.ws.comb_chunk_bytes;
   return reinterpret_cast<const P*>(chunk) + static_cast<size_t>(q % sh.C) * sh.H;
 }
 
 // Waits until every remote partial of token t is staged (the warp's cache of ready chunks
 // skips the flag read for tokens of a chunk already seen).
-template <typename P>
 __device__ bool wait_token_partials(const CommContext& c, const HandleArrays& h, const CombineShape& sh,
                                     int64_t N, SeenGens& seen, int t) {
   const int W = c.world, me = c.rank;
   for (int d = 0; d < W; ++d) {
     const int q = h.send_index(c.ws.cfg, t, d);
     if (q < 0 || d == me) continue;
-    const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + q / sh.C;
+    const uint64_t g = sh.gen(me, q / sh.C);
     if (!seen.has(d, g)) {
       RingView theirs = RingView::combine(c.ws, c.peers.base[d]);
       if (!wait_geq(c, theirs.ready + g % N, g + 1, d, kWaitCombineReady, static_cast<int64_t>(g)))
@@ -169,7 +171,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         streamed &= ~(1ull << (k % 64));
         if (d0 >= 0) {
           const int q = h.send_index(c.ws.cfg, t, d0);
-          const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + q / sh.C;
+          const uint64_t g = sh.gen(me, q / sh.C);
           const uint64_t* flag = RingView::combine(c.ws, c.peers.base[d0]).ready + g % N;
           // Not seen.set: the cache may only record chunks checked in token order.
           if (seen.has(d0, g) || __shfl_sync(0xffffffffu, ld_acquire_sys(flag), 0) >= g + 1) {
@@ -204,7 +206,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       my_task = my_first_task + pos(me);
       my_rows = h.task_rows + static_cast<size_t>(my_task) * sh.K;
     }
-    if (!wait_token_partials<P>(c, h, sh, N, seen, t)) { cp_async_wait<0>(); return; }
+    if (!wait_token_partials(c, h, sh, N, seen, t)) { cp_async_wait<0>(); return; }
     // The streamed rank, or -1 when t's first remote partial was not ready in time (then it is
     // loaded like any further rank's).
     const int d0 = (streamed >> (k % 64)) & 1 ? first_remote(c, h, t) : -1;
@@ -274,7 +276,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
               part = grad_probs[row];
           }
         } else {
-          const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + q / sh.C;
+          const uint64_t g = sh.gen(me, q / sh.C);
           const char* chunk = c.peers.base[d] + c.ws.comb_ring + (g % N) * c.ws.comb_chunk_bytes;
           part = reinterpret_cast<const volatile float*>(chunk + c.ws.comb_side_offset)[(q % sh.C) * sh.K + lane];
         }
@@ -290,7 +292,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         const int q = pos(d);
         if (q < 0 || d == me) continue;
         const int j = q / sh.C;
-        const uint64_t g = sh.seq * sh.cpc + static_cast<uint64_t>(me) * sh.cps + j;
+        const uint64_t g = sh.gen(me, j);
         const int64_t slot = static_cast<int64_t>(g % N);
         const int expected = min(sh.C, h.send_count[d] - j * sh.C);
         int32_t* done = RingView::combine(c.ws, c.local()).done + static_cast<size_t>(d) * N + slot;
