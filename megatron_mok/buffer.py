@@ -10,7 +10,7 @@ import torch
 
 from . import validation
 from .autograd import CachedDispatchFunction, CombineFunction, DispatchFunction
-from .comm import group_rank_size
+from .comm import group_rank_size, resolve_group
 from .handle import DispatchHandle, DispatchResult
 
 BACKENDS = ("auto", "reference", "cuda")
@@ -43,7 +43,8 @@ class Buffer:
 
     Args:
         group: the expert-parallel ``ProcessGroup`` (``None``: the default group, or a
-            single process when torch.distributed is not initialised).
+            single process when torch.distributed is not initialised), or a
+            ``megatron_mok.loopback`` rank (test ranks as threads on one device).
         num_experts: ``E``, global experts; rank ``r`` owns ``[r*E/W, (r+1)*E/W)``.
         hidden: ``H``, the token width.
         topk: ``K``, routed slots per token.
@@ -60,7 +61,8 @@ class Buffer:
         num_sms: CUDA backend: SMs its communication kernels may occupy (default 24).
         ring_bytes: CUDA backend: size of each staging ring in bytes (default 256 MiB).
         timeout_s: CUDA backend: a spin-wait that sees no progress for this long reports
-            rank, peer and what it waited for, and the call raises (default 60 s).
+            rank, peer and what it waited for, and the call raises (default
+            ``$MOK_TIMEOUT_S`` or 60 s).
     """
 
     def __init__(self, group=None, *, num_experts: int, hidden: int, topk: int,
@@ -69,8 +71,8 @@ class Buffer:
                  max_recv_tokens: Optional[int] = None, num_sms: Optional[int] = None,
                  ring_bytes: Optional[int] = None, timeout_s: Optional[float] = None,
                  device: Optional[torch.device] = None):
-        self.group = group
-        self.rank, self.world_size = group_rank_size(group)
+        self.group = resolve_group(group)
+        self.rank, self.world_size = group_rank_size(self.group)
         validation.check_buffer_args(self.world_size, num_experts, hidden, topk,
                                      max_tokens_per_rank, dtype)
         if backend not in BACKENDS:

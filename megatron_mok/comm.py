@@ -1,7 +1,9 @@
 """Small, exact collectives used by the reference backend.
 
 Everything travels as raw bytes (``uint8`` views), so gloo and NCCL both carry any dtype
-bit-for-bit, and the reference backend needs nothing beyond ``all_gather``.
+bit-for-bit, and the reference backend needs nothing beyond ``all_gather``. A group may also
+be a loopback rank (``megatron_mok.loopback``: ranks as threads of one process), whose
+collectives go through its hub.
 """
 
 from __future__ import annotations
@@ -12,8 +14,19 @@ import torch
 import torch.distributed as dist
 
 
+def resolve_group(group):
+    """``group``, or for ``None`` inside a loopback run (``loopback.run``) the thread's
+    loopback rank: there ``None`` means "the default group" as it does in a normal run."""
+    if group is None:
+        from . import loopback
+        return loopback.current()
+    return group
+
+
 def group_rank_size(group) -> tuple[int, int]:
     """``(rank, world_size)`` of ``group``; ``(0, 1)`` when torch.distributed is not initialised."""
+    if getattr(group, "is_mok_loopback", False):
+        return group.rank, group.world_size
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise ValueError("a process group was given but torch.distributed is not initialised")
@@ -26,6 +39,8 @@ def all_gather_exact(t: torch.Tensor, group, world_size: int) -> torch.Tensor:
     t = t.contiguous()
     if world_size == 1 or t.numel() == 0:   # nothing to exchange (T_max = 0 gives empty tensors)
         return t.unsqueeze(0).expand(world_size, *t.shape).clone()
+    if getattr(group, "is_mok_loopback", False):
+        return group.all_gather(t)
     flat = t.view(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
     outs: List[torch.Tensor] = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(outs, flat, group=group)

@@ -267,6 +267,47 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo",
         raise
 
 
+def run_loopback(fn, world_size: int, *args, device="cuda", timeout: Optional[float] = None,
+                 **kwargs) -> List[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` loopback ranks:
+    threads of this process on one device (``megatron_mok.loopback``), so multi-rank code
+    runs where fewer GPUs than ranks exist. Same contract as :func:`run_distributed`."""
+    from megatron_mok import loopback
+
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    try:
+        return loopback.run(fn, world_size, *args, device=device, timeout_s=timeout, **kwargs)
+    except loopback.LoopbackError as e:
+        raise DistributedTestError(str(e)) from None
+
+
+def in_loopback() -> bool:
+    from megatron_mok import loopback
+
+    return loopback.current() is not None
+
+
+def sync_device() -> None:
+    """Wait for this rank's GPU work: the current stream in a loopback run (a device-wide
+    wait there can wait for a peer's kernel that waits for this rank), else the device."""
+    if in_loopback():
+        torch.cuda.current_stream().synchronize()
+    else:
+        torch.cuda.synchronize()
+
+
+def rank_barrier() -> None:
+    """Every rank reaches this point before any goes on (loopback or process group)."""
+    from megatron_mok import loopback
+
+    if loopback.current() is not None:
+        loopback.current().barrier()
+    else:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.barrier()
+
+
 def shutdown_pools() -> None:
     """End every pooled rank (called at the end of the pytest session)."""
     for key in list(_POOLS):
@@ -466,19 +507,35 @@ def check_contract_case(rank: int, world_size: int, spec: dict, seed: int,
     return stats
 
 
+def sample_expert(res, tokens: torch.Tensor, probs: torch.Tensor, seed: int, dtype) -> torch.Tensor:
+    """The expert of :func:`full_pass`: each row times its prob and a factor of its source.
+    The factor depends on the row's source, not its position, so static and dynamic mode
+    (or two backends) compute the same thing; no host sync."""
+    key = (res.src_rank * 131 + res.src_token * 7 + seed) % 17
+    scale = (1.0 + key.to(torch.float32) / 32).view(-1, 1)
+    return (tokens.float() * scale * probs[:, None]).to(dtype).contiguous()
+
+
 def full_pass(buf, x0: torch.Tensor, idx: torch.Tensor, w0: torch.Tensor, seed: int,
-              expert_out_override: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
-    """One forward + backward through ``buf``: dispatch, an expert (each row times its prob
-    and a factor of its source), combine, and a seeded upstream gradient. Returns every
-    output and gradient (detached, on CPU) for bitwise comparisons between runs/backends."""
+              expert_out_override: Optional[torch.Tensor] = None,
+              by_hand: Optional[bool] = None) -> Dict[str, torch.Tensor]:
+    """One forward + backward through ``buf``: dispatch, :func:`sample_expert`, combine, and a
+    seeded upstream gradient. Returns every output and gradient (detached, on CPU) for
+    bitwise comparisons between runs/backends.
+
+    ``by_hand`` (default: for the reference backend in a loopback run on a GPU) writes the
+    chain rule out instead of calling autograd: see :func:`backward_by_hand`."""
+    if by_hand is None:
+        by_hand = in_loopback() and x0.is_cuda and buf.requested_backend == "reference"
+    if by_hand:
+        assert expert_out_override is None
+        gy = seeded(seed + 1, (x0.shape[0], buf.hidden), device=x0.device)
+        out = backward_by_hand(buf, x0, idx, w0, lambda r, t, p: sample_expert(r, t, p, seed, buf.dtype), gy)
+        return {k: v.detach().cpu().clone() for k, v in out.items()}
     x = x0.detach().clone().requires_grad_(True)
     w = w0.detach().clone().requires_grad_(True)
     res = buf.dispatch(x, idx, w)
-    # The expert's factor depends on the row's source, not its position, so static and
-    # dynamic mode (or two backends) compute the same thing; no host sync.
-    key = (res.src_rank * 131 + res.src_token * 7 + seed) % 17
-    scale = (1.0 + key.to(torch.float32) / 32).view(-1, 1)
-    eo = (res.tokens.float() * scale * res.probs[:, None]).to(buf.dtype).contiguous()
+    eo = sample_expert(res, res.tokens, res.probs, seed, buf.dtype)
     if expert_out_override is not None:
         eo = expert_out_override
     eo.retain_grad() if eo.requires_grad else None
@@ -489,6 +546,34 @@ def full_pass(buf, x0: torch.Tensor, idx: torch.Tensor, w0: torch.Tensor, seed: 
                src_rank=res.src_rank, src_token=res.src_token, y=y, grad_x=x.grad,
                grad_topk_weights=w.grad, grad_expert_out=eo.grad)
     return {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+
+
+def backward_by_hand(buf, x0, idx, w0, expert, gy: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Dispatch, ``expert(res, tokens, probs) -> expert_out``, combine, and the backward of
+    ``(y.float() * gy).sum()`` written out as the contract states it: combine's backward is
+    a cached dispatch of ``grad_y``; dispatch's is a combine of the row gradients carrying
+    the prob gradients. Only the local expert goes through autograd.
+
+    Why: autograd runs the GPU backward nodes of every thread on one device thread. In a
+    loopback run (ranks as threads) a backward op that blocks until its peers arrive (the
+    reference backend's all_gather) would wait for peers queued behind it on that thread.
+    The CUDA backend's backward ops only launch kernels, so they keep using autograd."""
+    backend = buf._backend_for(x0)
+    with torch.no_grad():
+        res = buf.dispatch(x0.detach(), idx, w0.detach())
+    tokens = res.tokens.detach().requires_grad_(True)
+    probs = res.probs.detach().requires_grad_(True)
+    with torch.enable_grad():
+        eo = expert(res, tokens, probs)
+    y = buf.combine(eo.detach(), res.handle)
+    grad_y = gy.to(y.dtype)                            # d/dy of (y.float() * gy).sum()
+    grad_eo = buf.dispatch(grad_y, handle=res.handle).tokens
+    grad_tokens, grad_probs = torch.autograd.grad(eo, (tokens, probs), grad_eo)
+    grad_x, grad_w = backend.combine(grad_tokens.contiguous(), res.handle,
+                                     grad_probs=grad_probs.contiguous())
+    return dict(tokens=res.tokens, probs=res.probs, tokens_per_expert=res.tokens_per_expert,
+                src_rank=res.src_rank, src_token=res.src_token, y=y, grad_x=grad_x,
+                grad_topk_weights=grad_w, grad_expert_out=grad_eo)
 
 
 def assert_same_results(a: Dict[str, Any], b: Dict[str, Any], what: str) -> None:

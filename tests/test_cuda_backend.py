@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 import oracle
-from harness import (DTYPES, _buffer, assert_bitwise, assert_same_results, contract_cases,
-                     full_pass, make_inputs, run_distributed, spec_inputs)
+from harness import (DTYPES, _buffer, assert_bitwise, assert_same_results, backward_by_hand,
+                     contract_cases, full_pass, in_loopback, make_inputs, rank_barrier, run_distributed,
+                     spec_inputs, sync_device)
 from test_cached_dispatch import check_cached_case
 from test_static_shape import _overflow, check_static_case
 
@@ -32,6 +33,10 @@ CASE_NAMES = tuple(contract_cases(2))
 
 
 def _device_for(rank):
+    from megatron_mok import loopback
+
+    if loopback.current() is not None:              # ranks as threads on one device
+        return loopback.current().hub.device
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", rank)
     return torch.device("cpu")
@@ -255,10 +260,12 @@ def _graph(rank, world_size, seed, backward):
             gy_s.copy_(torch.randn(T, H, generator=torch.Generator().manual_seed(seed * 3 + it)).to(dev))
         return x, idx, w
 
+    def expert(tokens, probs):
+        return (tokens.float() * probs[:, None] * 1.5).to(dtype)
+
     def step(b, x, idx, w):
         res = b.dispatch(x, idx, w)
-        eo = (res.tokens.float() * res.probs[:, None] * 1.5).to(dtype)
-        y = b.combine(eo, res.handle)
+        y = b.combine(expert(res.tokens, res.probs), res.handle)
         outs = [res.tokens, res.probs, res.src_rank, res.src_token, res.tokens_per_expert, y]
         if backward:
             outs += list(torch.autograd.grad((y.float() * gy_s).sum(), (x, w)))
@@ -271,19 +278,38 @@ def _graph(rank, world_size, seed, backward):
         for _ in range(2):
             step(buf, x_s, idx_s, w_s)
     torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    sync_device()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs_g = step(buf, x_s, idx_s, w_s)
+
+    def capture():
+        with torch.cuda.graph(graph):
+            return step(buf, x_s, idx_s, w_s)
+
+    if in_loopback():
+        # Ranks are threads of one process: they capture one at a time (torch synchronises
+        # the device and frees cached memory around a capture, and a global-mode capture
+        # forbids such calls on other threads), and none replays before all have captured.
+        rank_barrier()
+        for r in range(world_size):
+            if r == rank:
+                outs_g = capture()
+            rank_barrier()
+    else:
+        outs_g = capture()
     names = ["tokens", "probs", "src_rank", "src_token", "tokens_per_expert", "y", "grad_x", "grad_w"]
     for it in range(1, 7):
         x, idx, w = load(it)
         graph.replay()
-        torch.cuda.synchronize()
+        sync_device()
         buf.check_errors()
         xr = x.clone().requires_grad_(backward)
         wr = w.clone().requires_grad_(backward)
-        want = step(ref, xr, idx, wr)
+        if backward and in_loopback():     # the reference's backward must not use autograd there
+            r = backward_by_hand(ref, x, idx, w, lambda res, t, p: expert(t, p), gy_s)
+            want = [r[k] for k in ("tokens", "probs", "src_rank", "src_token", "tokens_per_expert",
+                                   "y", "grad_x", "grad_topk_weights")]
+        else:
+            want = step(ref, xr, idx, wr)
         for nm, a, b in zip(names, outs_g, want):
             assert_bitwise(a, b, f"graph replay {it} {nm} rank {rank}")
     buf.destroy()
@@ -306,11 +332,18 @@ def _missing_peer(rank, world_size, timeout_s):
     ``timeout_s``, not hang."""
     dev = _device_for(rank)
     buf = mok_buffer(2 * world_size, 64, 2, 32, torch.bfloat16, "cuda", dev, timeout_s=timeout_s)
-    store = dist.distributed_c10d._get_default_store()
     x, idx, w = make_inputs(1, world_size, [32] * world_size, 2 * world_size, 64, 2, torch.bfloat16,
                             device=dev)[rank]
+    if in_loopback():                       # the "wait until the others are done" of each side
+        wait_for_others = done = rank_barrier
+    else:
+        store = dist.distributed_c10d._get_default_store()
+        def wait_for_others():
+            store.wait([f"mok_missing_peer_done_{r}" for r in range(world_size - 1)])
+        def done():
+            store.set(f"mok_missing_peer_done_{rank}", "1")
     if rank == world_size - 1:
-        store.wait([f"mok_missing_peer_done_{r}" for r in range(world_size - 1)])
+        wait_for_others()
         return None
     t0 = time.monotonic()
     try:
@@ -319,7 +352,7 @@ def _missing_peer(rank, world_size, timeout_s):
             buf.check_errors()
         return time.monotonic() - t0, str(info.value)
     finally:
-        store.set(f"mok_missing_peer_done_{rank}", "1")
+        done()
 
 
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)

@@ -82,8 +82,12 @@ class CudaBackend:
                                        META_SLOTS, disp_chunks, comb_chunks)
         if not self.ctx:
             raise ValueError(f"megatron_mok: {self.lib.mok_last_error().decode()}")
-        self.timeout_s = buf.timeout_s if buf.timeout_s is not None else DEFAULT_TIMEOUT_S
+        self.timeout_s = (buf.timeout_s if buf.timeout_s is not None
+                          else float(os.environ.get("MOK_TIMEOUT_S") or DEFAULT_TIMEOUT_S))
         nbytes = self.lib.mok_workspace_bytes(self.ctx)
+        # Pinned before the workspace exists: on a loopback group (ranks as threads of one
+        # device) peers may already run kernels once it does.
+        self.host_report = torch.zeros(12, dtype=torch.int32, pin_memory=True)
         with torch.cuda.device(dev):
             self.mem = PeerMemory(nbytes, buf.group, buf.rank, buf.world_size, dev)
         ptrs = (ctypes.c_uint64 * buf.world_size)(*self.mem.peer_ptrs)
@@ -92,9 +96,15 @@ class CudaBackend:
         self.totals_offset = self.lib.mok_handle_totals_offset(self.ctx)
         err = self.lib.mok_error_offset(self.ctx)
         self.error_words = self.mem.tensor[err: err + 32].view(torch.int32)
-        self.host_report = torch.zeros(12, dtype=torch.int32, pin_memory=True)
         sms = self.lib.mok_sm_count(dev.index)
         self.num_blocks = max(2, min(buf.num_sms or DEFAULT_NUM_SMS, sms))
+        if self.mem.loopback:
+            # Every rank's transfer kernel waits for its peers', so all must be resident.
+            most = buf.group.max_sms_per_rank(sms)
+            if buf.num_sms is not None and buf.num_sms > most:
+                raise ValueError(f"loopback group of {buf.world_size} ranks on one GPU of {sms} SMs: "
+                                 f"num_sms={buf.num_sms} is more than the {most} per rank that fit")
+            self.num_blocks = max(2, min(self.num_blocks, most))
         # Role split (benchmarks/NOTES.md #7, #9): dispatch staging needs ~1/6 of the blocks;
         # combine producers reduce the remote tokens' rows (~45% of the combine's local bytes),
         # consumers the own rows plus the pulled partials and the output.
@@ -142,10 +152,21 @@ class CudaBackend:
         off = self.lib.mok_trace_offset(self.ctx)
         return self.mem.tensor[off: off + 256 * 16].view(torch.int64).view(256, 2)
 
+    def _sync(self) -> None:
+        """Wait for this Buffer's kernels: the whole device, or on a loopback group (where
+        a device-wide wait could wait for a peer's kernel that waits for this rank) the
+        current and side streams."""
+        if self.mem is not None and self.mem.loopback:
+            torch.cuda.current_stream(self.device).synchronize()
+            if getattr(self, "side_stream", None) is not None:
+                self.side_stream.synchronize()
+        else:
+            torch.cuda.synchronize(self.device)
+
     def check_errors(self) -> None:
         """Synchronise this device and raise if any kernel reported an error."""
         self._alive()
-        torch.cuda.synchronize(self.device)
+        self._sync()
         self._raise_if_error(self.error_words.cpu())
 
     # ---------------------------------------------------------------------------- dispatch
@@ -250,7 +271,7 @@ class CudaBackend:
 
     def destroy(self):
         if getattr(self, "mem", None) is not None:
-            torch.cuda.synchronize(self.device)
+            self._sync()
             self.mem.free()
             self.mem = None
         if getattr(self, "ctx", None):

@@ -3,7 +3,8 @@
 Built on PyTorch symmetric memory (``torch.distributed._symmetric_memory``: allocate,
 rendezvous over the process group, read ``buffer_ptrs``), which handles the handle exchange
 and works on NVLink fabrics beyond one host. NVLink multicast is never used: the
-multicast-disabling variables are set before anything is allocated.
+multicast-disabling variables are set before anything is allocated. A loopback group
+(``megatron_mok.loopback``, test ranks as threads on one device) exchanges plain allocations.
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ class PeerMemory:
     def __init__(self, nbytes: int, group, rank: int, world_size: int, device: torch.device):
         disable_multicast_env()
         self._handle = None
+        self._peer_tensors: List[torch.Tensor] = []
+        self.loopback = bool(getattr(group, "is_mok_loopback", False))
+        if self.loopback:
+            # Ranks are threads on one device: every rank holds every rank's tensor, so a
+            # workspace is freed only once no rank can read it any more.
+            self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+            torch.cuda.current_stream(device).synchronize()
+            self._peer_tensors = group.exchange(self.tensor)
+            self.peer_ptrs = [t.data_ptr() for t in self._peer_tensors]
+            return
         if world_size == 1:
             self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
             self.peer_ptrs: List[int] = [self.tensor.data_ptr()]
@@ -64,5 +75,6 @@ class PeerMemory:
 
     def free(self) -> None:
         self._handle = None
+        self._peer_tensors = []
         self.tensor = None
         self.peer_ptrs = []

@@ -1,0 +1,197 @@
+"""The CUDA backend at world sizes 2, 3, 4 and 8 on ONE GPU: loopback ranks.
+
+Each rank is a thread of this process with its own stream and its own workspace on the
+same device (``megatron_mok.loopback``). The kernels run their multi-rank code unchanged:
+pulls from peer workspaces, per-source routing, ring sequence numbers, spin-waits with
+timeouts. The comparisons are those of ``test_cuda_backend.py`` (bitwise against the
+reference backend, which exchanges through the loopback hub, and against the oracle).
+
+This does not replace runs on W GPUs: NVLink-specific behaviour (remote visibility of
+writes across devices, bandwidth) is not exercised. It does prove that nothing in the
+kernels or the layout assumes two ranks.
+
+The CPU tests at the bottom run the same code with the reference backend on both sides,
+so the loopback machinery (threads, hub, all_gather) is checked on every CI run.
+"""
+
+import pytest
+import torch
+
+from harness import run_loopback
+from test_cuda_backend import (CASE_NAMES, _backend_vs_reference, _cached_cuda, _graph,
+                               _missing_peer, _overflow_cuda, _repeats_and_sms, _ring_wrap,
+                               _static_cuda)
+
+ALL_SIZES = (2, 3, 4, 8)
+# Every case at the world sizes a 2-GPU machine cannot give; a sample at 2 (also run on
+# two real GPUs) and 8 (the slowest to run: 8 threads).
+SAMPLE = ("random", "t0_on_rank0", "all_to_one_expert", "mixed", "dsv3_like", "e_equals_w")
+CASES = ([(n, w) for w in (3, 4) for n in CASE_NAMES]
+         + [(n, w) for w in (2, 8) for n in SAMPLE])
+
+gpu = pytest.mark.gpu
+
+
+def _max_sms(world_size):
+    from megatron_mok import loopback
+    from megatron_mok.cuda import library
+
+    sms = library.get().mok_sm_count(torch.cuda.current_device())
+    return (sms - loopback.SPARE_SMS) // world_size
+
+
+@gpu
+@pytest.mark.parametrize("name,world_size", CASES)
+def test_loopback_matches_reference(name, world_size):
+    run_loopback(_backend_vs_reference, world_size, name, 2024, timeout=300)
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (3, 8))
+def test_loopback_repeats_and_sm_counts_bitwise(world_size):
+    most = min(24, _max_sms(world_size))
+    run_loopback(_repeats_and_sms, world_size, "mixed", 5, "cuda", (4, most // 2, most), 20, timeout=300)
+
+
+@gpu
+@pytest.mark.parametrize("world_size,calls", [(3, 300), (4, 1000), (8, 200)])
+def test_loopback_ring_wraps(world_size, calls):
+    rows, ring = run_loopback(_ring_wrap, world_size, calls, timeout=600)[0]
+    assert rows * 256 * 2 > 4 * ring, "the ring did not wrap"
+
+
+@gpu
+@pytest.mark.parametrize("env", [{"MOK_EAGER_STAGE_FIRST": "1"}, {"MOK_COMBINE_PHASED": "0"}],
+                         ids=["eager_stage_first", "combine_role_split"])
+def test_loopback_alternative_schedules(env, monkeypatch):
+    # Set once for all threads: every rank must make the same choice.
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    run_loopback(_backend_vs_reference, 4, "mixed", 77, timeout=300)
+    rows, ring = run_loopback(_ring_wrap, 3, 150, timeout=600)[0]
+    assert rows * 256 * 2 > 4 * ring, "the ring did not wrap"
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (3, 4))
+@pytest.mark.parametrize("name,extra", [("random", 5), ("unrouted_slots", 0), ("t0_on_rank0", 3)])
+def test_loopback_static_shape(name, extra, world_size):
+    run_loopback(_static_cuda, world_size, name, extra, timeout=300)
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (3, 4))
+@pytest.mark.parametrize("name,static_extra", [("mixed", None), ("t0_on_rank0", None), ("mixed", 3)])
+def test_loopback_cached_dispatch(name, static_extra, world_size):
+    run_loopback(_cached_cuda, world_size, name, static_extra, timeout=300)
+
+
+@gpu
+@pytest.mark.parametrize("backward", (False, True), ids=["forward", "forward_backward"])
+def test_loopback_graph_static_shape(backward):
+    run_loopback(_graph, 4, 5 + backward, backward, timeout=300)
+
+
+@gpu
+def test_loopback_missing_peer_times_out():
+    out = run_loopback(_missing_peer, 4, 2, timeout=120)
+    for took, msg in out[:-1]:
+        assert took < 2 + 20, f"the timeout error came after {took:.1f} s: {msg}"
+        assert "rank" in msg and "peer" in msg, f"the error should name rank and peer: {msg}"
+
+
+@gpu
+def test_loopback_static_overflow_raises():
+    assert run_loopback(_overflow_cuda, 4, timeout=120) == ["ok"] * 3 + ["raised"]
+
+
+@gpu
+def test_loopback_too_many_sms_is_an_error():
+    from harness import _buffer, contract_cases
+
+    def make(rank, world_size):
+        spec = contract_cases(world_size)["random"]
+        with pytest.raises(ValueError, match="loopback group of 8 ranks"):
+            _buffer(spec, torch.bfloat16, "cuda", device="cuda", num_sms=10 ** 4 // 8)
+        return True
+
+    # The SM check comes after the peer-memory exchange, so every rank reaches it.
+    assert run_loopback(make, 8, timeout=120) == [True] * 8
+
+
+# ------------------------------------------------- CPU self-checks of the loopback machinery
+@pytest.mark.parametrize("world_size", ALL_SIZES)
+def test_loopback_reference_runs_on_cpu(world_size):
+    """The comparison code over loopback ranks with the reference backend on both sides."""
+    run_loopback(_backend_vs_reference, world_size, "mixed", 2024, "reference", device="cpu")
+
+
+def _by_hand_matches_autograd(rank, world_size, name):
+    from harness import DTYPES, _buffer, assert_same_results, contract_cases, full_pass, spec_inputs
+
+    spec = contract_cases(world_size)[name]
+    for di, dtype in enumerate(DTYPES):
+        x, idx, w = spec_inputs(spec, world_size, dtype, 9 + di)[rank]
+        for extra in ({}, {"max_recv_tokens": 1000}):
+            ref = _buffer(spec, dtype, "reference", **extra)
+            tag = f"[{name} {dtype} {extra} rank {rank}]"
+            assert_same_results(full_pass(ref, x, idx, w, 3, by_hand=True),
+                                full_pass(ref, x, idx, w, 3, by_hand=False), f"by hand vs autograd {tag}")
+    return True
+
+
+@pytest.mark.parametrize("name", ("mixed", "t0_on_rank0", "dsv3_like", "all_to_one_expert"))
+def test_backward_by_hand_matches_autograd(name):
+    """The GPU loopback tests take the reference's gradients from ``backward_by_hand``: it
+    must give autograd's bits."""
+    assert run_loopback(_by_hand_matches_autograd, 3, name, device="cpu") == [True] * 3
+
+
+def test_loopback_ring_code_runs_on_cpu():
+    rows = run_loopback(_ring_wrap, 3, 6, "reference", device="cpu")
+    assert all(r[0] > 0 for r in rows)
+
+
+def _fails_on_rank(rank, world_size, bad):
+    from megatron_mok import loopback
+
+    if rank == bad:
+        raise ValueError(f"rank {rank} fails on purpose")
+    loopback.current().barrier()          # the peers wait here: the failure must wake them
+    return rank
+
+
+def test_loopback_reports_a_failing_rank_and_wakes_the_others():
+    from harness import DistributedTestError
+
+    with pytest.raises(DistributedTestError, match=r"(?s)rank 2 fails on purpose"):
+        run_loopback(_fails_on_rank, 3, 2, device="cpu", timeout=60)
+    assert run_loopback(_fails_on_rank, 3, -1, device="cpu") == [0, 1, 2]
+
+
+def _all_gather_rank_values(rank, world_size):
+    from megatron_mok import comm, loopback
+
+    g = loopback.current()
+    assert comm.resolve_group(None) is g and comm.group_rank_size(g) == (rank, world_size)
+    got = comm.all_gather_exact(torch.tensor([rank, 10 * rank], dtype=torch.bfloat16), g, world_size)
+    return got.tolist()
+
+
+def test_loopback_all_gather_is_exact_and_ordered():
+    out = run_loopback(_all_gather_rank_values, 4, device="cpu")
+    want = [[float(r), float(10 * r)] for r in range(4)]
+    assert out == [want] * 4
+
+
+def test_loopback_hang_is_reported():
+    from harness import DistributedTestError
+    from megatron_mok import loopback
+
+    def stuck(rank, world_size):
+        if rank == 0:
+            loopback.current().barrier()      # rank 1 never arrives
+        return rank
+
+    with pytest.raises(DistributedTestError, match="barrier broken|did not finish"):
+        run_loopback(stuck, 2, device="cpu", timeout=3)
