@@ -15,9 +15,14 @@ Usage::
     results = loopback.run(fn, world_size, *args, device="cuda")   # fn(rank, world_size, *args)
 
 Inside ``fn``, ``Buffer(None, ...)`` joins the thread's loopback group (as ``None`` means
-the default process group in a normal run), and the thread's current CUDA stream is its own.
+the default process group in a normal run), and the thread's current CUDA stream is its own
+(:class:`OwnStream`: never shared with another rank).
 
-Rules for code run this way (what would deadlock a single device): no device-wide
+Rules for code run this way (what would deadlock a single device): the process must run
+with ``CUDA_MODULE_LOADING=EAGER`` set before CUDA initialises. With lazy loading (CUDA's
+default) the first launch of any kernel (torch's included) may wait for the whole context to
+be idle, while peers' kernels spin waiting for this rank: a deadlock until the spin-waits
+time out (CUDA programming guide, "Lazy Loading", concurrent execution). No device-wide
 synchronisation (``torch.cuda.synchronize``, ``empty_cache``) while peers may have kernels
 waiting on this rank (synchronise the current stream instead); CUDA-graph capture with
 ``capture_error_mode="thread_local"`` and a :meth:`LoopbackRank.barrier` before and after it.
@@ -27,6 +32,8 @@ rank's transfer kernel must be resident at once): see :meth:`LoopbackRank.max_sm
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 import traceback
@@ -110,6 +117,35 @@ class LoopbackRank:
         return f"LoopbackRank({self.rank}/{self.world_size} on {self.hub.device})"
 
 
+class OwnStream:
+    """A CUDA stream that no other rank can be handed (``.stream``, a torch stream object).
+
+    torch's ``torch.cuda.Stream()`` takes streams from a pool of 32, round robin; two
+    loopback ranks given the same one would queue kernels that wait for each other behind
+    each other (a deadlock until the kernels time out). Call :meth:`close` once the
+    stream's work is done."""
+
+    def __init__(self, device: torch.device):
+        from .cuda import library
+
+        self._lib = library.get() if library.is_available() else None
+        self._ptr = None
+        if self._lib is None:            # no CUDA backend to run: any stream will do
+            self.stream = torch.cuda.Stream(device=device)
+            return
+        self._ptr = self._lib.mok_stream_create(device.index if device.index is not None
+                                                else torch.cuda.current_device())
+        if not self._ptr:
+            raise RuntimeError(f"megatron_mok: {self._lib.mok_last_error().decode()}")
+        self.stream = torch.cuda.ExternalStream(self._ptr, device=device)
+
+    def close(self) -> None:
+        if self._ptr:
+            self.stream.synchronize()
+            self._lib.mok_stream_destroy(self._ptr)
+            self._ptr = None
+
+
 def is_loopback(group) -> bool:
     return bool(getattr(group, "is_mok_loopback", False))
 
@@ -129,8 +165,14 @@ def run(fn: Callable, world_size: int, *args, device="cuda", timeout_s: float = 
             finish within ``timeout_s`` (its thread is left running: a daemon thread).
     """
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        if os.environ.get("CUDA_MODULE_LOADING", "").upper() != "EAGER":
+            raise RuntimeError(
+                "loopback ranks on a GPU need CUDA_MODULE_LOADING=EAGER, set before CUDA "
+                "initialises: they share one CUDA context, where lazily loading a kernel can "
+                "wait for peer kernels that spin until this rank launches (a deadlock)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     hub = LoopbackHub(world_size, device, timeout_s)
     results: List[Any] = [None] * world_size
     errors: dict = {}
@@ -140,9 +182,13 @@ def run(fn: Callable, world_size: int, *args, device="cuda", timeout_s: float = 
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-                with torch.cuda.stream(torch.cuda.Stream(device=device)):
-                    results[rank] = fn(rank, world_size, *args, **kwargs)
-                    torch.cuda.current_stream(device).synchronize()
+                own = OwnStream(device)
+                try:
+                    with torch.cuda.stream(own.stream):
+                        results[rank] = fn(rank, world_size, *args, **kwargs)
+                        torch.cuda.current_stream(device).synchronize()
+                finally:
+                    own.close()
             else:
                 results[rank] = fn(rank, world_size, *args, **kwargs)
         except BaseException:
@@ -155,9 +201,7 @@ def run(fn: Callable, world_size: int, *args, device="cuda", timeout_s: float = 
                for r in range(world_size)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
+    stalls = _watch(threads, time.monotonic() + timeout_s)
     hung = [r for r, t in enumerate(threads) if t.is_alive()]
     if hung:
         hub.abort()
@@ -165,5 +209,32 @@ def run(fn: Callable, world_size: int, *args, device="cuda", timeout_s: float = 
     if errors:
         name = getattr(fn, "__qualname__", repr(fn))
         report = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items()))
+        if stalls:
+            report += "\n--- host stalls seen while it ran ---\n" + "\n".join(stalls)
         raise LoopbackError(f"loopback run of {name} (world size {world_size}) failed:\n{report}")
     return results
+
+
+STALL_S = 5.0
+
+
+def _watch(threads: List[threading.Thread], deadline: float, every_s: float = 0.5) -> List[str]:
+    """Wait for ``threads`` until ``deadline``, sampling their Python stacks; returns a line
+    for every time a rank's host code stayed at one place for ``STALL_S`` or more (what a
+    failure report needs: which rank was stuck where while its peers waited for it)."""
+    since: dict = {}
+    stalls: List[str] = []
+    while time.monotonic() < deadline and any(t.is_alive() for t in threads):
+        next(t for t in threads if t.is_alive()).join(every_s)
+        frames = sys._current_frames()
+        now = time.monotonic()
+        for r, t in enumerate(threads):
+            f = frames.get(t.ident) if t.is_alive() else None
+            where = "".join(traceback.format_stack(f, limit=4)) if f is not None else None
+            prev = since.get(r)
+            if prev is None or prev[0] != where:
+                since[r] = (where, now, False)
+            elif where is not None and not prev[2] and now - prev[1] >= STALL_S:
+                stalls.append(f"rank {r} stuck for {now - prev[1]:.0f}+ s at:\n{where}")
+                since[r] = (where, prev[1], True)
+    return stalls

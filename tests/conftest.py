@@ -23,6 +23,11 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
+# Loopback ranks (threads sharing this process's CUDA context, test_cuda_loopback.py) need
+# every kernel loaded when the context starts: a lazy load can wait for peer kernels that
+# spin until the loading rank launches (megatron_mok.loopback). Spawned ranks stay lazy.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
 import harness  # noqa: E402  (sets the no-multicast environment before anything else runs)
 import torch  # noqa: E402
 

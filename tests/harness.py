@@ -121,6 +121,9 @@ class _Pool:
         if backend == "gloo":
             env.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+        # One process per rank: lazy kernel loading is safe and starts faster (conftest.py
+        # makes the pytest process itself eager, for loopback ranks).
+        env["CUDA_MODULE_LOADING"] = os.environ.get("MOK_RANK_MODULE_LOADING", "LAZY")
         self.result_q = ctx.Queue()
         self.task_qs = [ctx.Queue() for _ in range(world_size)]
         self.procs = []

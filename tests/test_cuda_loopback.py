@@ -195,3 +195,29 @@ def test_loopback_hang_is_reported():
 
     with pytest.raises(DistributedTestError, match="barrier broken|did not finish"):
         run_loopback(stuck, 2, device="cpu", timeout=3)
+
+
+def test_loopback_on_gpu_needs_eager_module_loading(monkeypatch):
+    from megatron_mok import loopback
+
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    with pytest.raises(RuntimeError, match="CUDA_MODULE_LOADING=EAGER"):
+        loopback.run(lambda rank, world_size: rank, 2, device="cuda")
+
+
+def _sleeps_then_fails(rank, world_size):
+    import time
+
+    if rank == 1:
+        time.sleep(2.5)
+        raise ValueError("rank 1 gives up")
+    return rank
+
+
+def test_loopback_failure_report_names_host_stalls(monkeypatch):
+    from harness import DistributedTestError
+    from megatron_mok import loopback
+
+    monkeypatch.setattr(loopback, "STALL_S", 0.6)
+    with pytest.raises(DistributedTestError, match=r"(?s)rank 1 gives up.*rank 1 stuck for .*_sleeps_then_fails"):
+        run_loopback(_sleeps_then_fails, 2, device="cpu", timeout=60)

@@ -159,4 +159,24 @@ int mok_sm_count(int device) {
   return n;
 }
 
+void* mok_stream_create(int device) {
+  int prev = 0;
+  if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
+    fail("cudaSetDevice failed");
+    return nullptr;
+  }
+  cudaStream_t s = nullptr;
+  const cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  cudaSetDevice(prev);
+  if (e != cudaSuccess) {
+    fail(std::string("cudaStreamCreateWithFlags: ") + cudaGetErrorString(e));
+    return nullptr;
+  }
+  return s;
+}
+
+int mok_stream_destroy(void* stream) {
+  return check_launch(cudaStreamDestroy(static_cast<cudaStream_t>(stream)), "cudaStreamDestroy");
+}
+
 }  // extern "C"

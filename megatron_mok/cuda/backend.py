@@ -115,7 +115,13 @@ class CudaBackend:
         # while the host reads R (module docstring). Events are reused: a wait binds to the
         # record made before it, so re-recording is safe.
         self.stage_first = _env_int("MOK_EAGER_STAGE_FIRST", 0) != 0
-        self.side_stream = torch.cuda.Stream(device=dev)
+        self._own_side = None
+        if self.mem.loopback:       # never the stream of another rank (loopback.OwnStream)
+            from ..loopback import OwnStream
+            self._own_side = OwnStream(dev)
+            self.side_stream = self._own_side.stream
+        else:
+            self.side_stream = torch.cuda.Stream(device=dev)
         self._side_raw = ctypes.c_void_p(self.side_stream.cuda_stream)
         self._layout_read = torch.cuda.Event()
         self._layout_done = torch.cuda.Event()
@@ -274,6 +280,9 @@ class CudaBackend:
             self._sync()
             self.mem.free()
             self.mem = None
+        if getattr(self, "_own_side", None) is not None:
+            self._own_side.close()
+            self._own_side = None
         if getattr(self, "ctx", None):
             self.lib.mok_destroy(self.ctx)
             self.ctx = None

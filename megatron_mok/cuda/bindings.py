@@ -23,6 +23,8 @@ _SIGNATURES = {
                             c_void_p, c_void_p, c_int64, c_int, c_int, c_int, c_int]),
     "mok_last_error": (ctypes.c_char_p, []),
     "mok_sm_count": (c_int, [c_int]),
+    "mok_stream_create": (c_void_p, [c_int]),
+    "mok_stream_destroy": (c_int, [c_void_p]),
 }
 
 
