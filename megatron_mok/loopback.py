@@ -173,6 +173,8 @@ def run(fn: Callable, world_size: int, *args, device="cuda", timeout_s: float = 
                 "wait for peer kernels that spin until this rank launches (a deadlock)")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        from .cuda import library
+        library.is_available()          # load it once here, not from every rank thread at once
     hub = LoopbackHub(world_size, device, timeout_s)
     results: List[Any] = [None] * world_size
     errors: dict = {}

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from pathlib import Path
 from typing import Optional
 
 _LIB_NAME = "libmok_cuda.so"
 _lib: Optional[ctypes.CDLL] = None
 _load_error: Optional[str] = None
+_load_lock = threading.Lock()
 
 BUILD_HINT = (
     "the MoK CUDA library is not built. Build it with nvcc >= 12.3 on PATH (or CUDA_HOME set): "
@@ -32,21 +34,25 @@ def library_path() -> Path:
 
 
 def _load() -> Optional[ctypes.CDLL]:
+    # Locked, and published only once its signatures are declared: another thread (loopback
+    # ranks) must never call an undeclared function (ctypes would truncate pointers to int).
     global _lib, _load_error
-    if _lib is not None or _load_error is not None:
+    with _load_lock:
+        if _lib is not None or _load_error is not None:
+            return _lib
+        path = library_path()
+        if not path.exists():
+            _load_error = f"{path} does not exist"
+            return None
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:  # wrong arch, missing driver, ...
+            _load_error = f"{path} failed to load: {e}"
+            return None
+        from .bindings import declare
+        declare(lib)
+        _lib = lib
         return _lib
-    path = library_path()
-    if not path.exists():
-        _load_error = f"{path} does not exist"
-        return None
-    try:
-        _lib = ctypes.CDLL(str(path))
-    except OSError as e:  # wrong arch, missing driver, ...
-        _load_error = f"{path} failed to load: {e}"
-        return None
-    from .bindings import declare
-    declare(_lib)
-    return _lib
 
 
 def is_available() -> bool:
