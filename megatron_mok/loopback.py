@@ -118,31 +118,40 @@ class LoopbackRank:
 
 
 class OwnStream:
-    """A CUDA stream that no other rank can be handed (``.stream``, a torch stream object).
+    """A CUDA stream that no other live rank holds (``.stream``, a torch stream object).
 
     torch's ``torch.cuda.Stream()`` takes streams from a pool of 32, round robin; two
     loopback ranks given the same one would queue kernels that wait for each other behind
-    each other (a deadlock until the kernels time out). Call :meth:`close` once the
-    stream's work is done."""
+    each other (a deadlock until the kernels time out). :meth:`close` hands the stream back
+    for a later rank; streams are never destroyed, because torch may still record events on
+    a stream after its last use (freeing a pinned buffer that a copy used does)."""
+
+    _free: dict = {}
+    _lock = threading.Lock()
 
     def __init__(self, device: torch.device):
         from .cuda import library
 
-        self._lib = library.get() if library.is_available() else None
-        self._ptr = None
-        if self._lib is None:            # no CUDA backend to run: any stream will do
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self._index, self._ptr = index, None
+        if not library.is_available():        # no CUDA backend to run: any stream will do
             self.stream = torch.cuda.Stream(device=device)
             return
-        self._ptr = self._lib.mok_stream_create(device.index if device.index is not None
-                                                else torch.cuda.current_device())
-        if not self._ptr:
-            raise RuntimeError(f"megatron_mok: {self._lib.mok_last_error().decode()}")
-        self.stream = torch.cuda.ExternalStream(self._ptr, device=device)
+        with OwnStream._lock:
+            free = OwnStream._free.setdefault(index, [])
+            self._ptr = free.pop() if free else None
+        if self._ptr is None:
+            lib = library.get()
+            self._ptr = lib.mok_stream_create(index)
+            if not self._ptr:
+                raise RuntimeError(f"megatron_mok: {lib.mok_last_error().decode()}")
+        self.stream = torch.cuda.ExternalStream(self._ptr, device=torch.device("cuda", index))
 
     def close(self) -> None:
         if self._ptr:
             self.stream.synchronize()
-            self._lib.mok_stream_destroy(self._ptr)
+            with OwnStream._lock:
+                OwnStream._free[self._index].append(self._ptr)
             self._ptr = None
 
 

@@ -175,8 +175,4 @@ void* mok_stream_create(int device) {
   return s;
 }
 
-int mok_stream_destroy(void* stream) {
-  return check_launch(cudaStreamDestroy(static_cast<cudaStream_t>(stream)), "cudaStreamDestroy");
-}
-
 }  // extern "C"

@@ -42,11 +42,11 @@ int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert
 
 const char* mok_last_error(void);
 int mok_sm_count(int device);
-/* A CUDA stream of its own (non-blocking) on `device`, or NULL. For loopback ranks (threads
- * of one process on one GPU): torch's stream pool hands its streams out round robin, so two
- * ranks could get the same stream and serialise kernels that wait for each other. */
+/* A new CUDA stream (non-blocking) on `device`, or NULL. For loopback ranks (threads of one
+ * process on one GPU): torch's stream pool hands its streams out round robin, so two ranks
+ * could get the same stream and serialise kernels that wait for each other. Never destroyed
+ * (megatron_mok/loopback.py reuses them). */
 void* mok_stream_create(int device);
-int mok_stream_destroy(void* stream);
 
 #ifdef __cplusplus
 }

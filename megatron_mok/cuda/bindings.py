@@ -24,7 +24,6 @@ _SIGNATURES = {
     "mok_last_error": (ctypes.c_char_p, []),
     "mok_sm_count": (c_int, [c_int]),
     "mok_stream_create": (c_void_p, [c_int]),
-    "mok_stream_destroy": (c_int, [c_void_p]),
 }
 
 
