@@ -26,8 +26,13 @@ time out (CUDA programming guide, "Lazy Loading", concurrent execution). No devi
 synchronisation (``torch.cuda.synchronize``, ``empty_cache``) while peers may have kernels
 waiting on this rank (synchronise the current stream instead); CUDA-graph capture with
 ``capture_error_mode="thread_local"`` and a :meth:`LoopbackRank.barrier` before and after it.
-The CUDA backend also keeps ``world_size * num_sms`` below the device's SM count (every
-rank's transfer kernel must be resident at once): see :meth:`LoopbackRank.max_sms_per_rank`.
+The kernels are written for one rank per GPU, where a kernel that spins waiting for a peer
+holds only its own GPU. Here every rank's spinning kernels share one GPU, so they must all
+fit at once: the CUDA backend keeps ``world_size * num_sms`` transfer SMs below the device's
+SM count less ``SPARE_SMS`` (:meth:`LoopbackRank.max_sms_per_rank`), and refuses calls whose
+routing-count kernels (``W`` blocks per token chunk, each rank's spinning until its peers
+publish) would not fit in the spare SMs (:meth:`LoopbackRank.check_layout_fits`): keep
+``max_tokens_per_rank`` small at large world sizes.
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ import torch
 
 # SMs left free for the ranks' other kernels (layout, fill, torch ops) while every rank's
 # transfer kernel is resident.
-SPARE_SMS = 16
+SPARE_SMS = 48
+# Routing-count blocks (256 threads) one spare SM holds at once.
+COUNT_BLOCKS_PER_SM = 8
 
 _local = threading.local()
 
@@ -112,6 +119,20 @@ class LoopbackRank:
         """The most SMs one rank's transfer kernels may use so that every rank's are resident
         together with room (``SPARE_SMS``) for the other kernels."""
         return max(1, (device_sms - SPARE_SMS) // self.world_size)
+
+    def check_layout_fits(self, device_sms: int, sms_per_rank: int, chunks_per_call: int) -> None:
+        """Raise unless every rank's routing-count kernel (``chunks_per_call * W`` blocks
+        that spin until the peers' routing is published) fits beside every rank's transfer
+        kernel: otherwise a rank's kernel can wait for SMs held by peers that wait for it."""
+        W = self.world_size
+        need = W * W * chunks_per_call
+        room = (device_sms - W * sms_per_rank) * COUNT_BLOCKS_PER_SM
+        if need > room:
+            raise ValueError(
+                f"loopback group of {W} ranks on one GPU of {device_sms} SMs: the routing "
+                f"kernels of a call need {need} resident blocks, only {room} fit beside the "
+                f"transfer kernels; lower max_tokens_per_rank ({chunks_per_call} token chunks "
+                f"per call now) or num_sms")
 
     def __repr__(self):
         return f"LoopbackRank({self.rank}/{self.world_size} on {self.hub.device})"

@@ -101,22 +101,22 @@ def ring_chunk_bytes(H, K, elem=2, partial_elem=2):
     return C * H * elem, C * H * partial_elem + C * K * 4
 
 
-def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3):
+def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, **buffer_kw):
     """``calls`` dispatch/combine calls of varying size through a ring of ``chunks`` chunks
     (wraps many times); one call larger than the whole ring; each checked bitwise against
     the reference, with a full backward every 50th call."""
     dev = _device_for(rank)
-    H, K, E, T_max, dtype = 256, 4, 4 * world_size, 1024, torch.bfloat16
+    H, K, E, dtype = 256, 4, 4 * world_size, torch.bfloat16
     disp, comb = ring_chunk_bytes(H, K)
     ring = chunks * max(disp, comb)
-    buf = mok_buffer(E, H, K, T_max, dtype, backend, dev, ring_bytes=ring, timeout_s=30)
+    buf = mok_buffer(E, H, K, T_max, dtype, backend, dev, ring_bytes=ring, timeout_s=30, **buffer_kw)
     ref = mok_buffer(E, H, K, T_max, dtype, "reference", dev)
     g = torch.Generator().manual_seed(77)                      # same sequence on every rank
     cases = ("duplicate", "mixed", "skewed", "one_expert")
     big_call = calls // 2
     rows_seen = 0
     for i in range(calls):
-        T_all = [int(v) for v in torch.randint(0, 300, (world_size,), generator=g)]
+        T_all = [int(v) for v in torch.randint(0, min(300, T_max + 1), (world_size,), generator=g)]
         if i == big_call:
             T_all = [T_max] * world_size                       # T_max * H * 2 bytes > ring
             assert T_max * H * 2 > ring

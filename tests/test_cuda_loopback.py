@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness import run_loopback
-from test_cuda_backend import (CASE_NAMES, _backend_vs_reference, _cached_cuda, _graph,
+from test_cuda_backend import (CASE_NAMES, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
                                _missing_peer, _overflow_cuda, _repeats_and_sms, _ring_wrap,
                                _static_cuda)
 
@@ -54,9 +54,11 @@ def test_loopback_repeats_and_sm_counts_bitwise(world_size):
 
 
 @gpu
-@pytest.mark.parametrize("world_size,calls", [(3, 300), (4, 1000), (8, 200)])
-def test_loopback_ring_wraps(world_size, calls):
-    rows, ring = run_loopback(_ring_wrap, world_size, calls, timeout=600)[0]
+@pytest.mark.parametrize("world_size,calls,t_max", [(3, 300, 1024), (4, 1000, 1024), (8, 200, 320)])
+def test_loopback_ring_wraps(world_size, calls, t_max):
+    # T_max 320 at 8 ranks: the routing kernels of 8 ranks must fit on one GPU (loopback.py);
+    # a call of T_max tokens is still larger than the 3-chunk ring.
+    rows, ring = run_loopback(_ring_wrap, world_size, calls, "cuda", 3, t_max, timeout=600)[0]
     assert rows * 256 * 2 > 4 * ring, "the ring did not wrap"
 
 
@@ -103,6 +105,11 @@ def test_loopback_missing_peer_times_out():
 @gpu
 def test_loopback_static_overflow_raises():
     assert run_loopback(_overflow_cuda, 4, timeout=120) == ["ok"] * 3 + ["raised"]
+
+
+@gpu
+def test_loopback_bad_expert_id_is_an_error():
+    assert run_loopback(_bad_expert_id_cuda, 4, timeout=120) == [True] * 4
 
 
 @gpu
@@ -221,3 +228,13 @@ def test_loopback_failure_report_names_host_stalls(monkeypatch):
     monkeypatch.setattr(loopback, "STALL_S", 0.6)
     with pytest.raises(DistributedTestError, match=r"(?s)rank 1 gives up.*rank 1 stuck for .*_sleeps_then_fails"):
         run_loopback(_sleeps_then_fails, 2, device="cpu", timeout=60)
+
+
+def test_loopback_refuses_layouts_that_cannot_all_be_resident():
+    from megatron_mok import loopback
+
+    g = loopback.LoopbackRank(loopback.LoopbackHub(8, "cpu"), 0)
+    g.check_layout_fits(132, 10, 5)                 # 320 count blocks beside 80 transfer SMs
+    with pytest.raises(ValueError, match="lower max_tokens_per_rank"):
+        g.check_layout_fits(132, 10, 16)            # 1024 blocks: a rank could starve
+    assert g.max_sms_per_rank(132) == (132 - loopback.SPARE_SMS) // 8

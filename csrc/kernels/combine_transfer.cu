@@ -312,6 +312,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
     combine_transfer_kernel(CommContext c, HandleArrays h, TransferArgs a, CombineShape sh,
                             const T* expert_out, const float* grad_probs, T* y, float* grad_w) {
   extern __shared__ __align__(16) int4 smem[];
+  if (aborted(c)) return;  // after a protocol error: touch nothing (see dispatch_transfer.cu)
   sh.seq = c.counters()->comb_seq;
   trace_warp(c, true);
   Raw8<P>* stream = reinterpret_cast<Raw8<P>*>(smem);

@@ -142,6 +142,9 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
 __global__ void __launch_bounds__(kDispatchThreads, 1)
     dispatch_transfer_kernel(CommContext c, HandleArrays h, TransferArgs a, DispatchShape sh,
                              const int4* x, int4* out) {
+  // After a protocol error the layout arrays may be unfilled (the fill kernel stopped): touch
+  // nothing. The Buffer is unusable from here on (the host raises at its next read).
+  if (aborted(c)) return;
   SeqCounters* n = c.counters();
   const int G = static_cast<int>(gridDim.x);
   trace_warp(c, true);

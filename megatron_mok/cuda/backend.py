@@ -105,6 +105,7 @@ class CudaBackend:
                 raise ValueError(f"loopback group of {buf.world_size} ranks on one GPU of {sms} SMs: "
                                  f"num_sms={buf.num_sms} is more than the {most} per rank that fit")
             self.num_blocks = max(2, min(self.num_blocks, most))
+            buf.group.check_layout_fits(sms, self.num_blocks, -(-buf.max_tokens_per_rank // C))
         # Role split (benchmarks/NOTES.md #7, #9): dispatch staging needs ~1/6 of the blocks;
         # combine producers reduce the remote tokens' rows (~45% of the combine's local bytes),
         # consumers the own rows plus the pulled partials and the output.
