@@ -24,8 +24,10 @@ default) the first launch of any kernel (torch's included) may wait for the whol
 be idle, while peers' kernels spin waiting for this rank: a deadlock until the spin-waits
 time out (CUDA programming guide, "Lazy Loading", concurrent execution). No device-wide
 synchronisation (``torch.cuda.synchronize``, ``empty_cache``) while peers may have kernels
-waiting on this rank (synchronise the current stream instead); CUDA-graph capture with
-``capture_error_mode="thread_local"`` and a :meth:`LoopbackRank.barrier` before and after it.
+waiting on this rank (synchronise the current stream instead); CUDA-graph captures one
+rank at a time (:meth:`LoopbackRank.barrier` between them), no replay before all captured;
+:func:`settle` before host-synchronising torch work.
+
 The kernels are written for one rank per GPU, where a kernel that spins waiting for a peer
 holds only its own GPU. Here every rank's spinning kernels share one GPU, so they must all
 fit at once: the CUDA backend keeps ``world_size * num_sms`` transfer SMs below the device's
@@ -174,6 +176,17 @@ class OwnStream:
             with OwnStream._lock:
                 OwnStream._free[self._index].append(self._ptr)
             self._ptr = None
+
+
+def settle(device: torch.device) -> None:
+    """In a loopback run on a GPU, wait for this thread's stream; elsewhere nothing.
+
+    Call before host-synchronising torch work (``.cpu()``, boolean-mask indexing). Such a
+    call queued behind this rank's communication kernels waits for them inside a pageable
+    device-to-host copy, and seen on an H200: peer threads' CUDA calls (an event record)
+    stalled behind it while their kernels were what this rank waited for."""
+    if current() is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def is_loopback(group) -> bool:

@@ -45,6 +45,8 @@ _NO_MULTICAST_ENV = {
 }
 os.environ.update(_NO_MULTICAST_ENV)
 
+from megatron_mok.loopback import settle  # noqa: E402  (after the environment above)
+
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOK_TEST_TIMEOUT", "180"))
 _STARTUP_TIMEOUT_S = float(os.environ.get("MOK_TEST_STARTUP_TIMEOUT", "180"))
 
@@ -393,6 +395,8 @@ def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str = "te
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     assert tuple(actual.shape) == tuple(expected.shape), \
         f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    for t in (actual, expected):
+        settle(t.device)
     a, e = actual.detach().cpu().contiguous(), expected.detach().cpu().contiguous()
     if a.dtype in _INT_VIEW:
         a, e = a.view(_INT_VIEW[a.dtype]), e.view(_INT_VIEW[e.dtype])
@@ -534,6 +538,7 @@ def full_pass(buf, x0: torch.Tensor, idx: torch.Tensor, w0: torch.Tensor, seed: 
         assert expert_out_override is None
         gy = seeded(seed + 1, (x0.shape[0], buf.hidden), device=x0.device)
         out = backward_by_hand(buf, x0, idx, w0, lambda r, t, p: sample_expert(r, t, p, seed, buf.dtype), gy)
+        settle(x0.device)
         return {k: v.detach().cpu().clone() for k, v in out.items()}
     x = x0.detach().clone().requires_grad_(True)
     w = w0.detach().clone().requires_grad_(True)
@@ -548,6 +553,7 @@ def full_pass(buf, x0: torch.Tensor, idx: torch.Tensor, w0: torch.Tensor, seed: 
     out = dict(tokens=res.tokens, probs=res.probs, tokens_per_expert=res.tokens_per_expert,
                src_rank=res.src_rank, src_token=res.src_token, y=y, grad_x=x.grad,
                grad_topk_weights=w.grad, grad_expert_out=eo.grad)
+    settle(x0.device)
     return {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
 
 

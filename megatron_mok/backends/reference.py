@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ..comm import all_gather_exact, all_gather_ints
+from ..loopback import settle  # host-syncing ops below: wait for the stream first there
 from ..handle import DispatchHandle
 
 
@@ -88,6 +89,7 @@ class ReferenceBackend:
 
     # ----------------------------------------------------------------------------- dispatch
     def dispatch(self, x, topk_idx, topk_weights):
+        settle(x.device)
         b = self.buf
         W, t_max, K = b.world_size, b.max_tokens_per_rank, b.topk
         T = x.shape[0]
@@ -131,6 +133,7 @@ class ReferenceBackend:
 
     def dispatch_cached(self, x, handle: DispatchHandle):
         """Rows of ``x`` (``[T, H]`` on every rank) in the layout of ``handle``."""
+        settle(x.device)
         all_x = self._gather_tokens(x)
         R = handle.num_rows
         out = x.new_zeros(handle.num_out_rows, self.buf.hidden)
@@ -140,6 +143,7 @@ class ReferenceBackend:
     # ------------------------------------------------------------------------------ combine
     def combine(self, expert_out, handle: DispatchHandle, grad_probs: Optional[torch.Tensor] = None):
         """``y [T, H]`` per the contract; with ``grad_probs [R]`` also ``grad_topk_weights [T, K]``."""
+        settle(expert_out.device)
         b = self.buf
         W, t_max, K, H = b.world_size, b.max_tokens_per_rank, b.topk, b.hidden
         lay: ReferenceLayout = handle.state
