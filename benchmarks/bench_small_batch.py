@@ -1,0 +1,160 @@
+"""Small batches on ONE GPU: how much of a 128/512-token dispatch or combine is host work.
+
+The performance issue's small-batch targets (128 tokens/rank: dispatch 25 us, combine 20 us)
+are per-call latencies, which host work can dominate: Python, the eager dispatch's one host
+read of the row count, kernel launches. This script separates host from device time:
+
+- ``eager``: a dispatch / combine call as a training step sees it, host-inclusive
+  (``perf_counter`` around the call and a synchronisation of the stream);
+- ``static``: the same in static-shape mode (``max_recv_tokens``: no host read);
+- ``graph``: the static calls captured in a CUDA graph each and replayed, timed with CUDA
+  events: device time only (the kernel chain and the gaps between its kernels).
+
+World size 1, and a loopback world of 2 ranks (threads on the one GPU, ``megatron_mok.loopback``:
+the two-rank protocol, with flags and pulls through L2/HBM instead of NVLink). These are NOT
+the 2-GPU figures the targets are about; they bound what is host overhead.
+
+    python benchmarks/bench_small_batch.py --out benchmarks/results [--tokens 128,512] [--worlds 1,2]
+
+Writes ``small_batch.json`` (date, commit, GPU, command, medians per case) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+# Loopback ranks share one CUDA context: every kernel must be loaded before any rank spins.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+sys.path.insert(1, os.path.dirname(_HERE))
+
+import common  # noqa: E402  (sets the no-multicast environment before torch loads)
+
+import torch  # noqa: E402
+
+import megatron_mok as mok  # noqa: E402
+from megatron_mok import loopback  # noqa: E402
+
+H, E, K = 7168, 256, 8
+
+
+def _median_us(samples):
+    return round(statistics.median(samples) * 1e6, 1)
+
+
+def _rank(rank, world, tokens, iters, warmup, sms):
+    grp = loopback.current()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    shape = common.Shape(f"t{tokens}", tokens, H, experts=E, topk=K, seed=1237 + tokens)
+    idx, w = common.make_routing(shape, rank, world, dev)
+    x = common.make_x(shape, rank, dev)
+    stream = torch.cuda.current_stream(dev)
+
+    def host_time(fn):
+        for _ in range(warmup):
+            fn()
+        stream.synchronize()
+        out = []
+        for _ in range(iters):
+            grp.barrier()                       # ranks start each call together
+            t0 = time.perf_counter()
+            fn()
+            stream.synchronize()
+            out.append(time.perf_counter() - t0)
+        return _median_us(out)
+
+    def graph_time(g):
+        for _ in range(warmup):
+            g.replay()
+        stream.synchronize()
+        out = []
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(iters):
+            grp.barrier()
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) * 1e-3)
+        return _median_us(out)
+
+    kw = dict(num_experts=E, hidden=H, topk=K, max_tokens_per_rank=tokens, backend="cuda",
+              num_sms=sms)
+    eager = mok.Buffer(None, **kw)
+    res = eager.dispatch(x, idx, w)
+    cap = max(grp.exchange(res.tokens.shape[0])) + 8   # what a user would size: max rows + slack
+    r = {"rows": res.tokens.shape[0], "max_recv_tokens": cap}
+    r["eager_dispatch_us"] = host_time(lambda: eager.dispatch(x, idx, w))
+    r["eager_combine_us"] = host_time(lambda: eager.combine(res.tokens, res.handle))
+
+    static = mok.Buffer(None, max_recv_tokens=cap, **kw)
+    sres = static.dispatch(x, idx, w)
+    r["static_dispatch_us"] = host_time(lambda: static.dispatch(x, idx, w))
+    r["static_combine_us"] = host_time(lambda: static.combine(sres.tokens, sres.handle))
+
+    # One capture at a time (loopback.py): torch synchronises the device around a capture.
+    gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    stream.synchronize()
+    for turn in range(world):
+        if turn == rank:
+            with torch.cuda.graph(gd):
+                gres = static.dispatch(x, idx, w)
+            with torch.cuda.graph(gc):
+                static.combine(gres.tokens, gres.handle)
+        grp.barrier()
+    gd.replay()
+    stream.synchronize()
+    r["graph_dispatch_us"] = graph_time(gd)
+    r["graph_combine_us"] = graph_time(gc)
+    static.check_errors()
+    for b in (eager, static):
+        b.destroy()
+    return r
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=common.DEFAULT_OUT)
+    ap.add_argument("--tokens", default="128,512")
+    ap.add_argument("--worlds", default="1,2")
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--sms", type=int, default=24)
+    ap.add_argument("--commit", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_small_batch.py needs a CUDA GPU (it times the CUDA backend)")
+    cases = []
+    for W in (int(v) for v in a.worlds.split(",")):
+        for T in (int(v) for v in a.tokens.split(",")):
+            t0 = time.time()
+            per_rank = loopback.run(_rank, W, T, a.iters, a.warmup, a.sms, timeout_s=600)
+            keys = [k for k in per_rank[0] if k.endswith("_us")]
+            case = {"world_size": W, "tokens": T, "per_rank": per_rank,
+                    "slowest_rank": {k: max(r[k] for r in per_rank) for k in keys}}
+            cases.append(case)
+            print(f"[{time.time() - t0:5.1f} s] W={W} T={T}: " +
+                  ", ".join(f"{k[:-3]} {v}" for k, v in case["slowest_rank"].items()), flush=True)
+    info = common.env_info(sys.argv, a.commit, 1, "loopback")
+    info.update(iters=a.iters, warmup=a.warmup, num_sms=a.sms, hidden=H, experts=E, topk=K,
+                note="one GPU: world size 1 and loopback ranks (threads), not the 2-GPU targets")
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "small_batch.json")
+    common.write_json(path, {"schema": "mok-bench-small-batch/1", "env": info, "cases": cases})
+    cols = ["eager_dispatch", "static_dispatch", "graph_dispatch", "eager_combine",
+            "static_combine", "graph_combine"]
+    print("\n| W | tokens | " + " | ".join(c.replace("_", " ") + " (us)" for c in cols) + " |")
+    print("|" + " --- |" * (len(cols) + 2))
+    for c in cases:
+        print(f"| {c['world_size']} | {c['tokens']} | " +
+              " | ".join(str(c["slowest_rank"][k + "_us"]) for k in cols) + " |")
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
