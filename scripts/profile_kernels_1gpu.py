@@ -1,0 +1,58 @@
+"""Per-kernel device times of one static-shape dispatch + combine on ONE GPU (world size 1),
+from the torch profiler: which kernel of the chain costs what at small batches.
+
+    python scripts/profile_kernels_1gpu.py [--tokens 128,512] [--sms 24] [--iters 20]
+
+Prints, per token count, each kernel's median duration (us) over ``iters`` calls.
+"""
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402  (no-multicast environment first)
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import megatron_mok as mok  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="128,512")
+    ap.add_argument("--sms", type=int, default=24)
+    ap.add_argument("--iters", type=int, default=20)
+    a = ap.parse_args()
+    dev = torch.device("cuda", 0)
+    for T in (int(v) for v in a.tokens.split(",")):
+        shape = common.Shape(f"t{T}", T, 7168, seed=1237 + T)
+        idx, w = common.make_routing(shape, 0, 1, dev)
+        x = common.make_x(shape, 0, dev)
+        kw = dict(num_experts=256, hidden=7168, topk=8, max_tokens_per_rank=T, backend="cuda", num_sms=a.sms)
+        rows = mok.Buffer(None, **kw).dispatch(x, idx, w).tokens.shape[0]
+        buf = mok.Buffer(None, max_recv_tokens=rows + 8, **kw)
+        for _ in range(5):
+            res = buf.dispatch(x, idx, w)
+            buf.combine(res.tokens, res.handle)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.iters):
+                res = buf.dispatch(x, idx, w)
+                buf.combine(res.tokens, res.handle)
+            torch.cuda.synchronize()
+        per = collections.defaultdict(list)
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per[e.name[:60]].append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
+        print(f"T={T} rows={rows} (median us over {a.iters} calls)")
+        for name, v in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
+            print(f"  {statistics.median(v):8.1f}  x{len(v) // a.iters:<3d} {name}")
+
+
+if __name__ == "__main__":
+    main()
