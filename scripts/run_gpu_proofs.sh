@@ -4,10 +4,12 @@
 #   bash scripts/run_gpu_proofs.sh OUT_DIR [COMMIT]
 #
 # 1. the CUDA library (built here with nvcc if the carried one does not load)
-# 2. pytest tests/test_cuda_backend.py  (CUDA vs reference, bitwise; ring; graphs; timeouts)
+# 2. pytest tests/test_cuda_backend.py tests/test_cuda_loopback.py (CUDA vs reference,
+#    bitwise; ring; graphs; timeouts; W = 2, 3, 4, 8 as loopback ranks on one GPU)
 # 3. the main job, python -m megatron_mok.bench (standard shape)
-# 4. benchmarks/bench_dispatch_combine.py (all systems, all shapes, SM sweep)
-# 5. Megatron: 60-step A/B (alltoall vs mok), the GPU tests of tests/megatron, bench_layer
+# 4. benchmarks/bench_small_batch.py (one GPU: host vs device time of small calls)
+# 5. benchmarks/bench_dispatch_combine.py (all systems, all shapes, SM sweep)       [2+ GPUs]
+# 6. Megatron: 60-step A/B (alltoall vs mok), the GPU tests of tests/megatron, bench_layer [2+ GPUs]
 # Everything lands in OUT_DIR/proofs.tgz plus OUT_DIR/summary.txt. Each stage has its own
 # time limit, so one stuck stage cannot eat the others' time.
 set -uo pipefail
@@ -41,11 +43,21 @@ if ! $PYTHON -c "import megatron.core" 2>/dev/null && [ -d .whl ]; then
     $PYTHON -m pip install --no-index --find-links .whl -q megatron-core six regex pyyaml pydantic pytest >/dev/null 2>&1
 fi
 
-stage cuda_tests 120 $PYTHON -m pytest -q tests/test_cuda_backend.py -p no:cacheprovider
+stage cuda_tests 300 $PYTHON -m pytest -q tests/test_cuda_backend.py tests/test_cuda_loopback.py -p no:cacheprovider
 tail -n 3 "$W/cuda_tests.log" | tee -a "$SUMMARY"
 
 stage main_job 60 $PYTHON -m megatron_mok.bench --json "$W/main_job.json"
 grep -E "^\|" "$W/main_job.log" | tee -a "$SUMMARY"
+
+stage small_batch 90 $PYTHON benchmarks/bench_small_batch.py --out "$W" --commit "$COMMIT"
+grep -E "^\|" "$W/small_batch.log" | tee -a "$SUMMARY"
+
+if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
+    say "one GPU: the 2-rank suite and the Megatron A/B need 2 GPUs, not run"
+    tar czf "$OUT/proofs.tgz" -C "$OUT" proofs && rm -rf "$W"
+    say "done"
+    exit 0
+fi
 
 stage bench_suite 100 $PYTHON -m torch.distributed.run --nproc-per-node 2 \
     benchmarks/bench_dispatch_combine.py --out "$W" --commit "$COMMIT"
