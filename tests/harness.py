@@ -45,7 +45,8 @@ _NO_MULTICAST_ENV = {
 }
 os.environ.update(_NO_MULTICAST_ENV)
 
-from megatron_mok.loopback import settle  # noqa: E402  (after the environment above)
+from megatron_mok import loopback  # noqa: E402  (after the environment above)
+from megatron_mok.loopback import settle  # noqa: E402
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOK_TEST_TIMEOUT", "180"))
 _STARTUP_TIMEOUT_S = float(os.environ.get("MOK_TEST_STARTUP_TIMEOUT", "180"))
@@ -277,8 +278,6 @@ def run_loopback(fn, world_size: int, *args, device="cuda", timeout: Optional[fl
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` loopback ranks:
     threads of this process on one device (``megatron_mok.loopback``), so multi-rank code
     runs where fewer GPUs than ranks exist. Same contract as :func:`run_distributed`."""
-    from megatron_mok import loopback
-
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
     try:
         return loopback.run(fn, world_size, *args, device=device, timeout_s=timeout, **kwargs)
@@ -287,8 +286,6 @@ def run_loopback(fn, world_size: int, *args, device="cuda", timeout: Optional[fl
 
 
 def in_loopback() -> bool:
-    from megatron_mok import loopback
-
     return loopback.current() is not None
 
 
@@ -301,16 +298,9 @@ def sync_device() -> None:
         torch.cuda.synchronize()
 
 
-def rank_barrier() -> None:
-    """Every rank reaches this point before any goes on (loopback or process group)."""
-    from megatron_mok import loopback
-
-    if loopback.current() is not None:
-        loopback.current().barrier()
-    else:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.barrier()
+def loopback_barrier() -> None:
+    """Every loopback rank reaches this point before any goes on."""
+    loopback.current().barrier()
 
 
 def shutdown_pools() -> None:
@@ -537,9 +527,8 @@ def full_pass(buf, x0: torch.Tensor, idx: torch.Tensor, w0: torch.Tensor, seed: 
     if by_hand:
         assert expert_out_override is None
         gy = seeded(seed + 1, (x0.shape[0], buf.hidden), device=x0.device)
-        out = backward_by_hand(buf, x0, idx, w0, lambda r, t, p: sample_expert(r, t, p, seed, buf.dtype), gy)
-        settle(x0.device)
-        return {k: v.detach().cpu().clone() for k, v in out.items()}
+        return _on_cpu(backward_by_hand(buf, x0, idx, w0,
+                                        lambda r, t, p: sample_expert(r, t, p, seed, buf.dtype), gy))
     x = x0.detach().clone().requires_grad_(True)
     w = w0.detach().clone().requires_grad_(True)
     res = buf.dispatch(x, idx, w)
@@ -553,7 +542,14 @@ def full_pass(buf, x0: torch.Tensor, idx: torch.Tensor, w0: torch.Tensor, seed: 
     out = dict(tokens=res.tokens, probs=res.probs, tokens_per_expert=res.tokens_per_expert,
                src_rank=res.src_rank, src_token=res.src_token, y=y, grad_x=x.grad,
                grad_topk_weights=w.grad, grad_expert_out=eo.grad)
-    settle(x0.device)
+    return _on_cpu(out)
+
+
+def _on_cpu(out: Dict[str, Any]) -> Dict[str, Any]:
+    """Detached CPU copies of a dict's tensors (other values as they are)."""
+    for v in out.values():
+        if isinstance(v, torch.Tensor):
+            settle(v.device)
     return {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import oracle
 from harness import (DTYPES, _buffer, assert_bitwise, assert_same_results, backward_by_hand,
-                     contract_cases, full_pass, in_loopback, make_inputs, rank_barrier, run_distributed,
+                     contract_cases, full_pass, in_loopback, loopback_barrier, make_inputs, run_distributed,
                      spec_inputs, sync_device)
 from test_cached_dispatch import check_cached_case
 from test_static_shape import _overflow, check_static_case
@@ -35,8 +35,9 @@ CASE_NAMES = tuple(contract_cases(2))
 def _device_for(rank):
     from megatron_mok import loopback
 
-    if loopback.current() is not None:              # ranks as threads on one device
-        return loopback.current().hub.device
+    group = loopback.current()
+    if group is not None:                           # ranks as threads on one device
+        return group.hub.device
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", rank)
     return torch.device("cpu")
@@ -289,11 +290,11 @@ def _graph(rank, world_size, seed, backward):
         # Ranks are threads of one process: they capture one at a time (torch synchronises
         # the device and frees cached memory around a capture, and a global-mode capture
         # forbids such calls on other threads), and none replays before all have captured.
-        rank_barrier()
+        loopback_barrier()
         for r in range(world_size):
             if r == rank:
                 outs_g = capture()
-            rank_barrier()
+            loopback_barrier()
     else:
         outs_g = capture()
     names = ["tokens", "probs", "src_rank", "src_token", "tokens_per_expert", "y", "grad_x", "grad_w"]
@@ -302,14 +303,12 @@ def _graph(rank, world_size, seed, backward):
         graph.replay()
         sync_device()
         buf.check_errors()
-        xr = x.clone().requires_grad_(backward)
-        wr = w.clone().requires_grad_(backward)
         if backward and in_loopback():     # the reference's backward must not use autograd there
             r = backward_by_hand(ref, x, idx, w, lambda res, t, p: expert(t, p), gy_s)
             want = [r[k] for k in ("tokens", "probs", "src_rank", "src_token", "tokens_per_expert",
                                    "y", "grad_x", "grad_topk_weights")]
         else:
-            want = step(ref, xr, idx, wr)
+            want = step(ref, x.clone().requires_grad_(backward), idx, w.clone().requires_grad_(backward))
         for nm, a, b in zip(names, outs_g, want):
             assert_bitwise(a, b, f"graph replay {it} {nm} rank {rank}")
     buf.destroy()
@@ -335,7 +334,7 @@ def _missing_peer(rank, world_size, timeout_s):
     x, idx, w = make_inputs(1, world_size, [32] * world_size, 2 * world_size, 64, 2, torch.bfloat16,
                             device=dev)[rank]
     if in_loopback():                       # the "wait until the others are done" of each side
-        wait_for_others = done = rank_barrier
+        wait_for_others = done = loopback_barrier
     else:
         store = dist.distributed_c10d._get_default_store()
         def wait_for_others():
