@@ -13,19 +13,19 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from .loopback import current as current_loopback
+from .loopback import is_loopback
+
 
 def resolve_group(group):
     """``group``, or for ``None`` inside a loopback run (``loopback.run``) the thread's
     loopback rank: there ``None`` means "the default group" as it does in a normal run."""
-    if group is None:
-        from . import loopback
-        return loopback.current()
-    return group
+    return current_loopback() if group is None else group
 
 
 def group_rank_size(group) -> tuple[int, int]:
     """``(rank, world_size)`` of ``group``; ``(0, 1)`` when torch.distributed is not initialised."""
-    if getattr(group, "is_mok_loopback", False):
+    if is_loopback(group):
         return group.rank, group.world_size
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
@@ -39,7 +39,7 @@ def all_gather_exact(t: torch.Tensor, group, world_size: int) -> torch.Tensor:
     t = t.contiguous()
     if world_size == 1 or t.numel() == 0:   # nothing to exchange (T_max = 0 gives empty tensors)
         return t.unsqueeze(0).expand(world_size, *t.shape).clone()
-    if getattr(group, "is_mok_loopback", False):
+    if is_loopback(group):
         return group.all_gather(t)
     flat = t.view(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
     outs: List[torch.Tensor] = [torch.empty_like(flat) for _ in range(world_size)]

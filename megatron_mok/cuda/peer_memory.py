@@ -15,6 +15,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from ..loopback import is_loopback
+
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -42,7 +44,7 @@ class PeerMemory:
         disable_multicast_env()
         self._handle = None
         self._peer_tensors: List[torch.Tensor] = []
-        self.loopback = bool(getattr(group, "is_mok_loopback", False))
+        self.loopback = is_loopback(group)
         if self.loopback:
             # Ranks are threads on one device: every rank holds every rank's tensor, so a
             # workspace is freed only once no rank can read it any more.
