@@ -434,6 +434,8 @@ def contract_cases(world_size: int) -> Dict[str, dict]:
         "same_expert_twice": spec(_per_rank([9, 12], W), 2 * W, 4, case="duplicate"),
         "mixed": spec(_per_rank([13, 4, 10, 7], W), 4 * W, 4, case="mixed"),
         "dsv3_like": spec(_per_rank([48, 40], W), 8 * W, 8, H=64),
+        # More rows per token than the CUDA kernels keep in registers (8): their other path.
+        "k16_duplicates": spec(_per_rank([21, 10], W), 16 * W, 16, case="duplicate"),
     }
 
 
