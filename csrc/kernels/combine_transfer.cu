@@ -118,34 +118,71 @@ __device__ __forceinline__ int first_remote(const CommContext& c, const HandleAr
   return -1;
 }
 
-// Steps of the per-warp partial stream kept in flight (shared memory: 16 warps x kDepth steps
-// x 32 lanes x U x 16 B per bf16 group = 224 KB either way).
-template <typename P>
-struct PartialStream {
-  static constexpr int kDepth = sizeof(P) == 4 ? 7 : 14;
-  static constexpr size_t kSmemBytes =
-      static_cast<size_t>(kCombineThreads / kWarpSize) * kDepth * U * kWarpSize * sizeof(Raw8<P>);
+// Shared memory of the consume loop: per warp, a ring of row slots. A slot holds one row's
+// (own expert row or remote partial) data for one step: U groups x 32 lanes x 16 B per bf16
+// group (32 B when the tokens or the partials are fp32). 16 warps x 14 KB = 224 KB.
+template <typename T, typename P>
+struct RowStream {
+  static constexpr int kVecs = Raw8<T>::kVecs > Raw8<P>::kVecs ? Raw8<T>::kVecs : Raw8<P>::kVecs;
+  static constexpr int kSlotInt4 = U * kWarpSize * kVecs;  // 16-byte words per slot
+  static constexpr int kWarpBytes = 14 * 1024;
+  static constexpr int kSlots = kWarpBytes / (kSlotInt4 * 16);  // 14 (16-bit data) or 7
+  // Own rows a token may have for them to be streamed (with its partial, within the ring).
+  static constexpr int kMaxOwn = kHeldRows < kSlots - 1 ? kHeldRows : kSlots - 1;
+  static constexpr size_t kSmemBytes = static_cast<size_t>(kCombineThreads / kWarpSize) * kWarpBytes;
 };
 
+// cp.async.wait_group takes an immediate: wait until at most `n` groups are pending (any n;
+// above 7 it waits for 7, which only waits longer).
+__device__ __forceinline__ void cp_async_wait_at_most(int n) {
+  switch (n) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    default: cp_async_wait<7>(); break;
+  }
+}
+
+// The own rows of one of my tokens as the stream takes them, read by the whole warp at once:
+// lane r gets row r in `lane_row`. The live rows (0 <= row < row_cap) are a prefix (rows are
+// packed first and ascend), so these are the rows sum_rows adds, in its order. Returns their
+// count, or -1 when there are more than kMax (then they are summed from global memory).
+template <int kMax>
+__device__ __forceinline__ int stream_rows(const int32_t* rows, int K, int64_t row_cap, int& lane_row) {
+  const int lane = threadIdx.x % kWarpSize;
+  lane_row = rows != nullptr && lane < K ? rows[lane] : -1;
+  const bool live = lane_row >= 0 && lane_row < row_cap;
+  const unsigned dead = __ballot_sync(0xffffffffu, !live);
+  const int n = dead == 0 ? kWarpSize : __ffs(dead) - 1;
+  return n > kMax ? -1 : n;
+}
+
 // Consumer warps: my tokens t = warp, warp + n_warps, ... Each token is summed in steps of
-// U x 256 elements per warp (S steps per token). The first remote partial of every token is
-// streamed into shared memory kDepth steps ahead of its use with 16-byte cp.async (one commit
-// group per step, empty where there is nothing to fetch), so its NVLink latency hides behind
-// the own-row reductions of the steps before; further remote partials (world > 2) are loaded
-// when summed.
+// U x 256 elements per warp (S steps per token; a "piece" is one step of one token). Every
+// piece's own expert rows and its first remote partial are copied into the warp's ring of
+// shared-memory slots with 16-byte cp.async, as many pieces ahead as the ring holds (one
+// commit group per piece), so the SM keeps ~14 KB per warp in flight instead of the two rows
+// a lane's registers hold. A partial is streamed only if its chunk is ready when its token's
+// first piece is issued: the stream never WAITS, since this warp has not yet released the
+// chunks of the tokens before it, and a producer may be waiting for exactly those slots
+// (small rings). Unstreamed partials, partials of further ranks (world > 2) and the own rows
+// of tokens with more than kMaxOwn of them are loaded when summed.
 template <typename T, typename P, int kOwnRows>
 __device__ void consume(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
                         const CombineShape& sh, const Role& role, const T* expert_out,
-                        const float* grad_probs,
-                        T* y, float* grad_w, Raw8<P>* smem) {
-  constexpr int D = PartialStream<P>::kDepth;
+                        const float* grad_probs, T* y, float* grad_w, int4* smem) {
+  using RS = RowStream<T, P>;
+  constexpr int R = RS::kSlots;
   constexpr int kStepElems = kWarpSize * kCombineVec * U;
   const int lane = threadIdx.x % kWarpSize;
   const int warps_per_block = blockDim.x / kWarpSize;
   const int n_warps = role.count * warps_per_block;
   // Warps numbered across blocks first (block b's warp w is w * blocks + b), so a call with
-  // fewer work items than warps still spreads over every SM of the role (block-major numbering
-  // put a 128-token call on 4 of 20 SMs: 65 us instead of ~15, benchmarks/NOTES.md #15).
+  // fewer tokens than warps still spreads over every SM of the role.
   const int warp = static_cast<int>(threadIdx.x / kWarpSize) * role.count + role.index();
   const int W = c.world, me = c.rank;
   const int64_t N = RingView::combine(c.ws, c.local()).num_chunks;
@@ -153,81 +190,122 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   const int S = (sh.H + kStepElems - 1) / kStepElems;
   const int n_tok = a.num_tokens > warp ? (a.num_tokens - warp + n_warps - 1) / n_warps : 0;
   const int64_t n_pieces = static_cast<int64_t>(n_tok) * S;
-  Raw8<P>* slots = smem + static_cast<size_t>(threadIdx.x / kWarpSize) * D * U * kWarpSize + lane;
+  int4* ring = smem + static_cast<size_t>(threadIdx.x / kWarpSize) * R * RS::kSlotInt4;
+  // This lane's words of group u in slot i.
+  auto lane_words = [&](int i, int u) { return ring + i * RS::kSlotInt4 + (u * kWarpSize + lane) * RS::kVecs; };
+  auto rows_of = [&](int t) -> const int32_t* {
+    const int q = h.send_index(c.ws.cfg, t, me);
+    return q < 0 ? nullptr : h.task_rows + static_cast<size_t>(my_first_task + q) * sh.K;
+  };
   SeenGens seen;
 
-  // Stream piece p = step p % S of the warp's token p / S. A token is streamed only if its
-  // first remote partial is ready when its first piece is issued: the stream never WAITS, since
-  // this warp has not yet released the chunks of the tokens before it, and a producer may be
-  // waiting for exactly those slots (small rings). Unstreamed tokens load that partial when
-  // summed. Always commits one group, so "all but the newest D - 1 groups complete" means
-  // "piece p - D + 1 and everything before it landed".
-  const P* issue_src = nullptr;
-  uint64_t streamed = 0;  // bit k % 64: token k of this warp is streamed (D / S + 1 <= 15 in flight)
-  auto issue = [&](int64_t p) {
-    if (p < n_pieces) {
-      const int k = static_cast<int>(p / S), st = static_cast<int>(p % S);
-      if (st == 0) {
+  // ---- issue side: pieces [0, ip) are issued; the ring's free slots start at islot.
+  int64_t ip = 0;
+  int islot = 0, free_slots = R;
+  int ik = -1;                 // token whose plan is below
+  int irow = -1;               // lane r: token ik's own row r
+  int in_own = 0;              // own rows streamed for token ik (0 when summed directly)
+  const P* ipartial = nullptr; // token ik's streamed partial, or null
+  uint64_t streamed = 0;       // bit k % 64: token k's first remote partial is streamed
+  int ck = 0;                  // the token being consumed
+  auto try_issue = [&]() {
+    while (ip < n_pieces) {
+      const int k = static_cast<int>(ip / S), st = static_cast<int>(ip % S);
+      // Pieces that need no slot (no own rows here, partial not ready) cost nothing, so
+      // bound the look-ahead in tokens too: `streamed` keeps 64 tokens' bits.
+      if (k - ck >= 32) return;
+      if (k != ik) {  // plan the token once, when its first piece comes up
+        ik = k;
         const int t = warp + k * n_warps;
-        const int d0 = first_remote(c, h, t);
-        issue_src = nullptr;
+        const int n = stream_rows<RS::kMaxOwn>(rows_of(t), sh.K, a.row_cap, irow);
+        in_own = n < 0 ? 0 : n;
+        ipartial = nullptr;
         streamed &= ~(1ull << (k % 64));
+        const int d0 = first_remote(c, h, t);
         if (d0 >= 0) {
           const int q = h.send_index(c.ws.cfg, t, d0);
           const uint64_t g = sh.gen(me, q / sh.C);
           const uint64_t* flag = RingView::combine(c.ws, c.peers.base[d0]).ready + g % N;
-          // Not seen.set: the cache may only record chunks checked in token order.
-          if (seen.has(d0, g) || __shfl_sync(0xffffffffu, ld_acquire_sys(flag), 0) >= g + 1) {
-            issue_src = remote_partial<P>(c, sh, N, d0, q);
+          // Every lane acquires the flag itself before reading the data it guards. Not
+          // seen.set: the cache may only record chunks checked in token order.
+          if (seen.has(d0, g) || __all_sync(0xffffffffu, ld_acquire_sys(flag) >= g + 1)) {
+            ipartial = remote_partial<P>(c, sh, N, d0, q);
             streamed |= 1ull << (k % 64);
           }
         }
       }
-      if (issue_src != nullptr) {
-        Raw8<P>* slot = slots + static_cast<size_t>(p % D) * U * kWarpSize;
+      const int need = in_own + (ipartial != nullptr ? 1 : 0);
+      if (need > free_slots) return;
+      const int v0 = st * kStepElems + lane * kCombineVec;
+      for (int j = 0; j < in_own; ++j) {
+        const int row = __shfl_sync(0xffffffffu, irow, j);
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int v = st * kStepElems + u * kWarpSize * kCombineVec + lane * kCombineVec;
-          if (v < sh.H)
+        for (int u = 0; u < U; ++u)
+          if (group_live(v0, u, sh.H)) {
+            const int4* src = reinterpret_cast<const int4*>(
+                expert_out + static_cast<size_t>(row) * sh.H + v0 + u * kWarpSize * kCombineVec);
+            int4* dst = lane_words((islot + j) % R, u);
 #pragma unroll
-            for (int i = 0; i < Raw8<P>::kVecs; ++i)
-              cp_async_16(&slot[u * kWarpSize].v[i], reinterpret_cast<const int4*>(issue_src + v) + i);
-        }
+            for (int w = 0; w < Raw8<T>::kVecs; ++w) cp_async_16(dst + w, src + w);
+          }
       }
+      if (ipartial != nullptr)
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (group_live(v0, u, sh.H)) {
+            const int4* src = reinterpret_cast<const int4*>(ipartial + v0 + u * kWarpSize * kCombineVec);
+            int4* dst = lane_words((islot + in_own) % R, u);
+#pragma unroll
+            for (int w = 0; w < Raw8<P>::kVecs; ++w) cp_async_16(dst + w, src + w);
+          }
+      cp_async_commit();
+      islot = (islot + need) % R;
+      free_slots -= need;
+      ++ip;
     }
-    cp_async_commit();
   };
-  for (int64_t p = 0; p < D; ++p) issue(p);
+  try_issue();
 
+  // ---- consume side
+  int cslot = 0;
   for (int k = 0; k < n_tok; ++k) {
+    ck = k;
     const int t = warp + k * n_warps;
     // q of t for rank d (index among my tokens sent to d), or -1: read where needed (L1 hits).
     auto pos = [&](int d) { return h.send_index(c.ws.cfg, t, d); };
-    const int32_t* my_rows = nullptr;
-    int my_task = -1;
-    if (pos(me) >= 0) {
-      my_task = my_first_task + pos(me);
-      my_rows = h.task_rows + static_cast<size_t>(my_task) * sh.K;
-    }
+    const int32_t* my_rows = rows_of(t);
+    const int my_task = my_rows != nullptr ? my_first_task + pos(me) : -1;
+    int lane_row;
+    const int n_own = stream_rows<RS::kMaxOwn>(my_rows, sh.K, a.row_cap, lane_row);  // -1: direct
+    const int own_slots = n_own < 0 ? 0 : n_own;
     if (!wait_token_partials(c, h, sh, N, seen, t)) { cp_async_wait<0>(); return; }
     // The streamed rank, or -1 when t's first remote partial was not ready in time (then it is
     // loaded like any further rank's).
     const int d0 = (streamed >> (k % 64)) & 1 ? first_remote(c, h, t) : -1;
+    const int need = own_slots + (d0 >= 0 ? 1 : 0);
     for (int st = 0; st < S; ++st) {
       const int64_t p = static_cast<int64_t>(k) * S + st;
       const int v0 = st * kStepElems + lane * kCombineVec;
-      cp_async_wait<D - 1>();
-      Raw8<P> pf[U];
-      const Raw8<P>* slot = slots + static_cast<size_t>(p % D) * U * kWarpSize;
-      if (d0 >= 0)
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-          if (group_live(v0, u, sh.H)) pf[u] = slot[u * kWarpSize];
-      // My own partial, reduced here from my rows (same order and rounding as a producer).
+      try_issue();                              // piece p is issued (the ring is free by now)
+      cp_async_wait_at_most(static_cast<int>(ip - p - 1));
+      // My own partial: my rows summed here (same rows, order and rounding as a producer).
       float part[U][kCombineVec], acc[U][kCombineVec];
       zero(part);
-      if (my_rows != nullptr) {
+      if (n_own > 0) {
+        for (int j = 0; j < n_own; ++j) {
+          const int i = (cslot + j) % R;
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+            if (group_live(v0, u, sh.H)) {
+              Raw8<T> r;
+              load_raw_generic(r, reinterpret_cast<const T*>(lane_words(i, u)));
+              add_raw<T>(part[u], r);
+            }
+        }
+      } else if (n_own < 0) {
         sum_rows<T, kOwnRows>(part, expert_out, my_rows, sh.K, a.row_cap, v0, sh.H);
+      }
+      if (my_rows != nullptr) {
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -244,9 +322,14 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
 #pragma unroll
             for (int e = 0; e < kCombineVec; ++e) acc[u][e] += part[u][e];
         } else if (d == d0) {
+          const int i = (cslot + own_slots) % R;
 #pragma unroll
           for (int u = 0; u < U; ++u)
-            if (group_live(v0, u, sh.H)) add_raw<P>(acc[u], pf[u]);
+            if (group_live(v0, u, sh.H)) {
+              Raw8<P> r;
+              load_raw_generic(r, reinterpret_cast<const P*>(lane_words(i, u)));
+              add_raw<P>(acc[u], r);
+            }
         } else {
           const P* src = remote_partial<P>(c, sh, N, d, q);
           Raw8<P> r[U];
@@ -262,8 +345,9 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       for (int u = 0; u < U; ++u)
         if (group_live(v0, u, sh.H))
           Vec8<T>::store(y + static_cast<size_t>(t) * sh.H + v0 + u * kWarpSize * kCombineVec, acc[u]);
-      // The slot's values were used above; now refill it with the piece D steps ahead.
-      issue(p + D);
+      // The piece's slots were read above: hand them to the pieces ahead.
+      cslot = (cslot + need) % R;
+      free_slots += need;
     }
     if (grad_w != nullptr && lane < sh.K) {
       float val = 0.f;
@@ -308,6 +392,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       }
     }
   }
+  cp_async_wait<0>();
 }
 
 template <typename T, typename P, int kOwnRows>
@@ -318,7 +403,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   if (aborted(c)) return;  // after a protocol error: touch nothing (see dispatch_transfer.cu)
   sh.seq = c.counters()->comb_seq;
   trace_warp(c, true);
-  Raw8<P>* stream = reinterpret_cast<Raw8<P>*>(smem);
+  int4* stream = smem;
   if (sh.phased) {
     // The whole call fits in the ring, so producing never waits for this call's consumers:
     // every block reduces its share of the remote tasks first, then sums its share of my
@@ -343,7 +428,7 @@ template <typename T, typename P>
 cudaError_t launch_typed(const CommContext& c, const HandleArrays& h, const TransferArgs& t,
                          const CombineShape& sh, const void* expert_out, const float* grad_probs,
                          void* y, float* grad_w, cudaStream_t s) {
-  constexpr size_t smem = PartialStream<P>::kSmemBytes;
+  constexpr size_t smem = RowStream<T, P>::kSmemBytes;
   // Own rows loaded per batch by a consumer lane: 2 (1 for fp32 rows). 4 spills registers
   // and measured slower in both schedules (benchmarks/NOTES.md #10, #12).
   auto kernel = combine_transfer_kernel<T, P, (sizeof(T) == 4 ? 1 : 2)>;
