@@ -17,7 +17,8 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
   const uint64_t meta_seq = c.counters()->meta_seq;
   const int slot = static_cast<int>(meta_seq % ws.cfg.meta_slots);
   int* next_row = smem;              // [E_local] rows handed out so far per expert
-  int* slot_row = smem + E_local;    // [C*K]
+  int* first_row = smem + E_local;   // [E_local] first row of (expert, s, chunk)
+  int* slot_row = first_row + E_local;  // [C*K]
   int* slot_e = slot_row + C * K;    // [C*K]
   int* chunk_idx = slot_e + C * K;   // [C*K] this chunk's routing, copied once from the peer
   float* chunk_w = reinterpret_cast<float*>(chunk_idx + C * K);  // [C*K]
@@ -31,7 +32,12 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
   const int t1 = min(h.src_count[s], t0 + C);
   const int n_tok = max(0, t1 - t0);
   const int n_slots = n_tok * K;
-  for (int e = lane; e < E_local; e += kWarpSize) next_row[e] = 0;
+  // The chunk's first rows, loaded once with all loads in flight (looked up per slot below,
+  // they were a dependent global load in every step of the walk).
+  for (int e = lane; e < E_local; e += kWarpSize) {
+    next_row[e] = 0;
+    first_row[e] = h.chunk_rows[HandleArrays::group(ws.cfg, e, s, chunk)];
+  }
   // One coalesced pass over the peer's routing (all loads in flight at once).
   for (int i = lane; i < n_slots; i += kWarpSize) {
     chunk_idx[i] = idx[static_cast<size_t>(t0) * K + i];
@@ -55,7 +61,7 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
     __syncwarp();
     int row = -1;
     if (e >= 0) {
-      row = h.chunk_rows[HandleArrays::group(ws.cfg, e, s, chunk)] + before + rank_in;
+      row = first_row[e] + before + rank_in;
       if (rank_in == 0) next_row[e] = before + __popc(same);
     }
     __syncwarp();
@@ -133,7 +139,7 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
 cudaError_t launch_dispatch_fill(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
                                  const RowOutputs& out, cudaStream_t s) {
   const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
-  const size_t smem = (c.ws.cfg.num_local_experts + 4 * c.ws.cfg.chunk_tokens * c.ws.cfg.topk) * sizeof(int);
+  const size_t smem = (2 * c.ws.cfg.num_local_experts + 4 * c.ws.cfg.chunk_tokens * c.ws.cfg.topk) * sizeof(int);
   fill_kernel<<<dim3(cpc, c.world), kWarpSize, smem, s>>>(c, h, r, out);
   return cudaGetLastError();
 }
