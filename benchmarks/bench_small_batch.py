@@ -8,7 +8,9 @@ read of the row count, kernel launches. This script separates host from device t
   (``perf_counter`` around the call and a synchronisation of the stream);
 - ``static``: the same in static-shape mode (``max_recv_tokens``: no host read);
 - ``graph``: the static calls captured in a CUDA graph each and replayed, timed with CUDA
-  events: device time only (the kernel chain and the gaps between its kernels).
+  events: device time only (the kernel chain and the gaps between its kernels); with 2
+  loopback ranks one thread replays both ranks' graphs back to back, so the two start
+  together.
 
 World size 1, and a loopback world of 2 ranks (threads on the one GPU, ``megatron_mok.loopback``:
 the two-rank protocol, with flags and pulls through L2/HBM instead of NVLink). These are NOT
@@ -69,19 +71,33 @@ def _rank(rank, world, tokens, iters, warmup, sms):
         return _median_us(out)
 
     def graph_time(g):
-        for _ in range(warmup):
-            g.replay()
-        stream.synchronize()
-        out = []
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(iters):
-            grp.barrier()
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) * 1e-3)
-        return _median_us(out)
+        # Rank 0 replays every rank's graph back to back from its one thread, so the ranks'
+        # kernels start a graph launch (~microseconds) apart; threads woken by a barrier start
+        # tens of microseconds apart, and a rank waiting for a late peer would count that.
+        graphs = grp.exchange((g, stream))
+        result = None
+        if rank == 0:
+            def replay_all(marks=None):
+                for r, (gr, st) in enumerate(graphs):
+                    if marks:
+                        marks[0][r].record(st)
+                    with torch.cuda.stream(st):
+                        gr.replay()
+                    if marks:
+                        marks[1][r].record(st)
+            for _ in range(warmup):
+                replay_all()
+            for _, st in graphs:
+                st.synchronize()
+            samples = [[] for _ in graphs]
+            for _ in range(iters):
+                marks = [[torch.cuda.Event(enable_timing=True) for _ in graphs] for _ in range(2)]
+                replay_all(marks)
+                for r in range(len(graphs)):
+                    marks[1][r].synchronize()
+                    samples[r].append(marks[0][r].elapsed_time(marks[1][r]) * 1e-3)
+            result = [_median_us(x) for x in samples]
+        return grp.exchange(result)[0][rank]
 
     kw = dict(num_experts=E, hidden=H, topk=K, max_tokens_per_rank=tokens, backend="cuda",
               num_sms=sms)
