@@ -27,6 +27,8 @@ def main():
     ap.add_argument("--tokens", default="128,512")
     ap.add_argument("--sms", type=int, default=24)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--host", action="store_true",
+                    help="also print the host (CPU) ops of an eager dispatch+combine by self time")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
     for T in (int(v) for v in a.tokens.split(",")):
@@ -52,6 +54,20 @@ def main():
         print(f"T={T} rows={rows} (median us over {a.iters} calls)")
         for name, v in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
             print(f"  {statistics.median(v):8.1f}  x{len(v) // a.iters:<3d} {name}")
+        if a.host:
+            # Where the eager path's host time goes (the part a CUDA graph removes).
+            eager = mok.Buffer(None, **kw)
+            for _ in range(5):
+                r = eager.dispatch(x, idx, w)
+                eager.combine(r.tokens, r.handle)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU]) as hp:
+                for _ in range(a.iters):
+                    r = eager.dispatch(x, idx, w)
+                    eager.combine(r.tokens, r.handle)
+                torch.cuda.synchronize()
+            print(f"T={T} eager host ops (totals over {a.iters} dispatch+combine calls)")
+            print(hp.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 if __name__ == "__main__":
