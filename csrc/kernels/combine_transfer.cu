@@ -132,18 +132,20 @@ struct RowStream {
   static constexpr size_t kSmemBytes = static_cast<size_t>(kCombineThreads / kWarpSize) * kWarpBytes;
 };
 
-// cp.async.wait_group takes an immediate: wait until at most `n` groups are pending (any n;
-// above 7 it waits for 7, which only waits longer).
+// cp.async.wait_group takes an immediate: wait until at most `n` groups are pending (above 7
+// it waits for 7, and below 0 for all: both only wait longer).
 __device__ __forceinline__ void cp_async_wait_at_most(int n) {
   switch (n) {
-    case 0: cp_async_wait<0>(); break;
     case 1: cp_async_wait<1>(); break;
     case 2: cp_async_wait<2>(); break;
     case 3: cp_async_wait<3>(); break;
     case 4: cp_async_wait<4>(); break;
     case 5: cp_async_wait<5>(); break;
     case 6: cp_async_wait<6>(); break;
-    default: cp_async_wait<7>(); break;
+    default:
+      if (n >= 7) cp_async_wait<7>();
+      else cp_async_wait<0>();
+      break;
   }
 }
 
