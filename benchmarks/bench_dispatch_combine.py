@@ -443,15 +443,20 @@ class Bench:
             gw = torch.where(inp.idx >= 0, gw, torch.zeros_like(gw))
             self.check(s.name, "alltoall", "dispatch bwd grad_probs == oracle (bitwise)",
                        C.bitwise_equal(gw, inp.exp_grad_w))
-            eo_r = inp.expert_out.detach().clone().requires_grad_(True)
-            y2 = d.combine(eo_r, res.handle)
-            (geo,) = torch.autograd.grad(y2, eo_r, inp.grad_y, retain_graph=True)
-            self.check(s.name, "alltoall", "combine bwd == oracle rows of grad_y (bitwise)",
-                       C.bitwise_equal(geo, inp.exp_grad_expert_out))
             fns["dispatch_bwd"] = lambda: torch.autograd.grad(
                 [r2.tokens, r2.probs], [x_r, p_r], [inp.grad_tokens, inp.grad_probs], retain_graph=True)
-            fns["combine_bwd"] = lambda: torch.autograd.grad(y2, eo_r, inp.grad_y, retain_graph=True)
+            self._combine_bwd(s.name, "alltoall", d.combine, res.handle, inp, fns)
         self._time_ops(rec, fns)
+
+    def _combine_bwd(self, shape, system, combine, handle, inp, fns):
+        """combine's backward (rows of grad_y) checked bitwise against the oracle, then timed
+        as ``fns["combine_bwd"]``."""
+        eo_r = inp.expert_out.detach().clone().requires_grad_(True)
+        y2 = combine(eo_r, handle)
+        (geo,) = torch.autograd.grad(y2, eo_r, inp.grad_y, retain_graph=True)
+        self.check(shape, system, "combine bwd == oracle rows of grad_y (bitwise)",
+                   C.bitwise_equal(geo, inp.exp_grad_expert_out))
+        fns["combine_bwd"] = lambda: torch.autograd.grad(y2, eo_r, inp.grad_y, retain_graph=True)
 
     # mok -------------------------------------------------------------------
     def make_mok(self, shape, backend, num_sms=None):
@@ -516,14 +521,9 @@ class Bench:
                            f"rel err {C.rel_err(gx, orc['gx_contract']):.2e}")
                 self.check(s.name, "mok", "dispatch bwd grad_topk_weights == oracle (bitwise)",
                            C.bitwise_equal(gw, inp.exp_grad_w))
-                eo_r = inp.expert_out.detach().clone().requires_grad_(True)
-                y2 = buf.combine(eo_r, res.handle)
-                (geo,) = torch.autograd.grad(y2, eo_r, inp.grad_y, retain_graph=True)
-                self.check(s.name, "mok", "combine bwd == oracle rows of grad_y (bitwise)",
-                           C.bitwise_equal(geo, inp.exp_grad_expert_out))
                 fns["dispatch_bwd"] = lambda: torch.autograd.grad(
                     [r2.tokens, r2.probs], [x_r, w_r], [inp.grad_tokens, inp.grad_probs], retain_graph=True)
-                fns["combine_bwd"] = lambda: torch.autograd.grad(y2, eo_r, inp.grad_y, retain_graph=True)
+                self._combine_bwd(s.name, "mok", buf.combine, res.handle, inp, fns)
             self._time_ops(rec, fns)
         finally:
             self.sync()
