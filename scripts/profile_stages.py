@@ -39,6 +39,8 @@ def main():
     p.add_argument("--env-sweep", default=None,
                    help="NAME=v1,v2,...: repeat every SM count once per value of env var NAME")
     args = p.parse_args()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
