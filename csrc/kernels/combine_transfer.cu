@@ -30,12 +30,47 @@ struct CombineShape {
   __device__ uint64_t gen(int s, int j) const { return seq * cpc + static_cast<uint64_t>(s) * cps + j; }
 };
 
+// One task's partial: its rows here summed in row order (fp32 from +0.0), rounded once to P,
+// written by one warp to `dst`; lane k < K also writes the prob-gradient side value of slot k.
 template <typename T, typename P>
-__device__ void produce(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
-                        const CombineShape& sh, const Role& role, const T* expert_out,
-                        const float* grad_probs) {
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int n_warps = blockDim.x / kWarpSize;
+__device__ __forceinline__ void produce_row(const HandleArrays& h, const TransferArgs& a,
+                                            const CombineShape& sh, int task, const T* expert_out,
+                                            const float* grad_probs, P* dst, float* side) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int32_t* rows = h.task_rows + static_cast<size_t>(task) * sh.K;
+  HeldRows held;
+  const bool use_held = sh.K <= kHeldRows;
+  if (use_held) held.load(rows, sh.K);
+  for (int v0 = lane * kCombineVec; v0 < sh.H; v0 += kWarpSize * kCombineVec * U) {
+    float acc[U][kCombineVec];
+    zero(acc);
+    if (use_held)
+      sum_held_rows<T, (sizeof(T) == 4 ? 2 : 4)>(acc, expert_out, held, a.row_cap, v0, sh.H);
+    else
+      sum_rows<T, (sizeof(T) == 4 ? 2 : 4)>(acc, expert_out, rows, sh.K, a.row_cap, v0, sh.H);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (group_live(v0, u, sh.H)) Vec8<P>::store(dst + v0 + u * kWarpSize * kCombineVec, acc[u]);
+  }
+  if (grad_probs != nullptr && lane < sh.K) {
+    float val = 0.f;
+    for (int k = 0; k < sh.K; ++k) {
+      const int row = rows[k];
+      if (row < 0) break;
+      if (h.task_k[static_cast<size_t>(task) * sh.K + k] == lane && row < a.row_cap) val = grad_probs[row];
+    }
+    side[lane] = val;
+  }
+}
+
+// Role split (a call larger than the ring): a chunk belongs to one block, which waits for its
+// slot, reduces the chunk's tasks (one warp per task) and publishes it. A slot always belongs to
+// the same block, so its generations are written in order even when the ring wraps in a call.
+template <typename T, typename P>
+__device__ void produce_chunks(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+                               const CombineShape& sh, const Role& role, const T* expert_out,
+                               const float* grad_probs) {
+  const int warp = threadIdx.x / kWarpSize, n_warps = blockDim.x / kWarpSize;
   RingView mine = RingView::combine(c.ws, c.local());
   const int64_t N = mine.num_chunks;
   for (int s = 0; s < c.world; ++s) {
@@ -48,37 +83,60 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
       if (!ring_slot_acquire(c, mine, slot, g, kWaitCombineReleased)) return;
       char* chunk = mine.ring + slot * mine.chunk_bytes;
       const int rows_here = min(sh.C, n - j * sh.C);
-      for (int q = warp; q < rows_here; q += n_warps) {
-        const int task = first + j * sh.C + q;
-        const int32_t* rows = h.task_rows + static_cast<size_t>(task) * sh.K;
-        P* dst = reinterpret_cast<P*>(chunk) + static_cast<size_t>(q) * sh.H;
-        HeldRows held;
-        const bool use_held = sh.K <= kHeldRows;
-        if (use_held) held.load(rows, sh.K);
-        for (int v0 = lane * kCombineVec; v0 < sh.H; v0 += kWarpSize * kCombineVec * U) {
-          float acc[U][kCombineVec];
-          zero(acc);
-          if (use_held)
-            sum_held_rows<T, (sizeof(T) == 4 ? 2 : 4)>(acc, expert_out, held, a.row_cap, v0, sh.H);
-          else
-            sum_rows<T, (sizeof(T) == 4 ? 2 : 4)>(acc, expert_out, rows, sh.K, a.row_cap, v0, sh.H);
-#pragma unroll
-          for (int u = 0; u < U; ++u)
-            if (group_live(v0, u, sh.H)) Vec8<P>::store(dst + v0 + u * kWarpSize * kCombineVec, acc[u]);
-        }
-        if (grad_probs != nullptr && lane < sh.K) {
-          float val = 0.f;
-          for (int k = 0; k < sh.K; ++k) {
-            const int row = rows[k];
-            if (row < 0) break;
-            if (h.task_k[static_cast<size_t>(task) * sh.K + k] == lane && row < a.row_cap)
-              val = grad_probs[row];
-          }
-          reinterpret_cast<float*>(chunk + c.ws.comb_side_offset)[q * sh.K + lane] = val;
-        }
-      }
+      for (int q = warp; q < rows_here; q += n_warps)
+        produce_row<T, P>(h, a, sh, first + j * sh.C + q, expert_out, grad_probs,
+                          reinterpret_cast<P*>(chunk) + static_cast<size_t>(q) * sh.H,
+                          reinterpret_cast<float*>(chunk + c.ws.comb_side_offset) + q * sh.K);
       __syncthreads();
       if (threadIdx.x == 0) ring_slot_publish(mine, slot, g, 1ull << s);
+    }
+  }
+}
+
+// Phased schedule (the call fits in the ring, so every slot is written at most once per call):
+// the remote tasks are spread over every warp of the grid, numbered across blocks first, so a
+// small call's few chunks still use every SM (one block per chunk left a 128-token call's
+// partials to 2 of 24 SMs: benchmarks/NOTES.md #18). Each warp checks its chunk's slot before
+// its first write there; the warp that stages a chunk's last row publishes it.
+template <typename T, typename P>
+__device__ void produce_rows(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+                             const CombineShape& sh, const T* expert_out, const float* grad_probs) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int n_warps = gridDim.x * (blockDim.x / kWarpSize);
+  const int warp = static_cast<int>(threadIdx.x / kWarpSize) * gridDim.x + blockIdx.x;
+  RingView mine = RingView::combine(c.ws, c.local());
+  int32_t* arrived = reinterpret_cast<int32_t*>(c.local() + c.ws.comb_arrived);
+  const int64_t N = mine.num_chunks;
+  int64_t acquired = -1;  // the last slot this warp checked (its tasks ascend, so chunks do)
+  int s = 0, s_first = 0;  // source of the current task, and its index of s's first task
+  const int total = h.task_off[c.world] - (h.task_off[c.rank + 1] - h.task_off[c.rank]);
+  for (int i = warp; i < total; i += n_warps) {
+    // Virtual task i -> (source s != me, task q of s): the sources' tasks back to back.
+    while (s == c.rank || i >= s_first + (h.task_off[s + 1] - h.task_off[s])) {
+      if (s != c.rank) s_first += h.task_off[s + 1] - h.task_off[s];
+      ++s;
+    }
+    const int q = i - s_first, j = q / sh.C;
+    const int n = h.task_off[s + 1] - h.task_off[s];
+    const uint64_t g = sh.gen(s, j);
+    const int64_t slot = static_cast<int64_t>(g % N);
+    if (slot != acquired) {
+      if (!ring_slot_acquire_warp(c, mine, slot, g, kWaitCombineReleased)) return;
+      acquired = slot;
+    }
+    char* chunk = mine.ring + slot * mine.chunk_bytes;
+    const int r = q % sh.C;
+    produce_row<T, P>(h, a, sh, h.task_off[s] + q, expert_out, grad_probs,
+                      reinterpret_cast<P*>(chunk) + static_cast<size_t>(r) * sh.H,
+                      reinterpret_cast<float*>(chunk + c.ws.comb_side_offset) + r * sh.K);
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence();
+      const int rows_here = min(sh.C, n - j * sh.C);
+      if (atomicAdd(arrived + slot, 1) + 1 == rows_here) {
+        arrived[slot] = 0;  // the slot's next generation counts from zero
+        ring_slot_publish(mine, slot, g, 1ull << s);
+      }
     }
   }
 }
@@ -412,12 +470,12 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
     // tokens, by which time the peers' partials are (mostly) staged. No block idles while
     // the other role is the bottleneck, and the partial stream rarely finds a chunk unready.
     const Role all{0, static_cast<int>(gridDim.x)};
-    produce<T, P>(c, h, a, sh, all, expert_out, grad_probs);
+    produce_rows<T, P>(c, h, a, sh, expert_out, grad_probs);
     trace_phase_end(c);
     consume<T, P, kOwnRows>(c, h, a, sh, all, expert_out, grad_probs, y, grad_w, stream);
   } else if (static_cast<int>(blockIdx.x) < a.num_producers) {
     // A call larger than the ring: producers must run alongside the consumers that free slots.
-    produce<T, P>(c, h, a, sh, Role{0, a.num_producers}, expert_out, grad_probs);
+    produce_chunks<T, P>(c, h, a, sh, Role{0, a.num_producers}, expert_out, grad_probs);
   } else {
     consume<T, P, kOwnRows>(c, h, a, sh, Role{a.num_producers, a.num_blocks - a.num_producers},
                             expert_out, grad_probs, y, grad_w, stream);

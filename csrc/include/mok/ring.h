@@ -28,6 +28,20 @@ __device__ inline bool ring_slot_acquire(const CommContext& c, const RingView& r
   return res;
 }
 
+// Warp-wide (every lane calls it): the same check for one warp, where warps of many blocks
+// write rows of one slot (the phased combine). Each warp checks before its first write.
+__device__ inline bool ring_slot_acquire_warp(const CommContext& c, const RingView& r, int64_t slot,
+                                              uint64_t g, int32_t what) {
+  const uint64_t prev = r.gen[slot], prev_readers = r.readers[slot];
+  bool ok = true;
+  if (prev != 0)
+    for (int reader = threadIdx.x % kWarpSize; reader < c.world; reader += kWarpSize)
+      if ((prev_readers >> reader) & 1)
+        ok = ok && wait_geq(c, r.released + static_cast<size_t>(reader) * r.num_chunks + slot, prev,
+                            reader, what, static_cast<int64_t>(g));
+  return __all_sync(0xffffffffu, ok);
+}
+
 // One thread, after the block's writes to the slot (and a __syncthreads): record generation g
 // and its readers (for the next reuse check), then publish the slot with one release store.
 __device__ inline void ring_slot_publish(const RingView& r, int64_t slot, uint64_t g, uint64_t readers) {

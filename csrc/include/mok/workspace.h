@@ -15,6 +15,8 @@
 //   disp_readers [Nd]     u64  producer-private: ranks that read that generation (bit mask)
 //   disp_done    [W][Nd]  i32  consumer-private: tasks of (source, slot) pulled so far
 //   comb_*                     the same five arrays for the combine ring (Nc slots)
+//   comb_arrived [Nc]     i32  producer-private: rows of the slot's current generation staged
+//                              so far (the phased combine spreads one chunk over many warps)
 //   meta         [M] x MetaSlot  routing of one dispatch: T, then topk_idx [T_max, K] int32,
 //                                then topk_weights [T_max, K] f32
 //   disp_ring    [Nd] x chunk   C token rows of H elements (the Buffer's dtype)
@@ -76,7 +78,7 @@ struct Workspace {
   // Byte offsets of each region from the workspace base.
   size_t error, counters, trace, meta_ready, meta_released;
   size_t disp_ready, disp_released, disp_gen, disp_readers, disp_done;
-  size_t comb_ready, comb_released, comb_gen, comb_readers, comb_done;
+  size_t comb_ready, comb_released, comb_gen, comb_readers, comb_done, comb_arrived;
   size_t meta, meta_slot_bytes;
   size_t disp_ring, disp_chunk_bytes;
   size_t comb_ring, comb_chunk_bytes, comb_side_offset;
@@ -103,6 +105,7 @@ struct Workspace {
     w.comb_gen = take(Nc * 8);
     w.comb_readers = take(Nc * 8);
     w.comb_done = take(W * Nc * 4);
+    w.comb_arrived = take(Nc * 4);
     const size_t slots = (size_t)c.max_tokens * c.topk;
     w.meta_slot_bytes = align_up(16 + slots * 4 * 2, 256);
     w.meta = take(M * w.meta_slot_bytes);
