@@ -134,3 +134,30 @@ def test_plot_results_renders_markdown(smoke, tmp_path):
     assert "| shape | system |" in md
     text = plot_results.summary_text(doc)
     assert "SUMMARY" in text and "alltoall" in text
+
+
+def test_symm_a2a_phase_skips_shapes_torch_cannot_run(monkeypatch, tmp_path):
+    """torch's all_to_all_vdev_2d takes at most 16 experts per rank: shapes with more are
+    skipped with that reason and no NVSHMEM child process is started for them (one such
+    child hung past its cap on a GPU machine, run s4-4)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import bench_dispatch_combine as bdc
+    finally:
+        sys.path.pop(0)
+
+    def no_child(*a, **k):
+        raise AssertionError("a symm_a2a child process was started for shapes it cannot run")
+
+    monkeypatch.setattr(bdc.subprocess, "Popen", no_child)
+    bench = bdc.Bench.__new__(bdc.Bench)
+    bench.args = type("Args", (), {"shape_names": ["dsv3", "t128", "skew"]})()
+    bench.world = 2
+    bench.systems = {"symm_a2a": {"requested": True, "available": True}}
+    bench.skipped = []
+    bench.log = lambda *a, **k: None
+    bench.run_symm_phase(str(tmp_path))
+    assert bench.systems["symm_a2a"]["available"] is False
+    assert "16" in bench.systems["symm_a2a"]["reason"]
+    assert sorted(s["what"] for s in bench.skipped) == ["dsv3/symm_a2a", "skew/symm_a2a", "t128/symm_a2a"]
+    assert all("128 experts per rank" in s["reason"] for s in bench.skipped)
