@@ -1,4 +1,4 @@
-"""Small batches on ONE GPU: how much of a 128/512-token dispatch or combine is host work.
+"""Small batches: how much of a 128/512-token dispatch or combine is host work.
 
 The performance issue's small-batch targets (128 tokens/rank: dispatch 25 us, combine 20 us)
 are per-call latencies, which host work can dominate: Python, the eager dispatch's one host
@@ -12,11 +12,17 @@ read of the row count, kernel launches. This script separates host from device t
   loopback ranks one thread replays both ranks' graphs back to back, so the two start
   together.
 
-World size 1, and a loopback world of 2 ranks (threads on the one GPU, ``megatron_mok.loopback``:
-the two-rank protocol, with flags and pulls through L2/HBM instead of NVLink). These are NOT
-the 2-GPU figures the targets are about; they bound what is host overhead.
+Two ways to run it:
+
+- one process: world size 1, and a loopback world of 2 ranks (threads on the one GPU,
+  ``megatron_mok.loopback``: the two-rank protocol, with flags and pulls through L2/HBM
+  instead of NVLink). These bound what is host overhead; they are NOT the 2-GPU figures;
+- under torchrun, one process per GPU (the figures the targets are about): every rank times
+  its own calls; graph replays are timed like the benchmark suite times every op (a device
+  barrier, then CUDA events around the replay, per call the slowest rank, the median).
 
     python benchmarks/bench_small_batch.py --out benchmarks/results [--tokens 128,512] [--worlds 1,2]
+    torchrun --nproc-per-node 2 benchmarks/bench_small_batch.py --out DIR [--tokens 128,512]
 
 Writes ``small_batch.json`` (date, commit, GPU, command, medians per case) and prints a table.
 """
@@ -38,6 +44,7 @@ sys.path.insert(1, os.path.dirname(_HERE))
 import common  # noqa: E402  (sets the no-multicast environment before torch loads)
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 import megatron_mok as mok  # noqa: E402
 from megatron_mok import loopback  # noqa: E402
@@ -49,8 +56,25 @@ def _median_us(samples):
     return round(statistics.median(samples) * 1e6, 1)
 
 
-def _rank(rank, world, tokens, iters, warmup, sms):
-    grp = loopback.current()
+class _ProcessGroup:
+    """The two calls ``_rank`` makes of a loopback group, for real ranks (one per process)."""
+
+    distributed = True
+
+    def __init__(self, device):
+        self.device = device
+
+    def barrier(self):
+        dist.barrier(device_ids=[self.device.index])
+
+    def exchange(self, obj):
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def _rank(rank, world, tokens, iters, warmup, sms, grp=None):
+    grp = grp if grp is not None else loopback.current()
     dev = torch.device("cuda", torch.cuda.current_device())
     shape = common.Shape(f"t{tokens}", tokens, H, experts=E, topk=K, seed=1237 + tokens)
     idx, w = common.make_routing(shape, rank, world, dev)
@@ -71,6 +95,9 @@ def _rank(rank, world, tokens, iters, warmup, sms):
         return _median_us(out)
 
     def graph_time(g):
+        if getattr(grp, "distributed", False):
+            # Real ranks: each replays its own graph after a device barrier (common.time_op).
+            return round(common.time_op(g.replay, None, dev, iters, warmup)["median_us"], 1)
         # Rank 0 replays every rank's graph back to back from its one thread, so the ranks'
         # kernels start a graph launch (~microseconds) apart; threads woken by a barrier start
         # tens of microseconds apart, and a rank waiting for a late peer would count that.
@@ -145,6 +172,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_small_batch.py needs a CUDA GPU (it times the CUDA backend)")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _main_distributed(a)
     cases = []
     for W in (int(v) for v in a.worlds.split(",")):
         for T in (int(v) for v in a.tokens.split(",")):
@@ -159,6 +188,39 @@ def main(argv=None):
     info = common.env_info(sys.argv, a.commit, 1, "loopback")
     info.update(iters=a.iters, warmup=a.warmup, num_sms=a.sms, hidden=H, experts=E, topk=K,
                 note="one GPU: world size 1 and loopback ranks (threads), not the 2-GPU targets")
+    _write(a, info, cases)
+
+
+def _main_distributed(a):
+    """One rank per process and GPU (torchrun): the small-batch figures on real NVLink."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+    grp = _ProcessGroup(dev)
+    cases = []
+    for T in (int(v) for v in a.tokens.split(",")):
+        t0 = time.time()
+        mine = _rank(rank, world, T, a.iters, a.warmup, a.sms, grp)
+        per_rank = grp.exchange(mine)
+        keys = [k for k in per_rank[0] if k.endswith("_us")]
+        case = {"world_size": world, "tokens": T, "per_rank": per_rank,
+                "slowest_rank": {k: max(r[k] for r in per_rank) for k in keys}}
+        cases.append(case)
+        if rank == 0:
+            print(f"[{time.time() - t0:5.1f} s] W={world} T={T}: " +
+                  ", ".join(f"{k[:-3]} {v}" for k, v in case["slowest_rank"].items()), flush=True)
+    if rank == 0:
+        info = common.env_info(sys.argv, a.commit, world, "nccl")
+        info.update(iters=a.iters, warmup=a.warmup, num_sms=a.sms, hidden=H, experts=E, topk=K,
+                    note=f"{world} processes, one GPU each (torchrun); graph times: device "
+                         "barrier, CUDA events, per call the slowest rank, median")
+        _write(a, info, cases)
+    dist.barrier(device_ids=[dev.index])
+    dist.destroy_process_group()
+
+
+def _write(a, info, cases):
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "small_batch.json")
     common.write_json(path, {"schema": "mok-bench-small-batch/1", "env": info, "cases": cases})

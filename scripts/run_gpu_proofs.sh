@@ -9,6 +9,7 @@
 # 3. the main job, python -m megatron_mok.bench (standard shape)
 # 4. benchmarks/bench_small_batch.py (one GPU: host vs device time of small calls)
 # 5. benchmarks/bench_dispatch_combine.py (all systems, all shapes, SM sweep)       [2+ GPUs]
+#    and benchmarks/bench_small_batch.py on 2 processes (host vs device time on NVLink) [2+ GPUs]
 # 6. Megatron: 60-step A/B (alltoall vs mok), the GPU tests of tests/megatron, bench_layer [2+ GPUs]
 # Everything lands in OUT_DIR/proofs.tgz plus OUT_DIR/summary.txt. Each stage has its own
 # time limit, so one stuck stage cannot eat the others' time.
@@ -62,6 +63,10 @@ fi
 stage bench_suite 100 $PYTHON -m torch.distributed.run --nproc-per-node 2 \
     benchmarks/bench_dispatch_combine.py --out "$W" --commit "$COMMIT"
 grep -E "^(dsv3|t128|t512) .*mok|ALL PASSED|FAILED" "$W/bench_suite.log" | tail -n 12 | tee -a "$SUMMARY"
+
+stage small_batch_2gpu 90 $PYTHON -m torch.distributed.run --nproc-per-node 2 \
+    benchmarks/bench_small_batch.py --out "$W/small_batch_2gpu" --commit "$COMMIT" --tokens 128,512
+grep -E "^\|" "$W/small_batch_2gpu.log" | tee -a "$SUMMARY"
 
 stage megatron_ab 100 bash examples/run_gpu_ab.sh "$W/megatron" ab
 grep -E "^(alltoall|mok|flex) " "$W/megatron_ab.log" | tee -a "$SUMMARY"
