@@ -22,6 +22,21 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import megatron_mok as mok  # noqa: E402
 
 
+def _profiled(buf, x, idx, w, iters, activity):
+    """``iters`` dispatch + combine calls of ``buf`` under the torch profiler (after 5 warm-up
+    calls); returns the profile."""
+    for _ in range(5):
+        res = buf.dispatch(x, idx, w)
+        buf.combine(res.tokens, res.handle)
+    torch.cuda.synchronize()
+    with profile(activities=[activity]) as prof:
+        for _ in range(iters):
+            res = buf.dispatch(x, idx, w)
+            buf.combine(res.tokens, res.handle)
+        torch.cuda.synchronize()
+    return prof
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="128,512")
@@ -38,15 +53,7 @@ def main():
         kw = dict(num_experts=256, hidden=7168, topk=8, max_tokens_per_rank=T, backend="cuda", num_sms=a.sms)
         rows = mok.Buffer(None, **kw).dispatch(x, idx, w).tokens.shape[0]
         buf = mok.Buffer(None, max_recv_tokens=rows + 8, **kw)
-        for _ in range(5):
-            res = buf.dispatch(x, idx, w)
-            buf.combine(res.tokens, res.handle)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(a.iters):
-                res = buf.dispatch(x, idx, w)
-                buf.combine(res.tokens, res.handle)
-            torch.cuda.synchronize()
+        prof = _profiled(buf, x, idx, w, a.iters, ProfilerActivity.CUDA)
         per = collections.defaultdict(list)
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -56,16 +63,7 @@ def main():
             print(f"  {statistics.median(v):8.1f}  x{len(v) // a.iters:<3d} {name}")
         if a.host:
             # Where the eager path's host time goes (the part a CUDA graph removes).
-            eager = mok.Buffer(None, **kw)
-            for _ in range(5):
-                r = eager.dispatch(x, idx, w)
-                eager.combine(r.tokens, r.handle)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU]) as hp:
-                for _ in range(a.iters):
-                    r = eager.dispatch(x, idx, w)
-                    eager.combine(r.tokens, r.handle)
-                torch.cuda.synchronize()
+            hp = _profiled(mok.Buffer(None, **kw), x, idx, w, a.iters, ProfilerActivity.CPU)
             print(f"T={T} eager host ops (totals over {a.iters} dispatch+combine calls)")
             print(hp.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
