@@ -97,3 +97,17 @@ def test_dispatch_transfer_refuses_bad_roles_before_launching(blocks, producers,
         assert message in lib.mok_last_error().decode()
     finally:
         lib.mok_destroy(ctx)
+
+
+def test_library_reports_the_abi_version_this_package_declares():
+    from megatron_mok.cuda import bindings
+    assert library.get().mok_abi_version() == bindings.ABI_VERSION
+
+
+def test_a_library_of_another_abi_version_is_refused(monkeypatch):
+    # A stale build must not be called with new arguments: declare() refuses it, with a hint.
+    from megatron_mok.cuda import bindings
+    monkeypatch.setattr(bindings, "ABI_VERSION", bindings.ABI_VERSION + 1)
+    import ctypes
+    with pytest.raises(OSError, match="rebuild"):
+        bindings.declare(ctypes.CDLL(str(library.library_path())))

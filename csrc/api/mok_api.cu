@@ -153,6 +153,8 @@ int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert
 
 const char* mok_last_error(void) { return g_last_error.c_str(); }
 
+int mok_abi_version(void) { return MOK_ABI_VERSION; }
+
 int mok_sm_count(int device) {
   int n = 0;
   if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return -1;

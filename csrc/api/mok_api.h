@@ -12,6 +12,11 @@ extern "C" {
 
 typedef struct MokContext MokContext;
 
+/* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
+ * of another version (a stale build would otherwise take the new arguments wrongly). */
+#define MOK_ABI_VERSION 1
+int mok_abi_version(void);
+
 MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int partial_bytes, int topk,
                        int num_local_experts, int max_tokens, int chunk_tokens, int meta_slots,
                        int64_t disp_ring_chunks, int64_t comb_ring_chunks);

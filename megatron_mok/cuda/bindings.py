@@ -5,7 +5,11 @@ from __future__ import annotations
 import ctypes
 from ctypes import c_double, c_float, c_int, c_int64, c_size_t, c_uint64, c_void_p, POINTER
 
+# The C ABI version this file declares (MOK_ABI_VERSION in csrc/api/mok_api.h).
+ABI_VERSION = 1
+
 _SIGNATURES = {
+    "mok_abi_version": (c_int, []),
     "mok_create": (c_void_p, [c_int] * 10 + [c_int64, c_int64]),
     "mok_destroy": (None, [c_void_p]),
     "mok_workspace_bytes": (c_size_t, [c_void_p]),
@@ -28,6 +32,16 @@ _SIGNATURES = {
 
 
 def declare(lib: ctypes.CDLL) -> None:
+    """Declare every signature; raise OSError if the library lacks one or was built for
+    another ABI version (a stale build: rebuild it)."""
+    try:
+        version = lib.mok_abi_version
+    except AttributeError:
+        raise OSError("it predates ABI versioning (no mok_abi_version): rebuild it") from None
+    version.restype, version.argtypes = c_int, []
+    if version() != ABI_VERSION:
+        raise OSError(f"it was built for C ABI version {version()}, this package declares "
+                      f"{ABI_VERSION}: rebuild it from this checkout's csrc/")
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype = restype

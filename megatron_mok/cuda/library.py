@@ -50,7 +50,11 @@ def _load() -> Optional[ctypes.CDLL]:
             _load_error = f"{path} failed to load: {e}"
             return None
         from .bindings import declare
-        declare(lib)
+        try:
+            declare(lib)
+        except OSError as e:  # a stale build (other ABI version)
+            _load_error = f"{path} cannot be used: {e}"
+            return None
         _lib = lib
         return _lib
 
