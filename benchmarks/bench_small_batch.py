@@ -179,16 +179,26 @@ def main(argv=None):
         for T in (int(v) for v in a.tokens.split(",")):
             t0 = time.time()
             per_rank = loopback.run(_rank, W, T, a.iters, a.warmup, a.sms, timeout_s=600)
-            keys = [k for k in per_rank[0] if k.endswith("_us")]
-            case = {"world_size": W, "tokens": T, "per_rank": per_rank,
-                    "slowest_rank": {k: max(r[k] for r in per_rank) for k in keys}}
-            cases.append(case)
-            print(f"[{time.time() - t0:5.1f} s] W={W} T={T}: " +
-                  ", ".join(f"{k[:-3]} {v}" for k, v in case["slowest_rank"].items()), flush=True)
-    info = common.env_info(sys.argv, a.commit, 1, "loopback")
-    info.update(iters=a.iters, warmup=a.warmup, num_sms=a.sms, hidden=H, experts=E, topk=K,
-                note="one GPU: world size 1 and loopback ranks (threads), not the 2-GPU targets")
-    _write(a, info, cases)
+            cases.append(_case(W, T, per_rank, t0))
+    _write(a, _info(a, 1, "loopback", "one GPU: world size 1 and loopback ranks (threads), "
+                    "not the 2-GPU targets"), cases)
+
+
+def _case(world, tokens, per_rank, t0):
+    """One (world, tokens) case: every rank's medians and, per figure, the slowest rank's;
+    prints a progress line."""
+    keys = [k for k in per_rank[0] if k.endswith("_us")]
+    case = {"world_size": world, "tokens": tokens, "per_rank": per_rank,
+            "slowest_rank": {k: max(r[k] for r in per_rank) for k in keys}}
+    print(f"[{time.time() - t0:5.1f} s] W={world} T={tokens}: " +
+          ", ".join(f"{k[:-3]} {v}" for k, v in case["slowest_rank"].items()), flush=True)
+    return case
+
+
+def _info(a, world, backend, note):
+    info = common.env_info(sys.argv, a.commit, world, backend)
+    info.update(iters=a.iters, warmup=a.warmup, num_sms=a.sms, hidden=H, experts=E, topk=K, note=note)
+    return info
 
 
 def _main_distributed(a):
@@ -201,21 +211,12 @@ def _main_distributed(a):
     cases = []
     for T in (int(v) for v in a.tokens.split(",")):
         t0 = time.time()
-        mine = _rank(rank, world, T, a.iters, a.warmup, a.sms, grp)
-        per_rank = grp.exchange(mine)
-        keys = [k for k in per_rank[0] if k.endswith("_us")]
-        case = {"world_size": world, "tokens": T, "per_rank": per_rank,
-                "slowest_rank": {k: max(r[k] for r in per_rank) for k in keys}}
-        cases.append(case)
-        if rank == 0:
-            print(f"[{time.time() - t0:5.1f} s] W={world} T={T}: " +
-                  ", ".join(f"{k[:-3]} {v}" for k, v in case["slowest_rank"].items()), flush=True)
+        per_rank = grp.exchange(_rank(rank, world, T, a.iters, a.warmup, a.sms, grp))
+        if rank == 0:  # every rank has the same per_rank; one prints and writes
+            cases.append(_case(world, T, per_rank, t0))
     if rank == 0:
-        info = common.env_info(sys.argv, a.commit, world, "nccl")
-        info.update(iters=a.iters, warmup=a.warmup, num_sms=a.sms, hidden=H, experts=E, topk=K,
-                    note=f"{world} processes, one GPU each (torchrun); graph times: device "
-                         "barrier, CUDA events, per call the slowest rank, median")
-        _write(a, info, cases)
+        _write(a, _info(a, world, "nccl", f"{world} processes, one GPU each (torchrun); graph "
+                        "times: device barrier, CUDA events, per call the slowest rank, median"), cases)
     dist.barrier(device_ids=[dev.index])
     dist.destroy_process_group()
 
