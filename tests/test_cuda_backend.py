@@ -182,6 +182,7 @@ ALT_SCHEDULES = [
     pytest.param({"MOK_EAGER_STAGE_FIRST": "1"}, id="eager_stage_first"),
     pytest.param({"MOK_COMBINE_PHASED": "0"}, id="combine_role_split"),
     pytest.param({"MOK_COMBINE_SPLIT": "0"}, id="combine_no_split"),
+    pytest.param({"MOK_EAGER_FILL_FIRST": "0"}, id="eager_fill_after_read"),
 ]
 
 
@@ -410,6 +411,29 @@ def _cuda_input_errors(rank, world_size):
 @pytest.mark.gpu
 def test_cuda_input_errors():
     run_distributed(_cuda_input_errors, 1, backend="nccl", timeout=120)
+
+
+def _dispatch_outputs_are_plain_tensors(rank, world_size):
+    dev = _device_for(rank)
+    buf = mok_buffer(8, 64, 2, 32, torch.bfloat16, "cuda", dev)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(20, 64, generator=g).to(torch.bfloat16).to(dev).requires_grad_()
+    idx = torch.randint(0, 8, (20, 2), generator=g).to(dev)
+    w = torch.rand(20, 2, generator=g).to(dev).requires_grad_()
+    out = buf.dispatch(x, idx, w)
+    R = out.tokens.shape[0]
+    assert R == 40 and out.probs.shape == (R,) and out.src_token.shape == (R,)
+    # The eager fill writes into row outputs sized by a bound on R: probs must still be its own
+    # tensor (not a slice), or autograd forbids updating it in place downstream.
+    assert out.probs._base is None
+    out.probs.mul_(2.0)
+    buf.destroy()
+    return True
+
+
+@pytest.mark.gpu
+def test_cuda_dispatch_outputs_are_plain_tensors():
+    run_distributed(_dispatch_outputs_are_plain_tensors, 1, backend="nccl", timeout=120)
 
 
 # --------------------------------------------------- CPU self-checks of the comparison code

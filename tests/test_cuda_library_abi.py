@@ -69,7 +69,7 @@ def test_calls_before_peers_are_set_fail_cleanly():
     lib = library.get()
     ctx = _create(lib)
     try:
-        rc = lib.mok_dispatch_fill(ctx, None, None, None, None, None, 0)
+        rc = lib.mok_dispatch_fill(ctx, None, None, None, None, None, 0, 1)
         assert rc != 0
         assert "mok_set_peers" in lib.mok_last_error().decode()
     finally:

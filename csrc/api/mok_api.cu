@@ -104,17 +104,18 @@ int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void
     return fail("num_tokens outside [0, max_tokens]");
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
   RoutingArgs r{topk_idx, idx_is_64, topk_weights, num_tokens, num_experts};
-  RowOutputs out{nullptr, nullptr, nullptr, tokens_per_expert, row_cap};
+  RowOutputs out{nullptr, nullptr, nullptr, tokens_per_expert, row_cap, 0};
   return check_launch(launch_dispatch_layout(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
                       "dispatch layout launch");
 }
 
 int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
-                      int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap) {
+                      int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap,
+                      int pad) {
   if (int e = check_ready(ctx)) return e;
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
   RoutingArgs r{nullptr, 0, nullptr, 0, 0};
-  RowOutputs out{src_rank, src_token, probs, nullptr, row_cap};
+  RowOutputs out{src_rank, src_token, probs, nullptr, row_cap, pad};
   return check_launch(launch_dispatch_fill(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
                       "dispatch fill launch");
 }

@@ -31,8 +31,12 @@ int mok_set_peers(MokContext* ctx, const uint64_t* peer_bases, int n, double tim
 int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
                         int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
                         int64_t* tokens_per_expert, int64_t row_cap);
+/* Per-row outputs [row_cap]. pad 1: rows [R, row_cap) are written as "no source" (static
+ * shape); pad 0: only rows < R are written (an eager dispatch passes a bound on R, so that
+ * the fill can run before the host has read R). */
 int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
-                      int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap);
+                      int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap,
+                      int pad);
 /* mode 0: one kernel, num_producers blocks stage and the rest pull; 1: every block stages
  * (out_rows unused); 2: every block pulls. With MOK_EAGER_STAGE_FIRST=1 an eager dispatch
  * launches 1 on a side stream before reading R, then 2 once the rows are allocated

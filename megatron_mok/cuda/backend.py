@@ -116,6 +116,12 @@ class CudaBackend:
         # while the host reads R (module docstring). Events are reused: a wait binds to the
         # record made before it, so re-recording is safe.
         self.stage_first = _env_int("MOK_EAGER_STAGE_FIRST", 0) != 0
+        # Eager dispatch: queue the fill before the host reads R, into per-row outputs sized by
+        # a bound on R (every slot of every source's tokens: W * T_max * K rows, 20 bytes each;
+        # the handle keeps them, sliced to R). The fill then runs while the host waits for R and
+        # allocates the token rows, instead of after it. MOK_EAGER_FILL_FIRST=0: the old order.
+        self.fill_first = _env_int("MOK_EAGER_FILL_FIRST", 1) != 0 and not self.stage_first
+        self.rows_bound = buf.world_size * buf.max_tokens_per_rank * buf.topk
         self._own_side = None
         if self.mem.loopback:       # never the stream of another rank (loopback.OwnStream)
             from ..loopback import OwnStream
@@ -193,28 +199,36 @@ class CudaBackend:
             self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
             self._ptr(w), T, b.num_experts, self._ptr(tpe), layout_cap))
         staged = None
+        fill_first = self.fill_first and not static
+        if fill_first:
+            probs_all, src_all = self._row_outputs(self.rows_bound, x.device)
         if static:
             R, cap = None, b.max_recv_tokens
         else:
             # The one host read of an eager dispatch: R (and the error report with it). The
-            # host waits for the layout kernels only (with stage-first, the GPU keeps staging).
+            # host waits for the layout kernels only: the fill (fill-first) or the staging
+            # (stage-first) queued behind them keeps the GPU busy meanwhile.
             main = torch.cuda.current_stream(self.device)
             if self.stage_first:
                 staged = self._launch_staging(x, T, scratch, main)
             self.host_report[:4].copy_(totals, non_blocking=True)
             self.host_report[4:].copy_(self.error_words, non_blocking=True)
             self._layout_read.record(main)
+            if fill_first:
+                self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)
             self._layout_read.synchronize()
             self._raise_if_error(self.host_report[4:])
             R = cap = int(self.host_report[0])
         tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
-        # Written in full by the fill kernel (padding rows included): no memsets here.
-        probs = torch.empty(cap, dtype=torch.float32, device=x.device)
-        src = torch.empty(2, cap, dtype=torch.int64, device=x.device)
-        src_rank, src_token = src[0], src[1]
-        self._check(self.lib.mok_dispatch_fill(
-            self.ctx, stream, self._ptr(scratch), self._ptr(src_rank),
-            self._ptr(src_token), self._ptr(probs), cap))
+        if fill_first:
+            # probs shrunk in place, not sliced: an output that is a view would forbid in-place
+            # updates of it downstream (autograd's rule for custom Functions' outputs).
+            probs, src_rank, src_token = probs_all.resize_(R), src_all[0, :R], src_all[1, :R]
+        else:
+            probs_all, src_all = self._row_outputs(cap, x.device)
+            # Written in full by the fill kernel (padding rows included): no memsets here.
+            self._fill(stream, scratch, probs_all, src_all, cap, pad=True)
+            probs, src_rank, src_token = probs_all, src_all[0], src_all[1]
         if staged is None:
             self._transfer(x, T, scratch, tokens, cap)
         else:
@@ -229,6 +243,17 @@ class CudaBackend:
             src_token=src_token, tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
             state=CudaLayout(scratch=scratch, totals=totals))
         return tokens, probs, handle
+
+    @staticmethod
+    def _row_outputs(rows: int, device):
+        """probs [rows] float32 and (src_rank, src_token) [2, rows] int64."""
+        return (torch.empty(rows, dtype=torch.float32, device=device),
+                torch.empty(2, rows, dtype=torch.int64, device=device))
+
+    def _fill(self, stream, scratch, probs, src, cap: int, pad: bool) -> None:
+        self._check(self.lib.mok_dispatch_fill(
+            self.ctx, stream, self._ptr(scratch), self._ptr(src[0]), self._ptr(src[1]),
+            self._ptr(probs), cap, int(pad)))
 
     def _transfer(self, x, T, scratch, out, cap):
         """Both halves of the transfer as one kernel (cached and static-shape dispatches)."""

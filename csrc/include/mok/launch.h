@@ -25,7 +25,8 @@ struct RowOutputs {
   int64_t* src_token;         // [row_cap]
   float* probs;               // [row_cap]
   int64_t* tokens_per_expert; // [E_local + 1]: the counts, then R
-  int64_t row_cap;            // rows allocated (R, or max_recv_tokens)
+  int64_t row_cap;            // rows allocated (R, a bound on R, or max_recv_tokens)
+  int pad;                    // fill: rows [R, row_cap) say "no source" (static shape); 0: untouched
 };
 
 // Publish my routing (send-side layout included) and build the receive layout's counts.
