@@ -32,6 +32,9 @@ DEFAULT_NUM_SMS = 24
 DEFAULT_RING_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_CHUNK_TOKENS = 64
+# The eager fill-first dispatch keeps row outputs for a bound on R per handle (20 B per row);
+# above this it falls back to filling after the host read (outputs of exactly R rows).
+FILL_FIRST_MAX_BYTES = 64 << 20
 META_SLOTS = 16
 
 
@@ -120,8 +123,10 @@ class CudaBackend:
         # a bound on R (every slot of every source's tokens: W * T_max * K rows, 20 bytes each;
         # the handle keeps them, sliced to R). The fill then runs while the host waits for R and
         # allocates the token rows, instead of after it. MOK_EAGER_FILL_FIRST=0: the old order.
-        self.fill_first = _env_int("MOK_EAGER_FILL_FIRST", 1) != 0 and not self.stage_first
         self.rows_bound = buf.world_size * buf.max_tokens_per_rank * buf.topk
+        # Large EP groups (an NVL72 domain: 72 x 16k x 8 rows) would hold too much per handle.
+        self.fill_first = (_env_int("MOK_EAGER_FILL_FIRST", 1) != 0 and not self.stage_first
+                           and self.rows_bound * 20 <= FILL_FIRST_MAX_BYTES)
         self._own_side = None
         if self.mem.loopback:       # never the stream of another rank (loopback.OwnStream)
             from ..loopback import OwnStream
