@@ -384,6 +384,64 @@ def test_cuda_bad_expert_id_is_an_error(world_size):
     run_distributed(_bad_expert_id_cuda, world_size, backend="nccl", timeout=120, fresh=True)
 
 
+def _bad_expert_id_on_rank0_only(rank, world_size):
+    """A bad id on one rank is that rank's error: it raises, and its peers' dispatch completes
+    (its transfer still runs, so they do not wait for its tokens until their timeout)."""
+    dev = _device_for(rank)
+    E = 2 * world_size
+    buf = mok_buffer(E, 64, 2, 16, torch.bfloat16, "cuda", dev, timeout_s=10)
+    x, idx, w = make_inputs(4, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
+    t0 = time.monotonic()
+    if rank == 0:
+        idx = idx.clone()
+        idx[5, 0] = E
+        with pytest.raises(RuntimeError, match=r"(?i)expert id"):
+            buf.dispatch(x, idx, w)
+    else:
+        buf.dispatch(x, idx, w)
+        buf.check_errors()
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_bad_expert_id_on_one_rank_does_not_stall_its_peers(world_size):
+    took = run_distributed(_bad_expert_id_on_rank0_only, world_size, backend="nccl", timeout=120, fresh=True)
+    assert max(took) < 8, f"a rank waited {max(took):.1f} s (its peer's transfer never ran?)"
+
+
+def _split_vs_reference(rank, world_size, env):
+    """Calls with fewer tokens than combine warps at H = 1288 (S = 3 steps of 512, the last one
+    partial) on 4 SMs: each token's steps are dealt to P warps (P = 3 at 20 tokens, P = 2 at
+    25, which does not divide S), forward and backward (prob gradients included), token-dtype
+    and fp32 partials, against the reference bitwise."""
+    return _with_env(env, _split_calls, rank, world_size)
+
+
+def _split_calls(rank, world_size):
+    dev = _device_for(rank)
+    H, K, E, dtype = 1288, 4, 4 * world_size, torch.bfloat16
+    calls = [(20, "random"), (25, "duplicate"), (1, "random"), (7, "unrouted"), (0, "random"), (40, "skewed")]
+    for partial in (None, torch.float32):
+        kw = {} if partial is None else {"combine_partial_dtype": partial}
+        buf = mok_buffer(E, H, K, 64, dtype, "cuda", dev, num_sms=4, timeout_s=30, **kw)
+        ref = mok_buffer(E, H, K, 64, dtype, "reference", dev, **kw)
+        for i, (t, case) in enumerate(calls):
+            T_all = [max(0, t - r) for r in range(world_size)]
+            inputs = make_inputs(900 + i, world_size, T_all, E, H, K, dtype, case=case, device=dev)
+            assert_same_results(full_pass(buf, *inputs[rank], i), full_pass(ref, *inputs[rank], i),
+                                f"split call {i} T={T_all} partial={partial} rank {rank}")
+        buf.check_errors()
+        buf.destroy()
+        ref.destroy()
+    return True
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+@pytest.mark.parametrize("env", [{}, {"MOK_COMBINE_PHASED": "0"}], ids=["phased", "role_split"])
+def test_cuda_combine_split_over_warps_matches_reference(env, world_size):
+    run_distributed(_split_vs_reference, world_size, env, backend="nccl", timeout=300)
+
+
 def _overflow_cuda(rank, world_size):
     return _overflow(rank, world_size, backend="cuda", device=_device_for(rank))
 

@@ -20,7 +20,7 @@ import torch
 from harness import run_loopback
 from test_cuda_backend import (CASE_NAMES, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
                                _missing_peer, _overflow_cuda, _repeats_and_sms, _ring_wrap,
-                               _static_cuda)
+                               _split_calls, _static_cuda)
 
 ALL_SIZES = (2, 3, 4, 8)
 # Every case at the world sizes a 2-GPU machine cannot give; a sample at 2 (also run on
@@ -74,6 +74,14 @@ def test_loopback_alternative_schedules(env, monkeypatch):
     run_loopback(_backend_vs_reference, 4, "mixed", 77, timeout=300)
     rows, ring = run_loopback(_ring_wrap, 3, 150, timeout=600)[0]
     assert rows * 256 * 2 > 4 * ring, "the ring did not wrap"
+
+
+@gpu
+@pytest.mark.parametrize("env", [{}, {"MOK_COMBINE_PHASED": "0"}], ids=["phased", "role_split"])
+def test_loopback_combine_split_over_warps_matches_reference(env, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    run_loopback(_split_calls, 3, timeout=300)
 
 
 @gpu

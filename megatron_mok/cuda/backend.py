@@ -35,6 +35,7 @@ DEFAULT_CHUNK_TOKENS = 64
 # The eager fill-first dispatch keeps row outputs for a bound on R per handle (20 B per row);
 # above this it falls back to filling after the host read (outputs of exactly R rows).
 FILL_FIRST_MAX_BYTES = 64 << 20
+BAD_EXPERT = 2  # ErrorCode kBadExpert (csrc/include/mok/config.h): a data error, not a protocol one
 META_SLOTS = 16
 
 
@@ -124,6 +125,8 @@ class CudaBackend:
         # the handle keeps them, sliced to R). The fill then runs while the host waits for R and
         # allocates the token rows, instead of after it. MOK_EAGER_FILL_FIRST=0: the old order.
         self.rows_bound = buf.world_size * buf.max_tokens_per_rank * buf.topk
+        # The bound is ~W times R (R ~ T * K), so the handle holds 20 * W * T_max * K bytes where
+        # R rows of tokens take R * H * elem: 10 * W / H of the token rows (1% at W=8, H=7168).
         # Large EP groups (an NVL72 domain: 72 x 16k x 8 rows) would hold too much per handle.
         self.fill_first = (_env_int("MOK_EAGER_FILL_FIRST", 1) != 0 and not self.stage_first
                            and self.rows_bound * 20 <= FILL_FIRST_MAX_BYTES)
@@ -222,7 +225,8 @@ class CudaBackend:
             if fill_first:
                 self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)
             self._layout_read.synchronize()
-            self._raise_if_error(self.host_report[4:])
+            if int(self.host_report[4]) != BAD_EXPERT:  # protocol errors: nothing more to launch
+                self._raise_if_error(self.host_report[4:])
             R = cap = int(self.host_report[0])
         tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
         if fill_first:
@@ -243,6 +247,11 @@ class CudaBackend:
             # Later work on this stream (an in-place update of x, the next call) comes after
             # the staging.
             main.wait_event(staged)
+        if not static and int(self.host_report[4]) == BAD_EXPERT:
+            # A bad expert id (dropped like -1) leaves the protocol intact and only this rank
+            # knows: its transfer is launched like its peers' (they wait for its staged tokens),
+            # then it raises. Raising before the launch would leave the peers to time out.
+            self._raise_if_error(self.host_report[4:])
         handle = DispatchHandle(
             buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=cap, src_rank=src_rank,
             src_token=src_token, tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
