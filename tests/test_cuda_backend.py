@@ -183,6 +183,7 @@ ALT_SCHEDULES = [
     pytest.param({"MOK_COMBINE_PHASED": "0"}, id="combine_role_split"),
     pytest.param({"MOK_COMBINE_SPLIT": "0"}, id="combine_no_split"),
     pytest.param({"MOK_EAGER_FILL_FIRST": "0"}, id="eager_fill_after_read"),
+    pytest.param({"MOK_EAGER_SPECULATIVE": "1"}, id="eager_speculative"),
 ]
 
 
@@ -487,6 +488,51 @@ def _dispatch_outputs_are_plain_tensors(rank, world_size):
     out.probs.mul_(2.0)
     buf.destroy()
     return True
+
+
+def _speculative_calls(rank, world_size, set_env=True):
+    """Speculative eager dispatches whose guessed capacity is sometimes short (the first call,
+    a jump in size): every call bitwise equal to the reference, full passes included, and the
+    short calls redone on every rank together. Loopback ranks share one environment: their
+    caller sets it (set_env=False), since every rank must make the same choice."""
+    if set_env:
+        os.environ["MOK_EAGER_SPECULATIVE"] = "1"
+    try:
+        dev = _device_for(rank)
+        H, K, E, T_max, dtype = 256, 4, 4 * world_size, 512, torch.bfloat16
+        buf = mok_buffer(E, H, K, T_max, dtype, "cuda", dev, timeout_s=30)
+        ref = mok_buffer(E, H, K, T_max, dtype, "reference", dev)
+        sizes = [40, 40, 38, 300, 290, 5, 0, 512, 100, 480]   # a jump at call 3 and call 7
+        for i, t in enumerate(sizes):
+            T_all = [max(0, t - 3 * r) for r in range(world_size)]
+            inputs = make_inputs(500 + i, world_size, T_all, E, H, K, dtype, case="mixed", device=dev)
+            tag = f"call {i} T={T_all} rank {rank}"
+            if i % 3 == 2:
+                assert_same_results(full_pass(buf, *inputs[rank], i), full_pass(ref, *inputs[rank], i), tag)
+                continue
+            a, b = buf.dispatch(*inputs[rank]), ref.dispatch(*inputs[rank])
+            assert_bitwise(a.tokens, b.tokens, f"tokens {tag}")
+            assert_bitwise(a.probs, b.probs, f"probs {tag}")
+            assert_bitwise(a.src_token, b.src_token, f"src_token {tag}")
+            assert a.tokens._base is None and a.probs._base is None
+            eo = (a.tokens.float() * 1.25).to(dtype)
+            assert_bitwise(buf.combine(eo, a.handle), ref.combine(eo, b.handle), f"combine {tag}")
+        fallbacks = buf._get_backend("cuda").spec_fallbacks
+        buf.check_errors()
+        buf.destroy()
+        ref.destroy()
+        return fallbacks
+    finally:
+        if set_env:
+            os.environ.pop("MOK_EAGER_SPECULATIVE", None)
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_speculative_dispatch_redoes_short_calls_on_every_rank(world_size):
+    fallbacks = run_distributed(_speculative_calls, world_size, backend="nccl", timeout=300)
+    # The first call has no guess; the jumps to 300 and 512 tokens exceed 1.1x the history.
+    assert all(f == fallbacks[0] for f in fallbacks), f"ranks disagree on the redone calls: {fallbacks}"
+    assert 3 <= fallbacks[0] < 10, f"{fallbacks[0]} calls were redone"
 
 
 @pytest.mark.gpu

@@ -108,6 +108,7 @@ __global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, 
   if (threadIdx.x == 0) {
     c.counters()->publish_blocks_done = 0;
     *ws.meta_count_at(me, slot) = T;
+    *ws.meta_spec_cap_at(me, slot) = r.spec_cap;
     __threadfence_system();
     st_release_sys(ws.meta_ready_at(me) + slot, meta_seq + 1);
   }
@@ -119,6 +120,7 @@ __global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, Ha
   __shared__ int tasks;
   __shared__ int src_tokens;
   __shared__ bool ok;
+  __shared__ int dest_hist[kMaxRanks];  // speculative: rows this chunk sends to each rank
   const Workspace& ws = c.ws;
   const int chunk = blockIdx.x, s = blockIdx.y;
   const int K = ws.cfg.topk, C = ws.cfg.chunk_tokens, E_local = ws.cfg.num_local_experts;
@@ -129,6 +131,7 @@ __global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, Ha
   int* chunk_idx = smem + E_local; // [C * K] this chunk's routing, copied once from the peer
 
   for (int e = threadIdx.x; e < E_local; e += blockDim.x) hist[e] = 0;
+  for (int d = threadIdx.x; d < c.world; d += blockDim.x) dest_hist[d] = 0;
   if (threadIdx.x == 0) {
     tasks = 0;
     ok = wait_geq(c, ws.meta_ready_at(peer) + slot, meta_seq + 1, s, kWaitRoutingReady, meta_seq);
@@ -145,18 +148,25 @@ __global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, Ha
   for (int i = threadIdx.x; i < n_tok * K; i += blockDim.x) chunk_idx[i] = idx[i];
   __syncthreads();
   const int lo = c.rank * E_local;
+  const bool spec = r.spec_cap >= 0;
   for (int j = threadIdx.x; j < n_tok; j += blockDim.x) {
     bool hit = false;
     for (int k = 0; k < K; ++k) {
-      const int e = chunk_idx[j * K + k] - lo;
+      const int g = chunk_idx[j * K + k];  // ids were checked when published: -1 or valid
+      const int e = g - lo;
       if (e >= 0 && e < E_local) {
         atomicAdd(&hist[e], 1);  // integer counts: the result does not depend on order
         hit = true;
       }
+      if (spec && g >= 0) atomicAdd(&dest_hist[g / E_local], 1);
     }
     if (hit) atomicAdd(&tasks, 1);
   }
   __syncthreads();
+  if (spec)
+    for (int d = threadIdx.x; d < c.world; d += blockDim.x)
+      h.dest_rows[(static_cast<size_t>(s) * HandleArrays::chunks_per_call(ws.cfg) + chunk) * c.world + d] =
+          dest_hist[d];
   for (int e = threadIdx.x; e < E_local; e += blockDim.x)
     h.chunk_rows[HandleArrays::group(ws.cfg, e, s, chunk)] = hist[e];
   if (threadIdx.x == 0) h.chunk_tasks[s * HandleArrays::chunks_per_call(ws.cfg) + chunk] = tasks;
@@ -185,7 +195,7 @@ __device__ int block_exclusive_scan(int32_t* a, int n) {
 }
 
 __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, HandleArrays h,
-                                                             RowOutputs out) {
+                                                             RowOutputs out, int spec) {
   if (aborted(c)) return;
   const int W = c.world, E = c.ws.cfg.num_local_experts;
   const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
@@ -205,10 +215,28 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, Handl
     h.task_off[s] = h.task_base[s * cpc];
     h.fill_done[s] = 0;
   }
+  // Speculative eager dispatch: every rank sums every rank's rows from the same published
+  // routing and reads every rank's published capacity, so every rank reaches the same verdict
+  // on whether ANY rank's rows overflowed its capacity (then all redo the transfer together).
+  __shared__ int over;
+  if (threadIdx.x == 0) over = 0;
+  __syncthreads();
+  if (spec) {
+    const uint64_t meta_seq = c.counters()->meta_seq;
+    const int slot = static_cast<int>(meta_seq % c.ws.cfg.meta_slots);
+    for (int d = threadIdx.x; d < W; d += blockDim.x) {
+      int64_t rows_d = 0;
+      for (int i = 0; i < W * cpc; ++i) rows_d += h.dest_rows[static_cast<size_t>(i) * W + d];
+      const int64_t cap_d = *reinterpret_cast<volatile int64_t*>(c.ws.meta_spec_cap_at(c.peers.base[d], slot));
+      if (rows_d > cap_d) atomicOr(&over, 1);
+    }
+  }
+  __syncthreads();
   if (threadIdx.x == 0) {
     h.task_off[W] = tasks;
     h.totals[0] = rows;
     h.totals[1] = tasks;
+    h.totals[2] = over;
     out.tokens_per_expert[E] = rows;  // R on the device, int64, after the E_local counts
     if (rows > out.row_cap) report_error(c, kRecvOverflow, -1, kWaitNone, rows);
   }
@@ -222,7 +250,7 @@ cudaError_t launch_dispatch_layout(const CommContext& c, const HandleArrays& h,
   publish_kernel<<<cpc, kLayoutThreads, 0, s>>>(c, h, r);
   const size_t count_smem = (c.ws.cfg.num_local_experts + c.ws.cfg.chunk_tokens * c.ws.cfg.topk) * sizeof(int);
   count_kernel<<<dim3(cpc, c.world), kLayoutThreads, count_smem, s>>>(c, h, r);
-  scan_kernel<<<1, kScanThreads, 0, s>>>(c, h, out);
+  scan_kernel<<<1, kScanThreads, 0, s>>>(c, h, out, r.spec_cap >= 0 ? 1 : 0);
   return cudaGetLastError();
 }
 

@@ -36,6 +36,9 @@ DEFAULT_CHUNK_TOKENS = 64
 # above this it falls back to filling after the host read (outputs of exactly R rows).
 FILL_FIRST_MAX_BYTES = 64 << 20
 BAD_EXPERT = 2  # ErrorCode kBadExpert (csrc/include/mok/config.h): a data error, not a protocol one
+# Speculative eager dispatch: rows allocated before R is known = this margin over the largest R
+# of the last SPEC_HISTORY calls, plus one chunk of slack.
+SPEC_MARGIN, SPEC_HISTORY = 1.10, 8
 META_SLOTS = 16
 
 
@@ -130,6 +133,11 @@ class CudaBackend:
         # Large EP groups (an NVL72 domain: 72 x 16k x 8 rows) would hold too much per handle.
         self.fill_first = (_env_int("MOK_EAGER_FILL_FIRST", 1) != 0 and not self.stage_first
                            and self.rows_bound * 20 <= FILL_FIRST_MAX_BYTES)
+        # MOK_EAGER_SPECULATIVE=1: the eager dispatch also launches the transfer before the host
+        # read, into rows allocated for a capacity guessed from recent calls (_dispatch_speculative).
+        self.speculative = _env_int("MOK_EAGER_SPECULATIVE", 0) != 0 and self.fill_first
+        self._spec_recent: list = []
+        self.spec_fallbacks = 0  # calls whose guess was short on some rank (all redid the transfer)
         self._own_side = None
         if self.mem.loopback:       # never the stream of another rank (loopback.OwnStream)
             from ..loopback import OwnStream
@@ -203,9 +211,11 @@ class CudaBackend:
         w = topk_weights.contiguous()
         static = b.max_recv_tokens is not None
         layout_cap = b.max_recv_tokens if static else (1 << 62)
+        if self.speculative and not static:
+            return self._dispatch_speculative(x, T, idx, w, scratch, totals, tpe, stream)
         self._check(self.lib.mok_dispatch_layout(
             self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
-            self._ptr(w), T, b.num_experts, self._ptr(tpe), layout_cap))
+            self._ptr(w), T, b.num_experts, self._ptr(tpe), layout_cap, -1))
         staged = None
         fill_first = self.fill_first and not static
         if fill_first:
@@ -258,6 +268,54 @@ class CudaBackend:
             state=CudaLayout(scratch=scratch, totals=totals))
         return tokens, probs, handle
 
+    def _dispatch_speculative(self, x, T, idx, w, scratch, totals, tpe, stream):
+        """Eager dispatch in the issue's order: allocate, launch, then read R.
+
+        The token rows are allocated for a capacity guessed from this rank's recent R (published
+        with the routing), and layout, fill and transfer are all queued before the host waits,
+        for the layout only. The transfer skips rows past the capacity. Every rank computes
+        every rank's R from the published routing, so all reach the same verdict: if any rank's
+        R exceeded its capacity, every rank runs the transfer again into exact rows (the ring
+        protocol needs the same calls on every rank); otherwise the rows are shrunk to R while
+        the transfer may still be running.
+        """
+        b = self.buf
+        cap = self._spec_capacity()
+        tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
+        probs_all, src_all = self._row_outputs(self.rows_bound, x.device)
+        self._check(self.lib.mok_dispatch_layout(
+            self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
+            self._ptr(w), T, b.num_experts, self._ptr(tpe), 1 << 62, cap))
+        main = torch.cuda.current_stream(self.device)
+        self.host_report[:4].copy_(totals, non_blocking=True)
+        self.host_report[4:].copy_(self.error_words, non_blocking=True)
+        self._layout_read.record(main)
+        self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)
+        self._transfer(x, T, scratch, tokens, cap, pad=False)
+        self._layout_read.synchronize()
+        self._raise_if_error(self.host_report[4:])
+        R, short = int(self.host_report[0]), int(self.host_report[2]) != 0
+        self._spec_recent = (self._spec_recent + [R])[-SPEC_HISTORY:]
+        if short:
+            self.spec_fallbacks += 1
+            tokens = torch.empty(R, b.hidden, dtype=b.dtype, device=x.device)
+            self._transfer(x, T, scratch, tokens, R)
+        else:
+            tokens = tokens.resize_(R, b.hidden)  # in place: outputs must not be views
+        handle = DispatchHandle(
+            buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=R, src_rank=src_all[0, :R],
+            src_token=src_all[1, :R], tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
+            state=CudaLayout(scratch=scratch, totals=totals))
+        return tokens, probs_all.resize_(R), handle
+
+    def _spec_capacity(self) -> int:
+        """Rows to allocate before R is known: SPEC_MARGIN over the largest recent R plus one
+        chunk, within the bound; 0 before the first call (which then always redoes the transfer)."""
+        if not self._spec_recent:
+            return 0
+        guess = int(max(self._spec_recent) * SPEC_MARGIN) + self.chunk_tokens
+        return min(guess, self.rows_bound)
+
     @staticmethod
     def _row_outputs(rows: int, device):
         """probs [rows] float32 and (src_rank, src_token) [2, rows] int64."""
@@ -269,11 +327,12 @@ class CudaBackend:
             self.ctx, stream, self._ptr(scratch), self._ptr(src[0]), self._ptr(src[1]),
             self._ptr(probs), cap, int(pad)))
 
-    def _transfer(self, x, T, scratch, out, cap):
-        """Both halves of the transfer as one kernel (cached and static-shape dispatches)."""
+    def _transfer(self, x, T, scratch, out, cap, pad: bool = True):
+        """Both halves of the transfer as one kernel (cached and static-shape dispatches).
+        ``pad=False``: rows [R, cap) are left unwritten (mode flag 4)."""
         self._check(self.lib.mok_dispatch_transfer(
             self.ctx, self._stream(), self._ptr(scratch), self._ptr(x), T,
-            self._ptr(out), cap, self.num_blocks, self.dispatch_producers, 0))
+            self._ptr(out), cap, self.num_blocks, self.dispatch_producers, 0 if pad else 4))
 
     def _launch_staging(self, x, T, scratch, main) -> torch.cuda.Event:
         """The staging half of an eager dispatch on the side stream, after the layout kernels

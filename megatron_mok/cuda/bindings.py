@@ -19,7 +19,7 @@ _SIGNATURES = {
     "mok_trace_offset": (c_size_t, [c_void_p]),
     "mok_set_peers": (c_int, [c_void_p, POINTER(c_uint64), c_int, c_double]),
     "mok_dispatch_layout": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int,
-                                    c_int, c_void_p, c_int64]),
+                                    c_int, c_void_p, c_int64, c_int64]),
     "mok_dispatch_fill": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int]),
     "mok_dispatch_transfer": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int,
                                       c_void_p, c_int64, c_int, c_int, c_int]),

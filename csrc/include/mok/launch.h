@@ -17,6 +17,8 @@ struct RoutingArgs {
   const float* topk_weights;  // [T, K]
   int32_t num_tokens;         // T of this rank
   int32_t num_experts;        // E (global), for range checks
+  int64_t spec_cap;           // speculative eager dispatch: rows allocated before the host
+                              // read (published with the routing); -1: not speculative
 };
 
 // Outputs of a dispatch that the user sees.
@@ -49,6 +51,9 @@ enum TransferMode : int32_t {
   kTransferBoth = 0,   // one kernel: num_producers blocks stage, the rest pull
   kTransferStage = 1,  // every block stages (stage-first eager dispatch: side stream, before the read)
   kTransferPull = 2,   // every block pulls (stage-first eager dispatch: after the read)
+  // Flag or'ed into the mode: rows [R, row_cap) are left alone instead of zeroed (the
+  // speculative eager dispatch, whose rows are shrunk to R on the host).
+  kTransferNoPad = 4,
 };
 
 // Stage x into my dispatch ring and pull every task's token into its expert-major rows.
