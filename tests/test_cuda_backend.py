@@ -443,6 +443,27 @@ def test_cuda_combine_split_over_warps_matches_reference(env, world_size):
     run_distributed(_split_vs_reference, world_size, env, backend="nccl", timeout=300)
 
 
+def _speculative_mismatch(rank, world_size):
+    """Only rank 0 speculative (as if only it had set MOK_EAGER_SPECULATIVE=1): it would make
+    two transfers where its peers make one, so every rank must stop with an error naming the
+    setting, not pair one rank's transfer with another call's tokens."""
+    dev = _device_for(rank)
+    E = 2 * world_size
+    buf = mok_buffer(E, 64, 2, 16, torch.bfloat16, "cuda", dev, timeout_s=10)
+    backend = buf._get_backend("cuda")
+    backend.speculative = rank == 0 and backend.fill_first
+    x, idx, w = make_inputs(3, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
+    with pytest.raises(RuntimeError, match="disagree on MOK_EAGER_SPECULATIVE"):
+        buf.dispatch(x, idx, w)
+        buf.check_errors()
+    return True
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_speculative_on_some_ranks_only_is_an_error(world_size):
+    run_distributed(_speculative_mismatch, world_size, backend="nccl", timeout=120, fresh=True)
+
+
 def _overflow_cuda(rank, world_size):
     return _overflow(rank, world_size, backend="cuda", device=_device_for(rank))
 

@@ -20,7 +20,7 @@ import torch
 from harness import run_loopback
 from test_cuda_backend import (CASE_NAMES, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
                                _missing_peer, _overflow_cuda, _repeats_and_sms, _ring_wrap,
-                               _speculative_calls, _split_calls, _static_cuda)
+                               _speculative_calls, _speculative_mismatch, _split_calls, _static_cuda)
 
 ALL_SIZES = (2, 3, 4, 8)
 # Every case at the world sizes a 2-GPU machine cannot give; a sample at 2 (also run on
@@ -92,6 +92,11 @@ def test_loopback_speculative_dispatch_redoes_short_calls_on_every_rank(world_si
     fallbacks = run_loopback(_speculative_calls, world_size, False, timeout=300)
     assert all(f == fallbacks[0] for f in fallbacks), f"ranks disagree on the redone calls: {fallbacks}"
     assert 3 <= fallbacks[0] < 10, f"{fallbacks[0]} calls were redone"
+
+
+@gpu
+def test_loopback_speculative_on_some_ranks_only_is_an_error():
+    run_loopback(_speculative_mismatch, 3, timeout=120)
 
 
 @gpu

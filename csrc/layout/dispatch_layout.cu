@@ -218,20 +218,29 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, Handl
   // Speculative eager dispatch: every rank sums every rank's rows from the same published
   // routing and reads every rank's published capacity, so every rank reaches the same verdict
   // on whether ANY rank's rows overflowed its capacity (then all redo the transfer together).
+  // Every rank checks that all ranks made the same choice: a speculative rank may make two
+  // transfers per dispatch, and the rings pair calls by number, so a mix would pair a rank's
+  // transfer with another call's staged tokens. A mismatch stops every rank's kernels.
   __shared__ int over;
   if (threadIdx.x == 0) over = 0;
   __syncthreads();
-  if (spec) {
+  {
     const uint64_t meta_seq = c.counters()->meta_seq;
     const int slot = static_cast<int>(meta_seq % c.ws.cfg.meta_slots);
     for (int d = threadIdx.x; d < W; d += blockDim.x) {
+      const int64_t cap_d = *reinterpret_cast<volatile int64_t*>(c.ws.meta_spec_cap_at(c.peers.base[d], slot));
+      if ((cap_d >= 0) != (spec != 0)) {
+        report_error(c, kConfigMismatch, d, kWaitNone, cap_d);
+        continue;
+      }
+      if (!spec) continue;
       int64_t rows_d = 0;
       for (int i = 0; i < W * cpc; ++i) rows_d += h.dest_rows[static_cast<size_t>(i) * W + d];
-      const int64_t cap_d = *reinterpret_cast<volatile int64_t*>(c.ws.meta_spec_cap_at(c.peers.base[d], slot));
       if (rows_d > cap_d) atomicOr(&over, 1);
     }
   }
   __syncthreads();
+  if (aborted(c)) return;  // a mismatch: the fill and the transfers must not run either
   if (threadIdx.x == 0) {
     h.task_off[W] = tasks;
     h.totals[0] = rows;

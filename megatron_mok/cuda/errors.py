@@ -7,6 +7,7 @@ ERROR_CODES = {
     2: "bad expert id",
     3: "receive overflow",
     4: "aborted",
+    5: "configuration mismatch",
 }
 
 WAIT_KINDS = {
@@ -41,4 +42,8 @@ def describe(report, timeout_s: float, max_recv_tokens) -> str:
         return (f"megatron_mok: rank {rank} received {detail} rows, more than max_recv_tokens="
                 f"{max_recv_tokens} (static-shape mode); rows past it were not written. Raise "
                 "max_recv_tokens.")
+    if code == 5:
+        return (f"megatron_mok: rank {rank} and rank {peer} disagree on MOK_EAGER_SPECULATIVE "
+                "(one publishes a speculative capacity, the other does not). Every rank of the "
+                "group must set it the same way. This Buffer can no longer be used.")
     return f"megatron_mok: rank {rank}: {kind} (peer {peer}, wait kind {what}, detail {detail})"
