@@ -91,7 +91,7 @@ def test_loopback_speculative_dispatch_redoes_short_calls_on_every_rank(world_si
     monkeypatch.setenv("MOK_EAGER_SPECULATIVE", "1")   # once for all threads (one choice)
     fallbacks = run_loopback(_speculative_calls, world_size, False, timeout=300)
     assert all(f == fallbacks[0] for f in fallbacks), f"ranks disagree on the redone calls: {fallbacks}"
-    assert 3 <= fallbacks[0] < 10, f"{fallbacks[0]} calls were redone"
+    assert 4 <= fallbacks[0] < 11, f"{fallbacks[0]} calls were redone"
 
 
 @gpu

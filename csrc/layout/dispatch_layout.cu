@@ -39,6 +39,8 @@ __global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, 
     readers = 0;
   }
   if (threadIdx.x < W) chunk_count[threadIdx.x] = 0;
+  // Speculative: count's blocks add every rank's rows here (this kernel ends before count runs).
+  if (r.spec_cap >= 0 && j == 0 && threadIdx.x < W) h.dest_total[threadIdx.x] = 0;
   __syncthreads();
   if (meta_seq >= static_cast<uint64_t>(M) && threadIdx.x < W) {
     if (!wait_geq(c, ws.meta_released_at(me, threadIdx.x) + slot, meta_seq - M + 1, threadIdx.x,
@@ -165,8 +167,7 @@ __global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, Ha
   __syncthreads();
   if (spec)
     for (int d = threadIdx.x; d < c.world; d += blockDim.x)
-      h.dest_rows[(static_cast<size_t>(s) * HandleArrays::chunks_per_call(ws.cfg) + chunk) * c.world + d] =
-          dest_hist[d];
+      if (dest_hist[d] != 0) atomicAdd(&h.dest_total[d], dest_hist[d]);
   for (int e = threadIdx.x; e < E_local; e += blockDim.x)
     h.chunk_rows[HandleArrays::group(ws.cfg, e, s, chunk)] = hist[e];
   if (threadIdx.x == 0) h.chunk_tasks[s * HandleArrays::chunks_per_call(ws.cfg) + chunk] = tasks;
@@ -233,10 +234,7 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, Handl
         report_error(c, kConfigMismatch, d, kWaitNone, cap_d);
         continue;
       }
-      if (!spec) continue;
-      int64_t rows_d = 0;
-      for (int i = 0; i < W * cpc; ++i) rows_d += h.dest_rows[static_cast<size_t>(i) * W + d];
-      if (rows_d > cap_d) atomicOr(&over, 1);
+      if (spec && h.dest_total[d] > cap_d) atomicOr(&over, 1);
     }
   }
   __syncthreads();

@@ -293,7 +293,9 @@ class CudaBackend:
         self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)
         self._transfer(x, T, scratch, tokens, cap, pad=False)
         self._layout_read.synchronize()
-        self._raise_if_error(self.host_report[4:])
+        bad_ids = int(self.host_report[4]) == BAD_EXPERT  # only this rank knows: finish the call first
+        if not bad_ids:
+            self._raise_if_error(self.host_report[4:])
         R, short = int(self.host_report[0]), int(self.host_report[2]) != 0
         self._spec_recent = (self._spec_recent + [R])[-SPEC_HISTORY:]
         if short:
@@ -302,6 +304,8 @@ class CudaBackend:
             self._transfer(x, T, scratch, tokens, R)
         else:
             tokens = tokens.resize_(R, b.hidden)  # in place: outputs must not be views
+        if bad_ids:  # the peers' redo (if any) is matched by this rank's: now raise
+            self._raise_if_error(self.host_report[4:])
         handle = DispatchHandle(
             buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=R, src_rank=src_all[0, :R],
             src_token=src_all[1, :R], tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],

@@ -6,7 +6,7 @@ import ctypes
 from ctypes import c_double, c_float, c_int, c_int64, c_size_t, c_uint64, c_void_p, POINTER
 
 # The C ABI version this file declares (MOK_ABI_VERSION in csrc/api/mok_api.h).
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _SIGNATURES = {
     "mok_abi_version": (c_int, []),
