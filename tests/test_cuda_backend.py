@@ -367,11 +367,18 @@ def test_cuda_missing_peer_times_out(world_size):
         assert "rank" in msg and "peer" in msg, f"the error should name rank and peer: {msg}"
 
 
-def _bad_expert_id_cuda(rank, world_size):
+def _small_cuda_case(rank, world_size, seed):
+    """A small CUDA Buffer (2 experts per rank, H=64, K=2, 16 tokens, 10 s timeout) and this
+    rank's inputs, for the error tests; also returns E."""
     dev = _device_for(rank)
     E = 2 * world_size
     buf = mok_buffer(E, 64, 2, 16, torch.bfloat16, "cuda", dev, timeout_s=10)
-    x, idx, w = make_inputs(2, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
+    x, idx, w = make_inputs(seed, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
+    return buf, x, idx, w, E
+
+
+def _bad_expert_id_cuda(rank, world_size):
+    buf, x, idx, w, E = _small_cuda_case(rank, world_size, 2)
     idx = idx.clone()
     idx[3, 1] = E                                             # one bad id on every rank
     with pytest.raises((ValueError, RuntimeError), match=r"(?i)expert id|outside"):
@@ -388,10 +395,7 @@ def test_cuda_bad_expert_id_is_an_error(world_size):
 def _bad_expert_id_on_rank0_only(rank, world_size):
     """A bad id on one rank is that rank's error: it raises, and its peers' dispatch completes
     (its transfer still runs, so they do not wait for its tokens until their timeout)."""
-    dev = _device_for(rank)
-    E = 2 * world_size
-    buf = mok_buffer(E, 64, 2, 16, torch.bfloat16, "cuda", dev, timeout_s=10)
-    x, idx, w = make_inputs(4, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
+    buf, x, idx, w, E = _small_cuda_case(rank, world_size, 4)
     t0 = time.monotonic()
     if rank == 0:
         idx = idx.clone()
@@ -447,12 +451,9 @@ def _speculative_mismatch(rank, world_size):
     """Only rank 0 speculative (as if only it had set MOK_EAGER_SPECULATIVE=1): it would make
     two transfers where its peers make one, so every rank must stop with an error naming the
     setting, not pair one rank's transfer with another call's tokens."""
-    dev = _device_for(rank)
-    E = 2 * world_size
-    buf = mok_buffer(E, 64, 2, 16, torch.bfloat16, "cuda", dev, timeout_s=10)
+    buf, x, idx, w, _ = _small_cuda_case(rank, world_size, 3)
     backend = buf._get_backend("cuda")
     backend.speculative = rank == 0 and backend.fill_first
-    x, idx, w = make_inputs(3, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
     with pytest.raises(RuntimeError, match="disagree on the speculative eager dispatch"):
         buf.dispatch(x, idx, w)
         buf.check_errors()
