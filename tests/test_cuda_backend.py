@@ -175,11 +175,15 @@ def test_cuda_ring_wraps_1000_calls(world_size):
 
 # Alternative schedules, chosen by environment variables the backend reads when a Buffer is
 # made (eager staging on a side stream before the host read, MOK_EAGER_STAGE_FIRST=1) or at
-# each combine launch (role split instead of phases, MOK_COMBINE_PHASED=0). Each must give
-# the reference's bits; the ring test also runs the eager staging through a wrapping ring.
+# each combine launch (role split instead of phases, MOK_COMBINE_PHASED=0; one warp per token
+# and per task even when a call has fewer of them than warps, MOK_COMBINE_SPLIT=0). Each must
+# give the reference's bits; the ring test also runs the eager staging through a wrapping ring.
 ALT_SCHEDULES = [
     pytest.param({"MOK_EAGER_STAGE_FIRST": "1"}, id="eager_stage_first"),
     pytest.param({"MOK_COMBINE_PHASED": "0"}, id="combine_role_split"),
+    pytest.param({"MOK_COMBINE_SPLIT": "0"}, id="combine_no_split"),
+    pytest.param({"MOK_EAGER_FILL_FIRST": "0"}, id="eager_fill_after_read"),
+    pytest.param({"MOK_EAGER_SPECULATIVE": "1"}, id="eager_speculative"),
 ]
 
 
@@ -363,11 +367,18 @@ def test_cuda_missing_peer_times_out(world_size):
         assert "rank" in msg and "peer" in msg, f"the error should name rank and peer: {msg}"
 
 
-def _bad_expert_id_cuda(rank, world_size):
+def _small_cuda_case(rank, world_size, seed):
+    """A small CUDA Buffer (2 experts per rank, H=64, K=2, 16 tokens, 10 s timeout) and this
+    rank's inputs, for the error tests; also returns E."""
     dev = _device_for(rank)
     E = 2 * world_size
     buf = mok_buffer(E, 64, 2, 16, torch.bfloat16, "cuda", dev, timeout_s=10)
-    x, idx, w = make_inputs(2, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
+    x, idx, w = make_inputs(seed, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
+    return buf, x, idx, w, E
+
+
+def _bad_expert_id_cuda(rank, world_size):
+    buf, x, idx, w, E = _small_cuda_case(rank, world_size, 2)
     idx = idx.clone()
     idx[3, 1] = E                                             # one bad id on every rank
     with pytest.raises((ValueError, RuntimeError), match=r"(?i)expert id|outside"):
@@ -379,6 +390,79 @@ def _bad_expert_id_cuda(rank, world_size):
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
 def test_cuda_bad_expert_id_is_an_error(world_size):
     run_distributed(_bad_expert_id_cuda, world_size, backend="nccl", timeout=120, fresh=True)
+
+
+def _bad_expert_id_on_rank0_only(rank, world_size):
+    """A bad id on one rank is that rank's error: it raises, and its peers' dispatch completes
+    (its transfer still runs, so they do not wait for its tokens until their timeout)."""
+    buf, x, idx, w, E = _small_cuda_case(rank, world_size, 4)
+    t0 = time.monotonic()
+    if rank == 0:
+        idx = idx.clone()
+        idx[5, 0] = E
+        with pytest.raises(RuntimeError, match=r"(?i)expert id"):
+            buf.dispatch(x, idx, w)
+    else:
+        buf.dispatch(x, idx, w)
+        buf.check_errors()
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_bad_expert_id_on_one_rank_does_not_stall_its_peers(world_size):
+    took = run_distributed(_bad_expert_id_on_rank0_only, world_size, backend="nccl", timeout=120, fresh=True)
+    assert max(took) < 8, f"a rank waited {max(took):.1f} s (its peer's transfer never ran?)"
+
+
+def _split_vs_reference(rank, world_size, env):
+    """Calls with fewer tokens than combine warps at H = 1288 (S = 3 steps of 512, the last one
+    partial) on 4 SMs: each token's steps are dealt to P warps (P = 3 at 20 tokens, P = 2 at
+    25, which does not divide S), forward and backward (prob gradients included), token-dtype
+    and fp32 partials, against the reference bitwise."""
+    return _with_env(env, _split_calls, rank, world_size)
+
+
+def _split_calls(rank, world_size):
+    dev = _device_for(rank)
+    H, K, E, dtype = 1288, 4, 4 * world_size, torch.bfloat16
+    calls = [(20, "random"), (25, "duplicate"), (1, "random"), (7, "unrouted"), (0, "random"), (40, "skewed")]
+    for partial in (None, torch.float32):
+        kw = {} if partial is None else {"combine_partial_dtype": partial}
+        buf = mok_buffer(E, H, K, 64, dtype, "cuda", dev, num_sms=4, timeout_s=30, **kw)
+        ref = mok_buffer(E, H, K, 64, dtype, "reference", dev, **kw)
+        for i, (t, case) in enumerate(calls):
+            T_all = [max(0, t - r) for r in range(world_size)]
+            inputs = make_inputs(900 + i, world_size, T_all, E, H, K, dtype, case=case, device=dev)
+            assert_same_results(full_pass(buf, *inputs[rank], i), full_pass(ref, *inputs[rank], i),
+                                f"split call {i} T={T_all} partial={partial} rank {rank}")
+        buf.check_errors()
+        buf.destroy()
+        ref.destroy()
+    return True
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+@pytest.mark.parametrize("env", [{}, {"MOK_COMBINE_PHASED": "0"}], ids=["phased", "role_split"])
+def test_cuda_combine_split_over_warps_matches_reference(env, world_size):
+    run_distributed(_split_vs_reference, world_size, env, backend="nccl", timeout=300)
+
+
+def _speculative_mismatch(rank, world_size):
+    """Only rank 0 speculative (as if only it had set MOK_EAGER_SPECULATIVE=1): it would make
+    two transfers where its peers make one, so every rank must stop with an error naming the
+    setting, not pair one rank's transfer with another call's tokens."""
+    buf, x, idx, w, _ = _small_cuda_case(rank, world_size, 3)
+    backend = buf._get_backend("cuda")
+    backend.speculative = rank == 0 and backend.fill_first
+    with pytest.raises(RuntimeError, match="disagree on the speculative eager dispatch"):
+        buf.dispatch(x, idx, w)
+        buf.check_errors()
+    return True
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_speculative_on_some_ranks_only_is_an_error(world_size):
+    run_distributed(_speculative_mismatch, world_size, backend="nccl", timeout=120, fresh=True)
 
 
 def _overflow_cuda(rank, world_size):
@@ -408,6 +492,81 @@ def _cuda_input_errors(rank, world_size):
 @pytest.mark.gpu
 def test_cuda_input_errors():
     run_distributed(_cuda_input_errors, 1, backend="nccl", timeout=120)
+
+
+def _dispatch_outputs_are_plain_tensors(rank, world_size):
+    dev = _device_for(rank)
+    buf = mok_buffer(8, 64, 2, 32, torch.bfloat16, "cuda", dev)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(20, 64, generator=g).to(torch.bfloat16).to(dev).requires_grad_()
+    idx = torch.randint(0, 8, (20, 2), generator=g).to(dev)
+    w = torch.rand(20, 2, generator=g).to(dev).requires_grad_()
+    out = buf.dispatch(x, idx, w)
+    R = out.tokens.shape[0]
+    assert R == 40 and out.probs.shape == (R,) and out.src_token.shape == (R,)
+    # The eager fill writes into row outputs sized by a bound on R: probs must still be its own
+    # tensor (not a slice), or autograd forbids updating it in place downstream.
+    assert out.probs._base is None
+    out.probs.mul_(2.0)
+    buf.destroy()
+    return True
+
+
+def _speculative_calls(rank, world_size, set_env=True):
+    """Speculative eager dispatches whose guessed capacity is sometimes short (the first call,
+    a jump in size): every call bitwise equal to the reference, full passes included, and the
+    short calls redone on every rank together. Loopback ranks share one environment: their
+    caller sets it (set_env=False), since every rank must make the same choice."""
+    if set_env:
+        os.environ["MOK_EAGER_SPECULATIVE"] = "1"
+    try:
+        dev = _device_for(rank)
+        H, K, E, T_max, dtype = 256, 4, 4 * world_size, 512, torch.bfloat16
+        buf = mok_buffer(E, H, K, T_max, dtype, "cuda", dev, timeout_s=30)
+        ref = mok_buffer(E, H, K, T_max, dtype, "reference", dev)
+        # Jumps at calls 3 and 7 (every rank's R grows). At call 10 the routing is skewed to
+        # experts 0-4 (K=4 of them per token, 4 experts per rank): rank 0 receives ~3.2 rows per
+        # token, about twice its largest R so far, while the other ranks receive less than before;
+        # only rank 0's guess is short, and every rank must redo the transfer with it.
+        calls = [(40, "mixed"), (40, "mixed"), (38, "mixed"), (300, "mixed"), (290, "mixed"),
+                 (5, "mixed"), (0, "mixed"), (512, "mixed"), (100, "mixed"), (480, "mixed"),
+                 (512, "skewed")]
+        for i, (t, case) in enumerate(calls):
+            T_all = [max(0, t - 3 * r) for r in range(world_size)]
+            inputs = make_inputs(500 + i, world_size, T_all, E, H, K, dtype, case=case, device=dev)
+            tag = f"call {i} T={T_all} rank {rank}"
+            if i % 3 == 2:
+                assert_same_results(full_pass(buf, *inputs[rank], i), full_pass(ref, *inputs[rank], i), tag)
+                continue
+            a, b = buf.dispatch(*inputs[rank]), ref.dispatch(*inputs[rank])
+            assert_bitwise(a.tokens, b.tokens, f"tokens {tag}")
+            assert_bitwise(a.probs, b.probs, f"probs {tag}")
+            assert_bitwise(a.src_token, b.src_token, f"src_token {tag}")
+            assert a.tokens._base is None and a.probs._base is None
+            eo = (a.tokens.float() * 1.25).to(dtype)
+            assert_bitwise(buf.combine(eo, a.handle), ref.combine(eo, b.handle), f"combine {tag}")
+        fallbacks = buf._get_backend("cuda").spec_fallbacks
+        buf.check_errors()
+        buf.destroy()
+        ref.destroy()
+        return fallbacks
+    finally:
+        if set_env:
+            os.environ.pop("MOK_EAGER_SPECULATIVE", None)
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_speculative_dispatch_redoes_short_calls_on_every_rank(world_size):
+    fallbacks = run_distributed(_speculative_calls, world_size, backend="nccl", timeout=300)
+    # The first call has no guess; the jumps to 300 and 512 tokens exceed 1.1x the history; the
+    # skewed call overflows rank 0 only, and every rank must have redone it.
+    assert all(f == fallbacks[0] for f in fallbacks), f"ranks disagree on the redone calls: {fallbacks}"
+    assert 4 <= fallbacks[0] < 11, f"{fallbacks[0]} calls were redone"
+
+
+@pytest.mark.gpu
+def test_cuda_dispatch_outputs_are_plain_tensors():
+    run_distributed(_dispatch_outputs_are_plain_tensors, 1, backend="nccl", timeout=120)
 
 
 # --------------------------------------------------- CPU self-checks of the comparison code

@@ -69,7 +69,7 @@ def test_calls_before_peers_are_set_fail_cleanly():
     lib = library.get()
     ctx = _create(lib)
     try:
-        rc = lib.mok_dispatch_fill(ctx, None, None, None, None, None, 0)
+        rc = lib.mok_dispatch_fill(ctx, None, None, None, None, None, 0, 1)
         assert rc != 0
         assert "mok_set_peers" in lib.mok_last_error().decode()
     finally:
@@ -78,6 +78,8 @@ def test_calls_before_peers_are_set_fail_cleanly():
 
 @pytest.mark.parametrize("blocks, producers, mode, message", [
     (24, 4, 3, "mode must be 0 (both roles), 1 (stage) or 2 (pull)"),
+    (24, 4, 7, "mode must be 0 (both roles), 1 (stage) or 2 (pull)"),
+    (24, 24, 4, "1 <= num_producers < num_blocks"),   # 4 = both roles, rows past R not zeroed
     (24, 24, 0, "1 <= num_producers < num_blocks"),
     (24, 0, 0, "1 <= num_producers < num_blocks"),
     (0, 0, 1, "num_blocks >= 1"),

@@ -20,7 +20,7 @@ import torch
 from harness import run_loopback
 from test_cuda_backend import (CASE_NAMES, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
                                _missing_peer, _overflow_cuda, _repeats_and_sms, _ring_wrap,
-                               _static_cuda)
+                               _speculative_calls, _speculative_mismatch, _split_calls, _static_cuda)
 
 ALL_SIZES = (2, 3, 4, 8)
 # Every case at the world sizes a 2-GPU machine cannot give; a sample at 2 (also run on
@@ -63,8 +63,11 @@ def test_loopback_ring_wraps(world_size, calls, t_max):
 
 
 @gpu
-@pytest.mark.parametrize("env", [{"MOK_EAGER_STAGE_FIRST": "1"}, {"MOK_COMBINE_PHASED": "0"}],
-                         ids=["eager_stage_first", "combine_role_split"])
+@pytest.mark.parametrize("env", [{"MOK_EAGER_STAGE_FIRST": "1"}, {"MOK_COMBINE_PHASED": "0"},
+                                 {"MOK_COMBINE_SPLIT": "0"}, {"MOK_EAGER_FILL_FIRST": "0"},
+                                 {"MOK_EAGER_SPECULATIVE": "1"}],
+                         ids=["eager_stage_first", "combine_role_split", "combine_no_split",
+                              "eager_fill_after_read", "eager_speculative"])
 def test_loopback_alternative_schedules(env, monkeypatch):
     # Set once for all threads: every rank must make the same choice.
     for k, v in env.items():
@@ -72,6 +75,28 @@ def test_loopback_alternative_schedules(env, monkeypatch):
     run_loopback(_backend_vs_reference, 4, "mixed", 77, timeout=300)
     rows, ring = run_loopback(_ring_wrap, 3, 150, timeout=600)[0]
     assert rows * 256 * 2 > 4 * ring, "the ring did not wrap"
+
+
+@gpu
+@pytest.mark.parametrize("env", [{}, {"MOK_COMBINE_PHASED": "0"}], ids=["phased", "role_split"])
+def test_loopback_combine_split_over_warps_matches_reference(env, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    run_loopback(_split_calls, 3, timeout=300)
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (3, 4))
+def test_loopback_speculative_dispatch_redoes_short_calls_on_every_rank(world_size, monkeypatch):
+    monkeypatch.setenv("MOK_EAGER_SPECULATIVE", "1")   # once for all threads (one choice)
+    fallbacks = run_loopback(_speculative_calls, world_size, False, timeout=300)
+    assert all(f == fallbacks[0] for f in fallbacks), f"ranks disagree on the redone calls: {fallbacks}"
+    assert 4 <= fallbacks[0] < 11, f"{fallbacks[0]} calls were redone"
+
+
+@gpu
+def test_loopback_speculative_on_some_ranks_only_is_an_error():
+    run_loopback(_speculative_mismatch, 3, timeout=120)
 
 
 @gpu

@@ -98,23 +98,24 @@ int mok_set_peers(MokContext* ctx, const uint64_t* peer_bases, int n, double tim
 
 int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
                         int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
-                        int64_t* tokens_per_expert, int64_t row_cap) {
+                        int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap) {
   if (int e = check_ready(ctx)) return e;
   if (num_tokens < 0 || num_tokens > ctx->comm.ws.cfg.max_tokens)
     return fail("num_tokens outside [0, max_tokens]");
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
-  RoutingArgs r{topk_idx, idx_is_64, topk_weights, num_tokens, num_experts};
-  RowOutputs out{nullptr, nullptr, nullptr, tokens_per_expert, row_cap};
+  RoutingArgs r{topk_idx, idx_is_64, topk_weights, num_tokens, num_experts, spec_cap};
+  RowOutputs out{nullptr, nullptr, nullptr, tokens_per_expert, row_cap, 0};
   return check_launch(launch_dispatch_layout(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
                       "dispatch layout launch");
 }
 
 int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
-                      int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap) {
+                      int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap,
+                      int pad) {
   if (int e = check_ready(ctx)) return e;
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
-  RoutingArgs r{nullptr, 0, nullptr, 0, 0};
-  RowOutputs out{src_rank, src_token, probs, nullptr, row_cap};
+  RoutingArgs r{nullptr, 0, nullptr, 0, 0, -1};
+  RowOutputs out{src_rank, src_token, probs, nullptr, row_cap, pad};
   return check_launch(launch_dispatch_fill(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
                       "dispatch fill launch");
 }
@@ -123,9 +124,11 @@ int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const vo
                           int num_tokens, void* out_rows, int64_t row_cap,
                           int num_blocks, int num_producers, int mode) {
   if (int e = check_ready(ctx)) return e;
-  if (mode != kTransferBoth && mode != kTransferStage && mode != kTransferPull)
-    return fail("dispatch transfer mode must be 0 (both roles), 1 (stage) or 2 (pull)");
-  if (mode == kTransferBoth && (num_producers < 1 || num_blocks <= num_producers))
+  const int roles = mode & ~kTransferNoPad;
+  if (roles != kTransferBoth && roles != kTransferStage && roles != kTransferPull)
+    return fail("dispatch transfer mode must be 0 (both roles), 1 (stage) or 2 (pull), "
+                "optionally | 4 (no zero padding)");
+  if (roles == kTransferBoth && (num_producers < 1 || num_blocks <= num_producers))
     return fail("dispatch transfer needs 1 <= num_producers < num_blocks");
   if (num_blocks < 1) return fail("dispatch transfer needs num_blocks >= 1");
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));

@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 1
+#define MOK_ABI_VERSION 3
 int mok_abi_version(void);
 
 MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int partial_bytes, int topk,
@@ -28,13 +28,20 @@ size_t mok_handle_totals_offset(const MokContext* ctx);
 size_t mok_trace_offset(const MokContext* ctx);
 int mok_set_peers(MokContext* ctx, const uint64_t* peer_bases, int n, double timeout_s);
 
+/* spec_cap >= 0: a speculative eager dispatch allocated spec_cap rows before reading R; it is
+ * published with the routing, and the scan sets totals[2] when ANY rank's rows exceed its
+ * capacity (the same verdict on every rank). -1: not speculative. */
 int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
                         int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
-                        int64_t* tokens_per_expert, int64_t row_cap);
+                        int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap);
+/* Per-row outputs [row_cap]. pad 1: rows [R, row_cap) are written as "no source" (static
+ * shape); pad 0: only rows < R are written (an eager dispatch passes a bound on R, so that
+ * the fill can run before the host has read R). */
 int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
-                      int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap);
+                      int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap,
+                      int pad);
 /* mode 0: one kernel, num_producers blocks stage and the rest pull; 1: every block stages
- * (out_rows unused); 2: every block pulls. With MOK_EAGER_STAGE_FIRST=1 an eager dispatch
+ * (out_rows unused); 2: every block pulls; | 4: rows [R, row_cap) are not zeroed. With MOK_EAGER_STAGE_FIRST=1 an eager dispatch
  * launches 1 on a side stream before reading R, then 2 once the rows are allocated
  * (megatron_mok/cuda/backend.py); otherwise every dispatch uses 0. */
 int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const void* x,

@@ -25,23 +25,43 @@ struct CombineShape {
   int H, K, C, cps;  // hidden, topk, rows per chunk, chunks per source region
   int64_t cpc;       // chunks per call: W regions of cps chunks
   int phased;        // every block produces, then consumes (the call fits in the ring)
+  int split;         // a token's (or a task's) steps may be dealt to several warps when the
+                     // call has fewer of them than the grid has warps (MOK_COMBINE_SPLIT=0: never)
 
   // Generation of chunk j of source region s (rank s's tokens) in this call.
   __device__ uint64_t gen(int s, int j) const { return seq * cpc + static_cast<uint64_t>(s) * cps + j; }
 };
+
+// How many warps share one work item (a token to sum, a task to reduce): as many as the grid
+// has warps per item, at most one per step. A small call (128 tokens on 384 warps) would
+// otherwise leave most warps idle while each busy one walks all S steps of its item alone.
+__device__ __forceinline__ int split_factor(const CombineShape& sh, int n_warps, int items, int S) {
+  if (!sh.split || items <= 0) return 1;
+  return max(1, min(S, n_warps / items));
+}
+
+// Steps [first, first + count) of part `part` of P: the S steps dealt as evenly as possible.
+__device__ __forceinline__ void part_steps(int S, int P, int part, int& first, int& count) {
+  first = part * S / P;
+  count = (part + 1) * S / P - first;
+}
 
 // One task's partial: its rows here summed in row order (fp32 from +0.0), rounded once to P,
 // written by one warp to `dst`; lane k < K also writes the prob-gradient side value of slot k.
 template <typename T, typename P>
 __device__ __forceinline__ void produce_row(const HandleArrays& h, const TransferArgs& a,
                                             const CombineShape& sh, int task, const T* expert_out,
-                                            const float* grad_probs, P* dst, float* side) {
+                                            const float* grad_probs, P* dst, float* side,
+                                            int first_step = 0, int n_steps = 1 << 30) {
+  constexpr int kStepElems = kWarpSize * kCombineVec * U;
   const int lane = threadIdx.x % kWarpSize;
   const int32_t* rows = h.task_rows + static_cast<size_t>(task) * sh.K;
   HeldRows held;
   const bool use_held = sh.K <= kHeldRows;
   if (use_held) held.load(rows, sh.K);
-  for (int v0 = lane * kCombineVec; v0 < sh.H; v0 += kWarpSize * kCombineVec * U) {
+  const int v_end = static_cast<int>(min(static_cast<int64_t>(sh.H),
+                                         (static_cast<int64_t>(first_step) + n_steps) * kStepElems));
+  for (int v0 = first_step * kStepElems + lane * kCombineVec; v0 < v_end; v0 += kStepElems) {
     float acc[U][kCombineVec];
     zero(acc);
     if (use_held)
@@ -52,7 +72,7 @@ __device__ __forceinline__ void produce_row(const HandleArrays& h, const Transfe
     for (int u = 0; u < U; ++u)
       if (group_live(v0, u, sh.H)) Vec8<P>::store(dst + v0 + u * kWarpSize * kCombineVec, acc[u]);
   }
-  if (grad_probs != nullptr && lane < sh.K) {
+  if (grad_probs != nullptr && first_step == 0 && lane < sh.K) {  // part 0 writes the side values
     float val = 0.f;
     for (int k = 0; k < sh.K; ++k) {
       const int row = rows[k];
@@ -110,7 +130,16 @@ __device__ void produce_rows(const CommContext& c, const HandleArrays& h, const 
   int64_t acquired = -1;  // the last slot this warp checked (its tasks ascend, so chunks do)
   int s = 0, s_first = 0;  // source of the current task, and its index of s's first task
   const int total = h.task_off[c.world] - (h.task_off[c.rank + 1] - h.task_off[c.rank]);
-  for (int i = warp; i < total; i += n_warps) {
+  constexpr int kStepElems = kWarpSize * kCombineVec * U;
+  const int S = (sh.H + kStepElems - 1) / kStepElems;
+  // Few tasks (a small call): warp w takes steps of part w / total of task w % total, so
+  // every warp has work; a chunk is then complete when all parts of all its rows arrived.
+  const int Ps = split_factor(sh, n_warps, total, S);
+  int first_step = 0, n_steps = S;
+  if (Ps > 1) part_steps(S, Ps, warp / max(total, 1), first_step, n_steps);
+  const int n_items = Ps > 1 ? total * Ps : total;
+  for (int item = warp; item < n_items; item += n_warps) {
+    const int i = Ps > 1 ? item % total : item;
     // Virtual task i -> (source s != me, task q of s): the sources' tasks back to back.
     while (s == c.rank || i >= s_first + (h.task_off[s + 1] - h.task_off[s])) {
       if (s != c.rank) s_first += h.task_off[s + 1] - h.task_off[s];
@@ -128,12 +157,13 @@ __device__ void produce_rows(const CommContext& c, const HandleArrays& h, const 
     const int r = q % sh.C;
     produce_row<T, P>(h, a, sh, h.task_off[s] + q, expert_out, grad_probs,
                       reinterpret_cast<P*>(chunk) + static_cast<size_t>(r) * sh.H,
-                      reinterpret_cast<float*>(chunk + c.ws.comb_side_offset) + r * sh.K);
+                      reinterpret_cast<float*>(chunk + c.ws.comb_side_offset) + r * sh.K,
+                      first_step, n_steps);
     __syncwarp();
     if (lane == 0) {
       __threadfence();
       const int rows_here = min(sh.C, n - j * sh.C);
-      if (atomicAdd(arrived + slot, 1) + 1 == rows_here) {
+      if (atomicAdd(arrived + slot, 1) + 1 == rows_here * Ps) {
         arrived[slot] = 0;  // the slot's next generation counts from zero
         ring_slot_publish(mine, slot, g, 1ull << s);
       }
@@ -231,7 +261,7 @@ __device__ __forceinline__ int stream_rows(const int32_t* rows, int K, int64_t r
 // chunks of the tokens before it, and a producer may be waiting for exactly those slots
 // (small rings). Unstreamed partials, partials of further ranks (world > 2) and the own rows
 // of tokens with more than kMaxOwn of them are loaded when summed.
-template <typename T, typename P, int kOwnRows>
+template <typename T, typename P, int kOwnRows, bool kSplit>
 __device__ void consume(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
                         const CombineShape& sh, const Role& role, const T* expert_out,
                         const float* grad_probs, T* y, float* grad_w, int4* smem) {
@@ -248,8 +278,17 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   const int64_t N = RingView::combine(c.ws, c.local()).num_chunks;
   const int my_first_task = h.task_off[me];
   const int S = (sh.H + kStepElems - 1) / kStepElems;
-  const int n_tok = a.num_tokens > warp ? (a.num_tokens - warp + n_warps - 1) / n_warps : 0;
-  const int64_t n_pieces = static_cast<int64_t>(n_tok) * S;
+  // Fewer tokens than warps: a token's S steps are dealt to P warps (warp w: part w / n_my
+  // of token w % n_my, at most one item per warp). Every part waits for the token's partials and
+  // sums its own steps in the same order, so the result does not depend on P.
+  const int n_my = a.num_tokens;
+  const int Pc = kSplit ? split_factor(sh, n_warps, n_my, S) : 1;
+  int first_step = 0, n_steps = S;
+  if (Pc > 1) part_steps(S, Pc, warp / n_my, first_step, n_steps);
+  const int n_tok = Pc > 1 ? (warp < n_my * Pc ? 1 : 0)
+                           : (n_my > warp ? (n_my - warp + n_warps - 1) / n_warps : 0);
+  auto token_of = [&](int k) { return Pc > 1 ? warp % n_my : warp + k * n_warps; };
+  const int64_t n_pieces = static_cast<int64_t>(n_tok) * n_steps;
   int4* ring = smem + static_cast<size_t>(threadIdx.x / kWarpSize) * R * RS::kSlotInt4;
   // This lane's words of group u in slot i.
   auto lane_words = [&](int i, int u) { return ring + i * RS::kSlotInt4 + (u * kWarpSize + lane) * RS::kVecs; };
@@ -270,13 +309,13 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   int ck = 0;                  // the token being consumed
   auto try_issue = [&]() {
     while (ip < n_pieces) {
-      const int k = static_cast<int>(ip / S), st = static_cast<int>(ip % S);
+      const int k = static_cast<int>(ip / n_steps), st = first_step + static_cast<int>(ip % n_steps);
       // Pieces that need no slot (no own rows here, partial not ready) cost nothing, so
       // bound the look-ahead in tokens too: `streamed` keeps 64 tokens' bits.
       if (k - ck >= 32) return;
       if (k != ik) {  // plan the token once, when its first piece comes up
         ik = k;
-        const int t = warp + k * n_warps;
+        const int t = token_of(k);
         const int n = stream_rows<RS::kMaxOwn>(rows_of(t), sh.K, a.row_cap, irow);
         in_own = n < 0 ? 0 : n;
         ipartial = nullptr;
@@ -330,7 +369,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   int cslot = 0;
   for (int k = 0; k < n_tok; ++k) {
     ck = k;
-    const int t = warp + k * n_warps;
+    const int t = token_of(k);
     // q of t for rank d (index among my tokens sent to d), or -1: read where needed (L1 hits).
     auto pos = [&](int d) { return h.send_index(c.ws.cfg, t, d); };
     const int32_t* my_rows = rows_of(t);
@@ -343,8 +382,8 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     // loaded like any further rank's).
     const int d0 = (streamed >> (k % 64)) & 1 ? first_remote(c, h, t) : -1;
     const int need = own_slots + (d0 >= 0 ? 1 : 0);
-    for (int st = 0; st < S; ++st) {
-      const int64_t p = static_cast<int64_t>(k) * S + st;
+    for (int st = first_step; st < first_step + n_steps; ++st) {
+      const int64_t p = static_cast<int64_t>(k) * n_steps + (st - first_step);
       const int v0 = st * kStepElems + lane * kCombineVec;
       try_issue();                              // piece p is issued (the ring is free by now)
       cp_async_wait_at_most(static_cast<int>(ip - p - 1));
@@ -409,7 +448,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       cslot = (cslot + need) % R;
       free_slots += need;
     }
-    if (grad_w != nullptr && lane < sh.K) {
+    if (grad_w != nullptr && first_step == 0 && lane < sh.K) {  // part 0 writes the prob gradients
       float val = 0.f;
       for (int d = 0; d < W; ++d) {
         const int q = pos(d);
@@ -441,7 +480,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         const int j = q / sh.C;
         const uint64_t g = sh.gen(me, j);
         const int64_t slot = static_cast<int64_t>(g % N);
-        const int expected = min(sh.C, h.send_count[d] - j * sh.C);
+        const int expected = min(sh.C, h.send_count[d] - j * sh.C) * Pc;  // every part reads it
         int32_t* done = RingView::combine(c.ws, c.local()).done + static_cast<size_t>(d) * N + slot;
         if (atomicAdd(done, 1) + 1 == expected) {
           *done = 0;
@@ -453,6 +492,21 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     }
   }
   cp_async_wait<0>();
+}
+
+// The split variant is a separate instance so that the usual path (at least one token per
+// warp) keeps its registers: the split's extra live values cost the big calls spills.
+template <typename T, typename P, int kOwnRows>
+__device__ __forceinline__ void consume_any(const CommContext& c, const HandleArrays& h,
+                                            const TransferArgs& a, const CombineShape& sh,
+                                            const Role& role, const T* expert_out,
+                                            const float* grad_probs, T* y, float* grad_w, int4* smem) {
+  constexpr int kStepElems = kWarpSize * kCombineVec * U;
+  const int n_warps = role.count * static_cast<int>(blockDim.x / kWarpSize);
+  if (split_factor(sh, n_warps, a.num_tokens, (sh.H + kStepElems - 1) / kStepElems) > 1)
+    consume<T, P, kOwnRows, true>(c, h, a, sh, role, expert_out, grad_probs, y, grad_w, smem);
+  else
+    consume<T, P, kOwnRows, false>(c, h, a, sh, role, expert_out, grad_probs, y, grad_w, smem);
 }
 
 template <typename T, typename P, int kOwnRows>
@@ -472,12 +526,12 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
     const Role all{0, static_cast<int>(gridDim.x)};
     produce_rows<T, P>(c, h, a, sh, expert_out, grad_probs);
     trace_phase_end(c);
-    consume<T, P, kOwnRows>(c, h, a, sh, all, expert_out, grad_probs, y, grad_w, stream);
+    consume_any<T, P, kOwnRows>(c, h, a, sh, all, expert_out, grad_probs, y, grad_w, stream);
   } else if (static_cast<int>(blockIdx.x) < a.num_producers) {
     // A call larger than the ring: producers must run alongside the consumers that free slots.
     produce_chunks<T, P>(c, h, a, sh, Role{0, a.num_producers}, expert_out, grad_probs);
   } else {
-    consume<T, P, kOwnRows>(c, h, a, sh, Role{a.num_producers, a.num_blocks - a.num_producers},
+    consume_any<T, P, kOwnRows>(c, h, a, sh, Role{a.num_producers, a.num_blocks - a.num_producers},
                             expert_out, grad_probs, y, grad_w, stream);
   }
   trace_warp(c, false);
@@ -524,6 +578,9 @@ cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
   // MOK_COMBINE_PHASED=0 forces the role split (tests cover both schedules).
   const char* phased_env = getenv("MOK_COMBINE_PHASED");
   sh.phased = sh.cpc <= c.ws.cfg.comb_ring_chunks && !(phased_env != nullptr && phased_env[0] == '0');
+  // MOK_COMBINE_SPLIT=0: one warp per token / task whatever the call size (A/B and bisection).
+  const char* split_env = getenv("MOK_COMBINE_SPLIT");
+  sh.split = !(split_env != nullptr && split_env[0] == '0');
   switch (dtype_code) {
     case kBF16:
       return launch_partial<__nv_bfloat16>(partial_code, c, h, t, sh, expert_out, grad_probs, y, grad_w, s);

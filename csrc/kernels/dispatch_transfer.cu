@@ -133,7 +133,8 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     }
   }
 
-  // Static-shape mode: rows past R are zero.
+  // Static-shape mode: rows past R are zero (not when the host shrinks the rows to R).
+  if (a.mode & kTransferNoPad) return;
   const int4 zero = make_int4(0, 0, 0, 0);
   const size_t pad_begin = static_cast<size_t>(min(static_cast<int64_t>(n_rows), a.row_cap)) * sh.vec_per_row;
   const size_t pad_end = static_cast<size_t>(a.row_cap) * sh.vec_per_row;
@@ -151,14 +152,15 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   SeqCounters* n = c.counters();
   const int G = static_cast<int>(gridDim.x);
   trace_warp(c, true);
-  if (a.mode == kTransferStage) {
+  const int mode = a.mode & ~kTransferNoPad;
+  if (mode == kTransferStage) {
     sh.seq = n->disp_seq;
     produce(c, h, a, sh, Role{0, G}, x);
     trace_warp(c, false);
     warp_done_advance(&n->disp_warps_done, &n->disp_seq);
     return;
   }
-  if (a.mode == kTransferPull) {
+  if (mode == kTransferPull) {
     sh.seq = n->disp_pull_seq;
     consume(c, h, a, sh, Role{0, G}, x, out);
     trace_warp(c, false);

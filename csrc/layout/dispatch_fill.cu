@@ -121,8 +121,9 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
       st_release_sys(ws.meta_released_at(peer, c.rank) + slot, meta_seq + 1);
     }
   }
-  // Padding rows (static-shape mode) say "no source": every fill block takes a share.
-  const int64_t n_rows = min(static_cast<int64_t>(h.totals[0]), out.row_cap);
+  // Padding rows (static-shape mode) say "no source": every fill block takes a share. An eager
+  // dispatch's row outputs are a bound on R, sliced to R on the host: nothing to pad there.
+  const int64_t n_rows = out.pad ? min(static_cast<int64_t>(h.totals[0]), out.row_cap) : out.row_cap;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * gridDim.y * kWarpSize;
   for (int64_t row = n_rows + (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kWarpSize + lane;
        row < out.row_cap; row += stride) {

@@ -39,6 +39,8 @@ __global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, 
     readers = 0;
   }
   if (threadIdx.x < W) chunk_count[threadIdx.x] = 0;
+  // Speculative: count's blocks add every rank's rows here (this kernel ends before count runs).
+  if (r.spec_cap >= 0 && j == 0 && threadIdx.x < W) h.dest_total[threadIdx.x] = 0;
   __syncthreads();
   if (meta_seq >= static_cast<uint64_t>(M) && threadIdx.x < W) {
     if (!wait_geq(c, ws.meta_released_at(me, threadIdx.x) + slot, meta_seq - M + 1, threadIdx.x,
@@ -108,6 +110,7 @@ __global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, 
   if (threadIdx.x == 0) {
     c.counters()->publish_blocks_done = 0;
     *ws.meta_count_at(me, slot) = T;
+    *ws.meta_spec_cap_at(me, slot) = r.spec_cap;
     __threadfence_system();
     st_release_sys(ws.meta_ready_at(me) + slot, meta_seq + 1);
   }
@@ -119,6 +122,7 @@ __global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, Ha
   __shared__ int tasks;
   __shared__ int src_tokens;
   __shared__ bool ok;
+  __shared__ int dest_hist[kMaxRanks];  // speculative: rows this chunk sends to each rank
   const Workspace& ws = c.ws;
   const int chunk = blockIdx.x, s = blockIdx.y;
   const int K = ws.cfg.topk, C = ws.cfg.chunk_tokens, E_local = ws.cfg.num_local_experts;
@@ -129,6 +133,7 @@ __global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, Ha
   int* chunk_idx = smem + E_local; // [C * K] this chunk's routing, copied once from the peer
 
   for (int e = threadIdx.x; e < E_local; e += blockDim.x) hist[e] = 0;
+  for (int d = threadIdx.x; d < c.world; d += blockDim.x) dest_hist[d] = 0;
   if (threadIdx.x == 0) {
     tasks = 0;
     ok = wait_geq(c, ws.meta_ready_at(peer) + slot, meta_seq + 1, s, kWaitRoutingReady, meta_seq);
@@ -145,18 +150,24 @@ __global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, Ha
   for (int i = threadIdx.x; i < n_tok * K; i += blockDim.x) chunk_idx[i] = idx[i];
   __syncthreads();
   const int lo = c.rank * E_local;
+  const bool spec = r.spec_cap >= 0;
   for (int j = threadIdx.x; j < n_tok; j += blockDim.x) {
     bool hit = false;
     for (int k = 0; k < K; ++k) {
-      const int e = chunk_idx[j * K + k] - lo;
+      const int g = chunk_idx[j * K + k];  // ids were checked when published: -1 or valid
+      const int e = g - lo;
       if (e >= 0 && e < E_local) {
         atomicAdd(&hist[e], 1);  // integer counts: the result does not depend on order
         hit = true;
       }
+      if (spec && g >= 0) atomicAdd(&dest_hist[g / E_local], 1);
     }
     if (hit) atomicAdd(&tasks, 1);
   }
   __syncthreads();
+  if (spec)
+    for (int d = threadIdx.x; d < c.world; d += blockDim.x)
+      if (dest_hist[d] != 0) atomicAdd(&h.dest_total[d], dest_hist[d]);
   for (int e = threadIdx.x; e < E_local; e += blockDim.x)
     h.chunk_rows[HandleArrays::group(ws.cfg, e, s, chunk)] = hist[e];
   if (threadIdx.x == 0) h.chunk_tasks[s * HandleArrays::chunks_per_call(ws.cfg) + chunk] = tasks;
@@ -185,7 +196,7 @@ __device__ int block_exclusive_scan(int32_t* a, int n) {
 }
 
 __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, HandleArrays h,
-                                                             RowOutputs out) {
+                                                             RowOutputs out, int spec) {
   if (aborted(c)) return;
   const int W = c.world, E = c.ws.cfg.num_local_experts;
   const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
@@ -205,10 +216,34 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, Handl
     h.task_off[s] = h.task_base[s * cpc];
     h.fill_done[s] = 0;
   }
+  // Speculative eager dispatch: every rank sums every rank's rows from the same published
+  // routing and reads every rank's published capacity, so every rank reaches the same verdict
+  // on whether ANY rank's rows overflowed its capacity (then all redo the transfer together).
+  // Every rank checks that all ranks made the same choice: a speculative rank may make two
+  // transfers per dispatch, and the rings pair calls by number, so a mix would pair a rank's
+  // transfer with another call's staged tokens. A mismatch stops every rank's kernels.
+  __shared__ int over;
+  if (threadIdx.x == 0) over = 0;
+  __syncthreads();
+  {
+    const uint64_t meta_seq = c.counters()->meta_seq;
+    const int slot = static_cast<int>(meta_seq % c.ws.cfg.meta_slots);
+    for (int d = threadIdx.x; d < W; d += blockDim.x) {
+      const int64_t cap_d = *reinterpret_cast<volatile int64_t*>(c.ws.meta_spec_cap_at(c.peers.base[d], slot));
+      if ((cap_d >= 0) != (spec != 0)) {
+        report_error(c, kConfigMismatch, d, kWaitNone, cap_d);
+        continue;
+      }
+      if (spec && h.dest_total[d] > cap_d) atomicOr(&over, 1);
+    }
+  }
+  __syncthreads();
+  if (aborted(c)) return;  // a mismatch: the fill and the transfers must not run either
   if (threadIdx.x == 0) {
     h.task_off[W] = tasks;
     h.totals[0] = rows;
     h.totals[1] = tasks;
+    h.totals[2] = over;
     out.tokens_per_expert[E] = rows;  // R on the device, int64, after the E_local counts
     if (rows > out.row_cap) report_error(c, kRecvOverflow, -1, kWaitNone, rows);
   }
@@ -222,7 +257,7 @@ cudaError_t launch_dispatch_layout(const CommContext& c, const HandleArrays& h,
   publish_kernel<<<cpc, kLayoutThreads, 0, s>>>(c, h, r);
   const size_t count_smem = (c.ws.cfg.num_local_experts + c.ws.cfg.chunk_tokens * c.ws.cfg.topk) * sizeof(int);
   count_kernel<<<dim3(cpc, c.world), kLayoutThreads, count_smem, s>>>(c, h, r);
-  scan_kernel<<<1, kScanThreads, 0, s>>>(c, h, out);
+  scan_kernel<<<1, kScanThreads, 0, s>>>(c, h, out, r.spec_cap >= 0 ? 1 : 0);
   return cudaGetLastError();
 }
 

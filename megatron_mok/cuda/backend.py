@@ -32,6 +32,13 @@ DEFAULT_NUM_SMS = 24
 DEFAULT_RING_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_CHUNK_TOKENS = 64
+# The eager fill-first dispatch keeps row outputs for a bound on R per handle (20 B per row);
+# above this it falls back to filling after the host read (outputs of exactly R rows).
+FILL_FIRST_MAX_BYTES = 64 << 20
+BAD_EXPERT = 2  # ErrorCode kBadExpert (csrc/include/mok/config.h): a data error, not a protocol one
+# Speculative eager dispatch: rows allocated before R is known = this margin over the largest R
+# of the last SPEC_HISTORY calls, plus one chunk of slack.
+SPEC_MARGIN, SPEC_HISTORY = 1.10, 8
 META_SLOTS = 16
 
 
@@ -116,6 +123,21 @@ class CudaBackend:
         # while the host reads R (module docstring). Events are reused: a wait binds to the
         # record made before it, so re-recording is safe.
         self.stage_first = _env_int("MOK_EAGER_STAGE_FIRST", 0) != 0
+        # Eager dispatch: queue the fill before the host reads R, into per-row outputs sized by
+        # a bound on R (every slot of every source's tokens: W * T_max * K rows, 20 bytes each;
+        # the handle keeps them, sliced to R). The fill then runs while the host waits for R and
+        # allocates the token rows, instead of after it. MOK_EAGER_FILL_FIRST=0: the old order.
+        self.rows_bound = buf.world_size * buf.max_tokens_per_rank * buf.topk
+        # The bound is ~W times R (R ~ T * K), so the handle holds 20 * W * T_max * K bytes where
+        # R rows of tokens take R * H * elem: 10 * W / H of the token rows (1% at W=8, H=7168).
+        # Large EP groups (an NVL72 domain: 72 x 16k x 8 rows) would hold too much per handle.
+        self.fill_first = (_env_int("MOK_EAGER_FILL_FIRST", 1) != 0 and not self.stage_first
+                           and self.rows_bound * 20 <= FILL_FIRST_MAX_BYTES)
+        # MOK_EAGER_SPECULATIVE=1: the eager dispatch also launches the transfer before the host
+        # read, into rows allocated for a capacity guessed from recent calls (_dispatch_speculative).
+        self.speculative = _env_int("MOK_EAGER_SPECULATIVE", 0) != 0 and self.fill_first
+        self._spec_recent: list = []
+        self.spec_fallbacks = 0  # calls whose guess was short on some rank (all redid the transfer)
         self._own_side = None
         if self.mem.loopback:       # never the stream of another rank (loopback.OwnStream)
             from ..loopback import OwnStream
@@ -189,32 +211,43 @@ class CudaBackend:
         w = topk_weights.contiguous()
         static = b.max_recv_tokens is not None
         layout_cap = b.max_recv_tokens if static else (1 << 62)
+        if self.speculative and not static:
+            return self._dispatch_speculative(x, T, idx, w, scratch, totals, tpe, stream)
         self._check(self.lib.mok_dispatch_layout(
             self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
-            self._ptr(w), T, b.num_experts, self._ptr(tpe), layout_cap))
+            self._ptr(w), T, b.num_experts, self._ptr(tpe), layout_cap, -1))
         staged = None
+        fill_first = self.fill_first and not static
+        if fill_first:
+            probs_all, src_all = self._row_outputs(self.rows_bound, x.device)
         if static:
             R, cap = None, b.max_recv_tokens
         else:
             # The one host read of an eager dispatch: R (and the error report with it). The
-            # host waits for the layout kernels only (with stage-first, the GPU keeps staging).
+            # host waits for the layout kernels only: the fill (fill-first) or the staging
+            # (stage-first) queued behind them keeps the GPU busy meanwhile.
             main = torch.cuda.current_stream(self.device)
             if self.stage_first:
                 staged = self._launch_staging(x, T, scratch, main)
             self.host_report[:4].copy_(totals, non_blocking=True)
             self.host_report[4:].copy_(self.error_words, non_blocking=True)
             self._layout_read.record(main)
+            if fill_first:
+                self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)
             self._layout_read.synchronize()
-            self._raise_if_error(self.host_report[4:])
+            if int(self.host_report[4]) != BAD_EXPERT:  # protocol errors: nothing more to launch
+                self._raise_if_error(self.host_report[4:])
             R = cap = int(self.host_report[0])
         tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
-        # Written in full by the fill kernel (padding rows included): no memsets here.
-        probs = torch.empty(cap, dtype=torch.float32, device=x.device)
-        src = torch.empty(2, cap, dtype=torch.int64, device=x.device)
-        src_rank, src_token = src[0], src[1]
-        self._check(self.lib.mok_dispatch_fill(
-            self.ctx, stream, self._ptr(scratch), self._ptr(src_rank),
-            self._ptr(src_token), self._ptr(probs), cap))
+        if fill_first:
+            # probs shrunk in place, not sliced: an output that is a view would forbid in-place
+            # updates of it downstream (autograd's rule for custom Functions' outputs).
+            probs, src_rank, src_token = probs_all.resize_(R), src_all[0, :R], src_all[1, :R]
+        else:
+            probs_all, src_all = self._row_outputs(cap, x.device)
+            # Written in full by the fill kernel (padding rows included): no memsets here.
+            self._fill(stream, scratch, probs_all, src_all, cap, pad=True)
+            probs, src_rank, src_token = probs_all, src_all[0], src_all[1]
         if staged is None:
             self._transfer(x, T, scratch, tokens, cap)
         else:
@@ -224,17 +257,86 @@ class CudaBackend:
             # Later work on this stream (an in-place update of x, the next call) comes after
             # the staging.
             main.wait_event(staged)
+        if not static and int(self.host_report[4]) == BAD_EXPERT:
+            # A bad expert id (dropped like -1) leaves the protocol intact and only this rank
+            # knows: its transfer is launched like its peers' (they wait for its staged tokens),
+            # then it raises. Raising before the launch would leave the peers to time out.
+            self._raise_if_error(self.host_report[4:])
         handle = DispatchHandle(
             buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=cap, src_rank=src_rank,
             src_token=src_token, tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
             state=CudaLayout(scratch=scratch, totals=totals))
         return tokens, probs, handle
 
-    def _transfer(self, x, T, scratch, out, cap):
-        """Both halves of the transfer as one kernel (cached and static-shape dispatches)."""
+    def _dispatch_speculative(self, x, T, idx, w, scratch, totals, tpe, stream):
+        """Eager dispatch in the issue's order: allocate, launch, then read R.
+
+        The token rows are allocated for a capacity guessed from this rank's recent R (published
+        with the routing), and layout, fill and transfer are all queued before the host waits,
+        for the layout only. The transfer skips rows past the capacity. Every rank computes
+        every rank's R from the published routing, so all reach the same verdict: if any rank's
+        R exceeded its capacity, every rank runs the transfer again into exact rows (the ring
+        protocol needs the same calls on every rank); otherwise the rows are shrunk to R while
+        the transfer may still be running.
+        """
+        b = self.buf
+        cap = self._spec_capacity()
+        tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
+        probs_all, src_all = self._row_outputs(self.rows_bound, x.device)
+        self._check(self.lib.mok_dispatch_layout(
+            self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
+            self._ptr(w), T, b.num_experts, self._ptr(tpe), 1 << 62, cap))
+        main = torch.cuda.current_stream(self.device)
+        self.host_report[:4].copy_(totals, non_blocking=True)
+        self.host_report[4:].copy_(self.error_words, non_blocking=True)
+        self._layout_read.record(main)
+        self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)
+        self._transfer(x, T, scratch, tokens, cap, pad=False)
+        self._layout_read.synchronize()
+        bad_ids = int(self.host_report[4]) == BAD_EXPERT  # only this rank knows: finish the call first
+        if not bad_ids:
+            self._raise_if_error(self.host_report[4:])
+        R, short = int(self.host_report[0]), int(self.host_report[2]) != 0
+        self._spec_recent = (self._spec_recent + [R])[-SPEC_HISTORY:]
+        if short:
+            self.spec_fallbacks += 1
+            tokens = torch.empty(R, b.hidden, dtype=b.dtype, device=x.device)
+            self._transfer(x, T, scratch, tokens, R)
+        else:
+            tokens = tokens.resize_(R, b.hidden)  # in place: outputs must not be views
+        if bad_ids:  # the peers' redo (if any) is matched by this rank's: now raise
+            self._raise_if_error(self.host_report[4:])
+        handle = DispatchHandle(
+            buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=R, src_rank=src_all[0, :R],
+            src_token=src_all[1, :R], tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
+            state=CudaLayout(scratch=scratch, totals=totals))
+        return tokens, probs_all.resize_(R), handle
+
+    def _spec_capacity(self) -> int:
+        """Rows to allocate before R is known: SPEC_MARGIN over the largest recent R plus one
+        chunk, within the bound; 0 before the first call (which then always redoes the transfer)."""
+        if not self._spec_recent:
+            return 0
+        guess = int(max(self._spec_recent) * SPEC_MARGIN) + self.chunk_tokens
+        return min(guess, self.rows_bound)
+
+    @staticmethod
+    def _row_outputs(rows: int, device):
+        """probs [rows] float32 and (src_rank, src_token) [2, rows] int64."""
+        return (torch.empty(rows, dtype=torch.float32, device=device),
+                torch.empty(2, rows, dtype=torch.int64, device=device))
+
+    def _fill(self, stream, scratch, probs, src, cap: int, pad: bool) -> None:
+        self._check(self.lib.mok_dispatch_fill(
+            self.ctx, stream, self._ptr(scratch), self._ptr(src[0]), self._ptr(src[1]),
+            self._ptr(probs), cap, int(pad)))
+
+    def _transfer(self, x, T, scratch, out, cap, pad: bool = True):
+        """Both halves of the transfer as one kernel (cached and static-shape dispatches).
+        ``pad=False``: rows [R, cap) are left unwritten (mode flag 4)."""
         self._check(self.lib.mok_dispatch_transfer(
             self.ctx, self._stream(), self._ptr(scratch), self._ptr(x), T,
-            self._ptr(out), cap, self.num_blocks, self.dispatch_producers, 0))
+            self._ptr(out), cap, self.num_blocks, self.dispatch_producers, 0 if pad else 4))
 
     def _launch_staging(self, x, T, scratch, main) -> torch.cuda.Event:
         """The staging half of an eager dispatch on the side stream, after the layout kernels

@@ -7,6 +7,7 @@ ERROR_CODES = {
     2: "bad expert id",
     3: "receive overflow",
     4: "aborted",
+    5: "configuration mismatch",
 }
 
 WAIT_KINDS = {
@@ -41,4 +42,10 @@ def describe(report, timeout_s: float, max_recv_tokens) -> str:
         return (f"megatron_mok: rank {rank} received {detail} rows, more than max_recv_tokens="
                 f"{max_recv_tokens} (static-shape mode); rows past it were not written. Raise "
                 "max_recv_tokens.")
+    if code == 5:
+        return (f"megatron_mok: rank {rank} and rank {peer} disagree on the speculative eager "
+                "dispatch (one publishes a speculative capacity, the other does not). It is on "
+                "where MOK_EAGER_SPECULATIVE=1, MOK_EAGER_FILL_FIRST is not 0, "
+                "MOK_EAGER_STAGE_FIRST is not 1 and max_recv_tokens is not set; every rank of "
+                "the group must have the same. This Buffer can no longer be used.")
     return f"megatron_mok: rank {rank}: {kind} (peer {peer}, wait kind {what}, detail {detail})"

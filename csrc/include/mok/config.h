@@ -42,6 +42,8 @@ enum ErrorCode : int32_t {
   kBadExpert = 2,       // topk_idx outside [-1, E)
   kRecvOverflow = 3,    // static-shape mode: more rows than max_recv_tokens
   kAborted = 4,         // stopped because another block reported an error
+  kConfigMismatch = 5,  // ranks disagree on MOK_EAGER_SPECULATIVE (their dispatches would
+                        // make different numbers of transfers): a protocol error
 };
 
 // What a spin-wait was waiting for (Workspace::error.what).

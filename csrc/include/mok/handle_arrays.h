@@ -12,7 +12,9 @@
 //   chunk_tasks   [W, CPC]   i32  tasks (tokens with >=1 row here) in (source, chunk)
 //   task_base     [W, CPC]   i32  first task of (source, chunk)
 //   task_off      [W + 1]    i32  first task of each source; task_off[W] = number of tasks
-//   totals        [4]        i32  R, number of tasks, -, -
+//   totals        [4]        i32  R, number of tasks, speculative overflow (any rank), -
+//   dest_total    [W]        i32  rows every rank receives in this dispatch (speculative eager
+//                                dispatch: zeroed by publish, summed by count, read by scan)
 //   fill_done     [W]        i32  fill blocks finished per source (releases the routing slot)
 //   task_src, task_token [W * T_max] i32   the source token of each task
 //   task_rows     [W * T_max, K] i32   the task's rows in row order (expert, then k), -1 pad
@@ -39,6 +41,7 @@ struct HandleArrays {
   int32_t* task_token;
   int32_t* task_rows;
   int32_t* task_k;
+  int32_t* dest_total;
   size_t total_bytes;
 
   // At least one: every layout kernel launches one block per chunk, and T_max = 0 is legal.
@@ -79,6 +82,7 @@ struct HandleArrays {
     a.task_token = (int32_t*)take(W * T * 4);
     a.task_rows = (int32_t*)take(W * T * K * 4);
     a.task_k = (int32_t*)take(W * T * K * 4);
+    a.dest_total = (int32_t*)take(W * 4);
     a.total_bytes = off;
     return a;
   }

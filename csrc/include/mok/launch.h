@@ -17,6 +17,8 @@ struct RoutingArgs {
   const float* topk_weights;  // [T, K]
   int32_t num_tokens;         // T of this rank
   int32_t num_experts;        // E (global), for range checks
+  int64_t spec_cap;           // speculative eager dispatch: rows allocated before the host
+                              // read (published with the routing); -1: not speculative
 };
 
 // Outputs of a dispatch that the user sees.
@@ -25,7 +27,8 @@ struct RowOutputs {
   int64_t* src_token;         // [row_cap]
   float* probs;               // [row_cap]
   int64_t* tokens_per_expert; // [E_local + 1]: the counts, then R
-  int64_t row_cap;            // rows allocated (R, or max_recv_tokens)
+  int64_t row_cap;            // rows allocated (R, a bound on R, or max_recv_tokens)
+  int pad;                    // fill: rows [R, row_cap) say "no source" (static shape); 0: untouched
 };
 
 // Publish my routing (send-side layout included) and build the receive layout's counts.
@@ -48,6 +51,9 @@ enum TransferMode : int32_t {
   kTransferBoth = 0,   // one kernel: num_producers blocks stage, the rest pull
   kTransferStage = 1,  // every block stages (stage-first eager dispatch: side stream, before the read)
   kTransferPull = 2,   // every block pulls (stage-first eager dispatch: after the read)
+  // Flag or'ed into the mode: rows [R, row_cap) are left alone instead of zeroed (the
+  // speculative eager dispatch, whose rows are shrunk to R on the host).
+  kTransferNoPad = 4,
 };
 
 // Stage x into my dispatch ring and pull every task's token into its expert-major rows.

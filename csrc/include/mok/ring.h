@@ -7,29 +7,11 @@
 
 namespace mok {
 
-// Block-wide (every thread of the block calls it): wait until the readers of generation
-// `gen[slot]` (the slot's previous content) released it. False on timeout/abort: the caller
-// stops. `g` (the generation about to be written) and `what` only label an error report.
-__device__ inline bool ring_slot_acquire(const CommContext& c, const RingView& r, int64_t slot,
-                                         uint64_t g, int32_t what) {
-  __shared__ int ok;
-  if (threadIdx.x == 0) ok = 1;
-  __syncthreads();
-  const uint64_t prev = r.gen[slot], prev_readers = r.readers[slot];
-  const int reader = threadIdx.x;
-  if (prev != 0 && reader < c.world && ((prev_readers >> reader) & 1)) {
-    if (!wait_geq(c, r.released + static_cast<size_t>(reader) * r.num_chunks + slot, prev, reader,
-                  what, static_cast<int64_t>(g)))
-      ok = 0;
-  }
-  __syncthreads();
-  const bool res = ok != 0;
-  __syncthreads();  // `ok` is reused by the next call
-  return res;
-}
-
-// Warp-wide (every lane calls it): the same check for one warp, where warps of many blocks
-// write rows of one slot (the phased combine). Each warp checks before its first write.
+// Warp-wide (every lane calls it): wait until the readers of generation `gen[slot]` (the
+// slot's previous content) released it. False on timeout/abort: the caller stops. `g` (the
+// generation about to be written) and `what` only label an error report. Used directly where
+// warps of many blocks write rows of one slot (the phased combine): each checks before its
+// first write.
 __device__ inline bool ring_slot_acquire_warp(const CommContext& c, const RingView& r, int64_t slot,
                                               uint64_t g, int32_t what) {
   const uint64_t prev = r.gen[slot], prev_readers = r.readers[slot];
@@ -40,6 +22,21 @@ __device__ inline bool ring_slot_acquire_warp(const CommContext& c, const RingVi
         ok = ok && wait_geq(c, r.released + static_cast<size_t>(reader) * r.num_chunks + slot, prev,
                             reader, what, static_cast<int64_t>(g));
   return __all_sync(0xffffffffu, ok);
+}
+
+// Block-wide (every thread of the block calls it): the same check, made by warp 0 for the
+// block (a slot that belongs to one block).
+__device__ inline bool ring_slot_acquire(const CommContext& c, const RingView& r, int64_t slot,
+                                         uint64_t g, int32_t what) {
+  __shared__ int ok;
+  if (threadIdx.x < kWarpSize) {
+    const bool res = ring_slot_acquire_warp(c, r, slot, g, what);
+    if (threadIdx.x == 0) ok = res;
+  }
+  __syncthreads();
+  const bool res = ok != 0;
+  __syncthreads();  // `ok` is reused by the next call
+  return res;
 }
 
 // One thread, after the block's writes to the slot (and a __syncthreads): record generation g
