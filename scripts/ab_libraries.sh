@@ -12,7 +12,7 @@
 #     and carried): the base runs from there, with its own Python and library (the C ABI
 #     version check refuses a library driven by another tree's bindings); or
 #   - env:NAME=VALUE[,NAME=VALUE...]: this tree with those variables set for the base runs
-#     (e.g. env:MOK_COMBINE_SPLIT=0,MOK_EAGER_FILL_FIRST=0 to A/B the alternative schedules).
+#     (e.g. env:MOK_COMBINE_SPLIT=0,MOK_EAGER_FILL_FIRST=1 to A/B the alternative schedules).
 # Writes OUT_DIR/{base,new}_t<T>_<i>/profile_stages.json and prints one table row per run.
 set -uo pipefail
 OUT=${1:?usage: ab_libraries.sh OUT_DIR BASE [TOKENS ...]}

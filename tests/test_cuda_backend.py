@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import oracle
-from harness import (DTYPES, _buffer, assert_bitwise, assert_same_results, backward_by_hand,
+from harness import (DTYPES, _buffer, settle, assert_bitwise, assert_same_results, backward_by_hand,
                      contract_cases, full_pass, in_loopback, loopback_barrier, make_inputs, run_distributed,
                      spec_inputs, sync_device)
 from test_cached_dispatch import check_cached_case
@@ -127,7 +127,13 @@ def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, **
             assert_same_results(full_pass(buf, *inputs[rank], i), full_pass(ref, *inputs[rank], i), tag)
             continue
         a, b = buf.dispatch(*inputs[rank]), ref.dispatch(*inputs[rank])
-        assert_bitwise(a.tokens, b.tokens, f"tokens {tag}")
+        try:
+            assert_bitwise(a.tokens, b.tokens, f"tokens {tag}")
+        except AssertionError as e:
+            # A transfer that timed out leaves rows unwritten and reports at the next host read:
+            # name that error here instead of only the wrong bits it left.
+            raise AssertionError(f"{e}; {_describe_wrong_rows(a, b)}; device error: "
+                                 f"{_device_error(buf)}") from None
         assert_bitwise(a.probs, b.probs, f"probs {tag}")
         assert_bitwise(a.src_token, b.src_token, f"src_token {tag}")
         eo = (a.tokens.float() * 1.25).to(dtype)
@@ -138,6 +144,55 @@ def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, **
     buf.destroy()
     ref.destroy()
     return rows_seen, ring
+
+
+def _device_error(buf) -> str:
+    """The Buffer's pending device error report (raised by check_errors), or 'none'."""
+    try:
+        if hasattr(buf, "check_errors"):
+            buf.check_errors()
+    except Exception as e:      # the report itself is what we want
+        return str(e)
+    return "none"
+
+
+def _describe_wrong_rows(a, b, chunk_tokens=64) -> str:
+    """Which dispatched rows differ (same shapes assumed): counts by source rank and by
+    (source, ring chunk of the source token), and how many are all-zero or hold another
+    expected row's bits (a row never written, or written from the wrong place)."""
+    settle(a.tokens.device)
+    got, want = a.tokens.detach().cpu(), b.tokens.detach().cpu()
+    got_i, want_i = got.view(-1, got.shape[-1]).view(torch.int16), want.view(-1, want.shape[-1]).view(torch.int16)
+    wrong = (got_i != want_i).any(1).nonzero().flatten().tolist()
+    src_rank, src_token = b.handle.src_rank.cpu().tolist(), b.handle.src_token.cpu().tolist()
+    by_src, by_chunk = {}, {}
+    expected = {bytes(want_i[j].numpy().tobytes()) for j in range(want_i.shape[0])}
+    zero = other_row = 0
+    for r in wrong:
+        s_, c_ = src_rank[r], src_token[r] // chunk_tokens
+        by_src[s_] = by_src.get(s_, 0) + 1
+        by_chunk[(s_, c_)] = by_chunk.get((s_, c_), 0) + 1
+        row = got_i[r]
+        zero += int(not bool(row.any()))
+        other_row += int(bool(row.any()) and bytes(row.numpy().tobytes()) in expected)
+    return (f"{len(wrong)} of {want_i.shape[0]} rows wrong (first {wrong[:6]}); by source rank {by_src}; "
+            f"by (source, chunk) {dict(sorted(by_chunk.items()))}; {zero} all-zero, {other_row} hold "
+            f"another expected row")
+
+
+def test_describe_wrong_rows_names_sources_chunks_and_unwritten_rows():
+    # CPU: the message a ring-wrap mismatch carries (a rare W=8 loopback failure, session 5,
+    # left only "first at (20, 0)"; this says which peer's chunks and what the rows hold).
+    from types import SimpleNamespace
+    want = torch.randn(6, 8).to(torch.bfloat16)
+    got = want.clone()
+    got[1] = 0            # never written
+    got[4] = want[2]      # written from the wrong place
+    h = SimpleNamespace(src_rank=torch.tensor([0, 1, 1, 0, 1, 0]), src_token=torch.tensor([3, 70, 5, 64, 2, 1]))
+    msg = _describe_wrong_rows(SimpleNamespace(tokens=got), SimpleNamespace(tokens=want, handle=h))
+    assert msg.startswith("2 of 6 rows wrong (first [1, 4])"), msg
+    assert "by source rank {1: 2}" in msg and "(1, 0): 1, (1, 1): 1" in msg, msg
+    assert "1 all-zero, 1 hold another expected row" in msg, msg
 
 
 def mok_buffer(E, H, K, T_max, dtype, backend, device, **kw):
@@ -182,7 +237,7 @@ ALT_SCHEDULES = [
     pytest.param({"MOK_EAGER_STAGE_FIRST": "1"}, id="eager_stage_first"),
     pytest.param({"MOK_COMBINE_PHASED": "0"}, id="combine_role_split"),
     pytest.param({"MOK_COMBINE_SPLIT": "0"}, id="combine_no_split"),
-    pytest.param({"MOK_EAGER_FILL_FIRST": "0"}, id="eager_fill_after_read"),
+    pytest.param({"MOK_EAGER_FILL_FIRST": "1"}, id="eager_fill_first"),
     pytest.param({"MOK_EAGER_SPECULATIVE": "1"}, id="eager_speculative"),
 ]
 
@@ -453,7 +508,7 @@ def _speculative_mismatch(rank, world_size):
     setting, not pair one rank's transfer with another call's tokens."""
     buf, x, idx, w, _ = _small_cuda_case(rank, world_size, 3)
     backend = buf._get_backend("cuda")
-    backend.speculative = rank == 0 and backend.fill_first
+    backend.speculative = backend.fill_first = rank == 0
     with pytest.raises(RuntimeError, match="disagree on the speculative eager dispatch"):
         buf.dispatch(x, idx, w)
         buf.check_errors()
@@ -496,19 +551,25 @@ def test_cuda_input_errors():
 
 def _dispatch_outputs_are_plain_tensors(rank, world_size):
     dev = _device_for(rank)
-    buf = mok_buffer(8, 64, 2, 32, torch.bfloat16, "cuda", dev)
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(20, 64, generator=g).to(torch.bfloat16).to(dev).requires_grad_()
-    idx = torch.randint(0, 8, (20, 2), generator=g).to(dev)
-    w = torch.rand(20, 2, generator=g).to(dev).requires_grad_()
-    out = buf.dispatch(x, idx, w)
-    R = out.tokens.shape[0]
-    assert R == 40 and out.probs.shape == (R,) and out.src_token.shape == (R,)
-    # The eager fill writes into row outputs sized by a bound on R: probs must still be its own
-    # tensor (not a slice), or autograd forbids updating it in place downstream.
-    assert out.probs._base is None
-    out.probs.mul_(2.0)
-    buf.destroy()
+    for fill_first in ("0", "1"):     # read when the Buffer's backend is made
+        os.environ["MOK_EAGER_FILL_FIRST"] = fill_first
+        try:
+            buf = mok_buffer(8, 64, 2, 32, torch.bfloat16, "cuda", dev)
+            assert buf._get_backend("cuda").fill_first == (fill_first == "1")
+        finally:
+            del os.environ["MOK_EAGER_FILL_FIRST"]
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(20, 64, generator=g).to(torch.bfloat16).to(dev).requires_grad_()
+        idx = torch.randint(0, 8, (20, 2), generator=g).to(dev)
+        w = torch.rand(20, 2, generator=g).to(dev).requires_grad_()
+        out = buf.dispatch(x, idx, w)
+        R = out.tokens.shape[0]
+        assert R == 40 and out.probs.shape == (R,) and out.src_token.shape == (R,)
+        # The fill-first dispatch writes into row outputs sized by a bound on R: probs must
+        # still be its own tensor (not a slice), or autograd forbids updating it in place.
+        assert out.probs._base is None
+        out.probs.mul_(2.0)
+        buf.destroy()
     return True
 
 

@@ -27,5 +27,5 @@ def test_detail_is_read_as_a_64_bit_value():
 def test_speculative_mismatch_names_the_setting():
     msg = describe([5, 2, 0, 0, 0, 0, 0, 0], 60.0, None)
     assert "rank 2 and rank 0 disagree on the speculative eager dispatch" in msg
-    assert "MOK_EAGER_SPECULATIVE=1" in msg and "MOK_EAGER_FILL_FIRST" in msg
+    assert "MOK_EAGER_SPECULATIVE=1" in msg and "MOK_EAGER_STAGE_FIRST" in msg
     assert "can no longer be used" in msg

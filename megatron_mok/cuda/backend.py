@@ -123,19 +123,20 @@ class CudaBackend:
         # while the host reads R (module docstring). Events are reused: a wait binds to the
         # record made before it, so re-recording is safe.
         self.stage_first = _env_int("MOK_EAGER_STAGE_FIRST", 0) != 0
-        # Eager dispatch: queue the fill before the host reads R, into per-row outputs sized by
-        # a bound on R (every slot of every source's tokens: W * T_max * K rows, 20 bytes each;
-        # the handle keeps them, sliced to R). The fill then runs while the host waits for R and
-        # allocates the token rows, instead of after it. MOK_EAGER_FILL_FIRST=0: the old order.
+        # MOK_EAGER_FILL_FIRST=1: the eager dispatch queues the fill before the host reads R,
+        # into per-row outputs sized by a bound on R (every slot of every source's tokens:
+        # W * T_max * K rows, 20 bytes each; the handle keeps them, sliced to R), so the fill runs
+        # while the host waits for R. Off by default: it measured no gain on 2x H200 (NOTES #20).
         self.rows_bound = buf.world_size * buf.max_tokens_per_rank * buf.topk
         # The bound is ~W times R (R ~ T * K), so the handle holds 20 * W * T_max * K bytes where
         # R rows of tokens take R * H * elem: 10 * W / H of the token rows (1% at W=8, H=7168).
         # Large EP groups (an NVL72 domain: 72 x 16k x 8 rows) would hold too much per handle.
-        self.fill_first = (_env_int("MOK_EAGER_FILL_FIRST", 1) != 0 and not self.stage_first
-                           and self.rows_bound * 20 <= FILL_FIRST_MAX_BYTES)
+        bound_fits = not self.stage_first and self.rows_bound * 20 <= FILL_FIRST_MAX_BYTES
         # MOK_EAGER_SPECULATIVE=1: the eager dispatch also launches the transfer before the host
-        # read, into rows allocated for a capacity guessed from recent calls (_dispatch_speculative).
-        self.speculative = _env_int("MOK_EAGER_SPECULATIVE", 0) != 0 and self.fill_first
+        # read, into rows allocated for a capacity guessed from recent calls (_dispatch_speculative);
+        # it needs the fill before the read, so it turns fill-first on.
+        self.speculative = _env_int("MOK_EAGER_SPECULATIVE", 0) != 0 and bound_fits
+        self.fill_first = bound_fits and (_env_int("MOK_EAGER_FILL_FIRST", 0) != 0 or self.speculative)
         self._spec_recent: list = []
         self.spec_fallbacks = 0  # calls whose guess was short on some rank (all redid the transfer)
         self._own_side = None

@@ -45,7 +45,7 @@ def describe(report, timeout_s: float, max_recv_tokens) -> str:
     if code == 5:
         return (f"megatron_mok: rank {rank} and rank {peer} disagree on the speculative eager "
                 "dispatch (one publishes a speculative capacity, the other does not). It is on "
-                "where MOK_EAGER_SPECULATIVE=1, MOK_EAGER_FILL_FIRST is not 0, "
-                "MOK_EAGER_STAGE_FIRST is not 1 and max_recv_tokens is not set; every rank of "
+                "where MOK_EAGER_SPECULATIVE=1, MOK_EAGER_STAGE_FIRST is not 1 and "
+                "max_recv_tokens is not set; every rank of "
                 "the group must have the same. This Buffer can no longer be used.")
     return f"megatron_mok: rank {rank}: {kind} (peer {peer}, wait kind {what}, detail {detail})"
