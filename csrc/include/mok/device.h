@@ -76,6 +76,16 @@ __device__ inline void warp_done_advance(uint32_t* warps_done, uint64_t* seq, ui
   }
 }
 
+// Diagnostics: print one line per (rank, wait kind) the first time a wait of that kind ends
+// in a timeout or is abandoned after another error, so a stall report shows every party
+// (the first timeout is usually a consumer; the producer it waited for is stuck in a wait of
+// its own, which this names). True when this call claimed the line.
+__device__ inline bool note_wait(const CommContext& c, int32_t what) {
+  const unsigned long long bit = 1ull << (static_cast<uint32_t>(what) & 63u);
+  auto* noted = reinterpret_cast<unsigned long long*>(&c.error()->waits_noted);
+  return (atomicOr(noted, bit) & bit) == 0;
+}
+
 // Record the first error of this rank's kernels; later ones only abort.
 __device__ inline void report_error(const CommContext& c, int32_t code, int32_t peer,
                                     int32_t what, int64_t detail) {
@@ -86,7 +96,7 @@ __device__ inline void report_error(const CommContext& c, int32_t code, int32_t 
     e->what = what;
     e->detail = detail;
     __threadfence_system();
-    if (code == kTimeout)
+    if (code == kTimeout && note_wait(c, what))
       printf("[megatron_mok] rank %d: timed out after %llu ns waiting for peer %d (wait kind %d, "
              "detail %lld)\n", c.rank, (unsigned long long)c.timeout_ns, peer, what, (long long)detail);
   }
@@ -115,7 +125,13 @@ __device__ inline bool wait_geq(const CommContext& c, const uint64_t* flag, uint
     sleep_ns = min(sleep_ns * 2, kPollSleepMaxNs);
     if (ld_acquire_sys(flag) >= target) return true;
     if (polls % kPollsPerClockRead == 0) {
-      if (aborted(c)) return false;
+      if (aborted(c)) {
+        if (note_wait(c, what))
+          printf("[megatron_mok] rank %d: stopped after another error, having waited %llu ns for "
+                 "peer %d (wait kind %d, detail %lld)\n", c.rank,
+                 (unsigned long long)(globaltimer_ns() - start), peer, what, (long long)detail);
+        return false;
+      }
       if (globaltimer_ns() - start > c.timeout_ns) {
         report_error(c, kTimeout, peer, what, detail);
         return false;

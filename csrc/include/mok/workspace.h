@@ -39,7 +39,7 @@ struct ErrorReport {
   int32_t peer;   // the peer involved (-1: none)
   int32_t what;   // WaitKind
   int64_t detail; // slot / generation / token, depending on `what`
-  int64_t pad;
+  uint64_t waits_noted;  // diagnostics: bit w set once a wait of kind w was reported (printed)
 };
 
 // Call numbers live on the device, so CUDA-graph replays advance them like eager calls do.
