@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Same-run A/B on a 2-GPU machine (developer tool): the stage profile
 # (scripts/profile_stages.py, 24 SMs) of a BASE and of this tree, one after the other on the
-# same machine, for each token count, alternating twice so that a drift of the machine shows
-# up as a spread rather than as a difference.
+# same machine, for each token count, alternating AB_ROUNDS times (default 2) so that a drift
+# of the machine shows up as a spread rather than as a difference.
 #
 #   bash scripts/ab_libraries.sh OUT_DIR BASE [TOKENS ...]      (default tokens: 128 4096)
 #
@@ -40,7 +40,7 @@ run() {  # run NAME TOKENS ROOT [ENV_LIST]
 }
 echo "| run | SMs | dispatch eager | dispatch static | transfer only | layout | combine |"
 for t in "${TOKENS[@]}"; do
-    for i in 1 2; do
+    for i in $(seq 1 "${AB_ROUNDS:-2}"); do
         run "base_t${t}_$i" "$t" "$BASE_ROOT" "$BASE_ENV"
         run "new_t${t}_$i" "$t" "$ROOT"
     done

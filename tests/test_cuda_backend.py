@@ -438,14 +438,19 @@ def _small_cuda_case(rank, world_size, seed):
     return buf, x, idx, w, E
 
 
+def _dispatch_raises(buf, x, idx, w, exc, match):
+    """The dispatch, or the error check after it, raises ``exc`` matching ``match``."""
+    with pytest.raises(exc, match=match):
+        buf.dispatch(x, idx, w)
+        buf.check_errors()
+    return True
+
+
 def _bad_expert_id_cuda(rank, world_size):
     buf, x, idx, w, E = _small_cuda_case(rank, world_size, 2)
     idx = idx.clone()
     idx[3, 1] = E                                             # one bad id on every rank
-    with pytest.raises((ValueError, RuntimeError), match=r"(?i)expert id|outside"):
-        buf.dispatch(x, idx, w)
-        buf.check_errors()
-    return True
+    return _dispatch_raises(buf, x, idx, w, (ValueError, RuntimeError), r"(?i)expert id|outside")
 
 
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
@@ -515,10 +520,7 @@ def _speculative_mismatch(rank, world_size):
     buf, x, idx, w, _ = _small_cuda_case(rank, world_size, 3)
     backend = buf._get_backend("cuda")
     backend.speculative = backend.fill_first = rank == 0
-    with pytest.raises(RuntimeError, match="disagree on the speculative eager dispatch"):
-        buf.dispatch(x, idx, w)
-        buf.check_errors()
-    return True
+    return _dispatch_raises(buf, x, idx, w, RuntimeError, "disagree on the speculative eager dispatch")
 
 
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
