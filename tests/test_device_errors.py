@@ -29,3 +29,21 @@ def test_speculative_mismatch_names_the_setting():
     assert "rank 2 and rank 0 disagree on the speculative eager dispatch" in msg
     assert "MOK_EAGER_SPECULATIVE=1" in msg and "MOK_EAGER_STAGE_FIRST" in msg
     assert "can no longer be used" in msg
+
+
+def test_timeout_names_the_other_waits_the_rank_gave_up():
+    from megatron_mok.cuda.errors import abandoned_waits
+    # The report's table: kind 4 (a producer waiting for peer 3 to release generation 703)
+    # and kind 3 (the first timeout itself, also noted); 4 int32 words per kind.
+    table = [0] * 32
+    table[4 * 4: 4 * 4 + 4] = [3, 0, 703, 0]
+    table[4 * 3: 4 * 3 + 4] = [1, 0, 701, 0]
+    waits = abandoned_waits((1 << 3) | (1 << 4), table)
+    assert waits == [(3, 1, 701), (4, 3, 703)]
+    msg = describe([1, 0, 1, 3, 701, 0, (1 << 3) | (1 << 4), 0], 30.0, None, waits)
+    assert "waiting for peer 1: the peer's staged tokens (dispatch ring chunk) (detail 701)" in msg
+    assert "Also stopped on this rank, still waiting: peers to release this rank's dispatch ring " \
+           "slot from peer 3 (detail 703)." in msg
+    assert "Also stopped" not in describe([1, 0, 1, 3, 701, 0, 0, 0], 30.0, None, [(3, 1, 701)])
+    # a 64-bit detail survives the two words
+    assert abandoned_waits(1 << 6, [0] * 24 + [2, 0, -1, 1]) == [(6, 2, (1 << 32) | 0xFFFFFFFF)]

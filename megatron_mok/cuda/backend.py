@@ -24,7 +24,8 @@ import torch
 
 from ..handle import DispatchHandle
 from . import library
-from .errors import MokDeviceError, describe
+from .errors import (ABANDONED_ENTRY_BYTES, ABANDONED_OFFSET, WAIT_KIND_COUNT, MokDeviceError,
+                     abandoned_waits, describe)
 from .peer_memory import PeerMemory
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -35,6 +36,7 @@ DEFAULT_CHUNK_TOKENS = 64
 # The eager fill-first dispatch keeps row outputs for a bound on R per handle (20 B per row);
 # above this it falls back to filling after the host read (outputs of exactly R rows).
 FILL_FIRST_MAX_BYTES = 64 << 20
+TIMEOUT = 1     # ErrorCode kTimeout (csrc/include/mok/config.h)
 BAD_EXPERT = 2  # ErrorCode kBadExpert (csrc/include/mok/config.h): a data error, not a protocol one
 # Speculative eager dispatch: rows allocated before R is known = this margin over the largest R
 # of the last SPEC_HISTORY calls, plus one chunk of slack.
@@ -103,6 +105,9 @@ class CudaBackend:
         self.totals_offset = self.lib.mok_handle_totals_offset(self.ctx)
         err = self.lib.mok_error_offset(self.ctx)
         self.error_words = self.mem.tensor[err: err + 32].view(torch.int32)
+        # Read only to describe a timeout: the other waits this rank's kernels gave up.
+        table = err + ABANDONED_OFFSET
+        self.abandoned_words = self.mem.tensor[table: table + WAIT_KIND_COUNT * ABANDONED_ENTRY_BYTES].view(torch.int32)
         sms = self.lib.mok_sm_count(dev.index)
         self.num_blocks = max(2, min(buf.num_sms or DEFAULT_NUM_SMS, sms))
         if self.mem.loopback:
@@ -173,7 +178,15 @@ class CudaBackend:
 
     def _raise_if_error(self, words: torch.Tensor) -> None:
         if int(words[0]) != 0:
-            self.broken = describe(words.tolist(), self.timeout_s, self.buf.max_recv_tokens)
+            abandoned = ()
+            if int(words[0]) == TIMEOUT:
+                # Let this rank's kernels finish aborting (they record the waits they give up),
+                # then name those waits too: a stall report should show every stuck party.
+                self._sync()
+                report = self.error_words.cpu().tolist()
+                noted = (report[6] & 0xFFFFFFFF) | ((report[7] & 0xFFFFFFFF) << 32)
+                abandoned = abandoned_waits(noted, self.abandoned_words.cpu().tolist())
+            self.broken = describe(words.tolist(), self.timeout_s, self.buf.max_recv_tokens, abandoned)
             raise MokDeviceError(self.broken)
 
     def trace_view(self) -> torch.Tensor:

@@ -21,18 +21,45 @@ WAIT_KINDS = {
 }
 
 
+# ErrorReport (csrc/include/mok/workspace.h): 32 bytes the host reads on every call, then one
+# 16-byte AbandonedWait {int32 peer, int32 pad, int64 detail} per wait kind, read only to
+# describe a timeout. The C side static_asserts the same offsets.
+ABANDONED_OFFSET = 32
+ABANDONED_ENTRY_BYTES = 16
+WAIT_KIND_COUNT = 8
+
+
+def abandoned_waits(waits_noted: int, table_words) -> list:
+    """``[(kind, peer, detail)]`` of the waits this rank gave up after the error, from the
+    report's ``waits_noted`` bit mask and its table read as int32 words (4 per entry)."""
+    out = []
+    for kind in range(WAIT_KIND_COUNT):
+        if (waits_noted >> kind) & 1:
+            w = table_words[4 * kind: 4 * kind + 4]
+            peer = int(w[0])
+            detail = (int(w[2]) & 0xFFFFFFFF) | (int(w[3]) << 32)
+            out.append((kind, peer, detail))
+    return out
+
+
 class MokDeviceError(RuntimeError):
     """An error reported by the MoK kernels (timeout, bad routing, overflow)."""
 
 
-def describe(report, timeout_s: float, max_recv_tokens) -> str:
-    """Human-readable message for an ``ErrorReport`` read as 8 int32 words."""
+def describe(report, timeout_s: float, max_recv_tokens, abandoned=()) -> str:
+    """Human-readable message for an ``ErrorReport`` read as 8 int32 words; ``abandoned``:
+    the other waits this rank gave up after a timeout (:func:`abandoned_waits`)."""
     code, rank, peer, what = (int(v) for v in report[:4])
     detail = (int(report[4]) & 0xFFFFFFFF) | (int(report[5]) << 32)
     kind = ERROR_CODES.get(code, f"error code {code}")
     if code == 1:
+        others = [(k, p, d) for k, p, d in abandoned if k != what]
+        also = ""
+        if others:
+            also = (" Also stopped on this rank, still waiting: " + "; ".join(
+                f"{WAIT_KINDS.get(k, k)} from peer {p} (detail {d})" for k, p, d in others) + ".")
         return (f"megatron_mok: rank {rank} timed out after {timeout_s:g} s waiting for peer {peer}: "
-                f"{WAIT_KINDS.get(what, what)} (detail {detail}). A peer is missing, hung, or "
+                f"{WAIT_KINDS.get(what, what)} (detail {detail}).{also} A peer is missing, hung, or "
                 "called dispatch/combine in a different order. Raise Buffer(timeout_s=...) if a "
                 "peer is merely slow. This Buffer can no longer be used.")
     if code == 2:

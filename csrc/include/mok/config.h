@@ -56,5 +56,6 @@ enum WaitKind : int32_t {
   kWaitCombineReady = 5,     // a peer's partial sums (combine ring chunk)
   kWaitCombineReleased = 6,  // the owner to finish pulling our previous partials
 };
+constexpr int kWaitKindCount = 8;  // ErrorReport::abandoned has one entry per kind
 
 }  // namespace mok

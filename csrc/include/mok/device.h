@@ -76,40 +76,51 @@ __device__ inline void warp_done_advance(uint32_t* warps_done, uint64_t* seq, ui
   }
 }
 
-// Diagnostics: print one line per (rank, wait kind) the first time a wait of that kind ends
-// in a timeout or is abandoned after another error, so a stall report shows every party
-// (the first timeout is usually a consumer; the producer it waited for is stuck in a wait of
-// its own, which this names). True when this call claimed the line.
-__device__ inline bool note_wait(const CommContext& c, int32_t what) {
+// Diagnostics: true for the first wait of kind `what` on this rank to time out (printed) or to
+// be given up after another error (recorded in ErrorReport::abandoned).
+__device__ inline bool note_wait(ErrorReport* e, int32_t what) {
   const unsigned long long bit = 1ull << (static_cast<uint32_t>(what) & 63u);
-  auto* noted = reinterpret_cast<unsigned long long*>(&c.error()->waits_noted);
-  return (atomicOr(noted, bit) & bit) == 0;
+  return (atomicOr(reinterpret_cast<unsigned long long*>(&e->waits_noted), bit) & bit) == 0;
+}
+
+// A wait given up because of another error: the first of its kind is kept for the report.
+__device__ inline void note_abandoned(ErrorReport* e, int32_t peer, int32_t what, int64_t detail) {
+  if (what >= 0 && what < kWaitKindCount && note_wait(e, what)) {
+    e->abandoned[what].peer = peer;
+    e->abandoned[what].detail = detail;
+  }
 }
 
 // Record the first error of this rank's kernels; later ones only abort.
-__device__ inline void report_error(const CommContext& c, int32_t code, int32_t peer,
-                                    int32_t what, int64_t detail) {
-  ErrorReport* e = c.error();
+__device__ inline void report_error_at(ErrorReport* e, int32_t rank, uint64_t timeout_ns,
+                                       int32_t code, int32_t peer, int32_t what, int64_t detail) {
   if (atomicCAS(&e->code, 0, code) == 0) {
-    e->rank = c.rank;
+    e->rank = rank;
     e->peer = peer;
     e->what = what;
     e->detail = detail;
     __threadfence_system();
-    if (code == kTimeout && note_wait(c, what))
+    if (code == kTimeout && note_wait(e, what))
       printf("[megatron_mok] rank %d: timed out after %llu ns waiting for peer %d (wait kind %d, "
-             "detail %lld)\n", c.rank, (unsigned long long)c.timeout_ns, peer, what, (long long)detail);
+             "detail %lld)\n", rank, (unsigned long long)timeout_ns, peer, what, (long long)detail);
   }
+}
+
+__device__ inline void report_error(const CommContext& c, int32_t code, int32_t peer,
+                                    int32_t what, int64_t detail) {
+  report_error_at(c.error(), c.rank, c.timeout_ns, code, peer, what, detail);
 }
 
 // True once this rank's kernels reported an error that breaks the protocol (a timeout): spin
 // waits give up and kernels skip their work. Data errors leave the protocol intact and do not
 // abort: a bad expert id is dropped like -1, and static-shape rows past max_recv_tokens are not
 // written; every rank's call then completes and the host raises at its next read.
-__device__ inline bool aborted(const CommContext& c) {
-  const int32_t code = ld_volatile(&c.error()->code);
+__device__ inline bool aborted_at(const ErrorReport* e) {
+  const int32_t code = ld_volatile(&e->code);
   return code != kOk && code != kBadExpert && code != kRecvOverflow;
 }
+
+__device__ inline bool aborted(const CommContext& c) { return aborted_at(c.error()); }
 
 // Spin until *flag >= target (acquire, system scope). False on timeout or abort: the caller
 // must stop its work and return.
@@ -126,10 +137,7 @@ __device__ inline bool wait_geq(const CommContext& c, const uint64_t* flag, uint
     if (ld_acquire_sys(flag) >= target) return true;
     if (polls % kPollsPerClockRead == 0) {
       if (aborted(c)) {
-        if (note_wait(c, what))
-          printf("[megatron_mok] rank %d: stopped after another error, having waited %llu ns for "
-                 "peer %d (wait kind %d, detail %lld)\n", c.rank,
-                 (unsigned long long)(globaltimer_ns() - start), peer, what, (long long)detail);
+        note_abandoned(c.error(), peer, what, detail);
         return false;
       }
       if (globaltimer_ns() - start > c.timeout_ns) {

@@ -33,14 +33,28 @@ namespace mok {
 // Blocks whose start/end times a transfer kernel records (diagnostics; see device.h).
 constexpr int kTraceBlocks = 256;
 
+// Diagnostics: the first wait of one kind that this rank's kernels gave up after the error.
+struct AbandonedWait {
+  int32_t peer;
+  int32_t pad;
+  int64_t detail;
+};
+
 struct ErrorReport {
   int32_t code;   // ErrorCode
   int32_t rank;   // this rank
   int32_t peer;   // the peer involved (-1: none)
   int32_t what;   // WaitKind
   int64_t detail; // slot / generation / token, depending on `what`
-  uint64_t waits_noted;  // diagnostics: bit w set once a wait of kind w was reported (printed)
+  uint64_t waits_noted;  // diagnostics: bit w set once a wait of kind w was recorded
+  // Indexed by WaitKind: which other waits were in progress when the error stopped them (the
+  // first timeout is usually a consumer; the producer it waited for shows up here, stuck in a
+  // wait of its own). The host reads the first 32 bytes on every call, these only to describe
+  // a timeout (megatron_mok/cuda/errors.py mirrors the layout).
+  AbandonedWait abandoned[kWaitKindCount];
 };
+static_assert(sizeof(AbandonedWait) == 16, "errors.py reads 16-byte entries");
+static_assert(offsetof(ErrorReport, abandoned) == 32, "errors.py reads the table at byte 32");
 
 // Call numbers live on the device, so CUDA-graph replays advance them like eager calls do.
 // Every rank makes the same calls in the same order, so the numbers agree across ranks.
