@@ -21,7 +21,7 @@ import argparse
 import random
 from typing import Callable, List, Sequence, Set
 
-Routing = List[List[Set[int]]]   # routing[s][t]: ranks (other than none) holding rows of token t
+Routing = List[List[Set[int]]]   # routing[s][t]: the ranks holding rows of source s's token t
 
 
 def random_routing(T: Sequence[int], world: int, experts_per_rank: int, topk: int,

@@ -168,6 +168,8 @@ def _describe_wrong_rows(a, b, chunk_tokens=64) -> str:
     expected row's bits (a row never written, or written from the wrong place)."""
     settle(a.tokens.device)
     got, want = a.tokens.detach().cpu(), b.tokens.detach().cpu()
+    if got.shape != want.shape:
+        return f"shapes differ ({tuple(got.shape)} vs {tuple(want.shape)})"
     got_i, want_i = got.view(-1, got.shape[-1]).view(torch.int16), want.view(-1, want.shape[-1]).view(torch.int16)
     wrong = (got_i != want_i).any(1).nonzero().flatten().tolist()
     src_rank, src_token = b.handle.src_rank.cpu().tolist(), b.handle.src_token.cpu().tolist()
@@ -199,6 +201,8 @@ def test_describe_wrong_rows_names_sources_chunks_and_unwritten_rows():
     assert msg.startswith("2 of 6 rows wrong (first [1, 4])"), msg
     assert "by source rank {1: 2}" in msg and "(1, 0): 1, (1, 1): 1" in msg, msg
     assert "1 all-zero, 1 hold another expected row" in msg, msg
+    short = _describe_wrong_rows(SimpleNamespace(tokens=got[:5]), SimpleNamespace(tokens=want, handle=h))
+    assert short == "shapes differ ((5, 8) vs (6, 8))", short
 
 
 def mok_buffer(E, H, K, T_max, dtype, backend, device, **kw):
