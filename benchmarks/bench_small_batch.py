@@ -37,6 +37,7 @@ import time
 
 # Loopback ranks share one CUDA context: every kernel must be loaded before any rank spins.
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")   # loopback: a work queue per stream
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(1, os.path.dirname(_HERE))

@@ -19,7 +19,13 @@ the default process group in a normal run), and the thread's current CUDA stream
 (:class:`OwnStream`: never shared with another rank).
 
 Rules for code run this way (what would deadlock a single device): the process must run
-with ``CUDA_MODULE_LOADING=EAGER`` set before CUDA initialises. With lazy loading (CUDA's
+with ``CUDA_DEVICE_MAX_CONNECTIONS`` at least :func:`connections_needed` (32 covers 8 ranks)
+set before CUDA initialises. The driver gives a context that many hardware work queues
+(default 8) and maps streams onto them round robin; with more streams than queues, two ranks'
+streams share a queue, whose commands run in order, so a rank's kernel can sit behind a peer's
+kernel that waits, stream-ordered, for a kernel spinning until this rank's kernel runs: a
+deadlock until the spin-waits time out (each rank uses two streams: its own and the CUDA
+backend's side stream). Likewise ``CUDA_MODULE_LOADING=EAGER``, set before CUDA initialises. With lazy loading (CUDA's
 default) the first launch of any kernel (torch's included) may wait for the whole context to
 be idle, while peers' kernels spin waiting for this rank: a deadlock until the spin-waits
 time out (CUDA programming guide, "Lazy Loading", concurrent execution). No device-wide
@@ -198,6 +204,17 @@ def current() -> Optional[LoopbackRank]:
     return getattr(_local, "rank", None)
 
 
+# CUDA_DEVICE_MAX_CONNECTIONS accepts 1..32.
+MAX_CONNECTIONS = 32
+
+
+def connections_needed(world_size: int) -> int:
+    """Hardware work queues a GPU loopback run of ``world_size`` ranks needs: a stream of its
+    own and the CUDA backend's side stream per rank, plus the default stream and one spare.
+    Above 15 ranks no setting suffices (the driver allows 32) and :func:`run` refuses."""
+    return 2 * world_size + 2
+
+
 def run(fn: Callable, world_size: int, *args, device="cuda", timeout_s: float = 300.0,
         **kwargs) -> List[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` threads, one loopback
@@ -214,6 +231,14 @@ def run(fn: Callable, world_size: int, *args, device="cuda", timeout_s: float = 
                 "loopback ranks on a GPU need CUDA_MODULE_LOADING=EAGER, set before CUDA "
                 "initialises: they share one CUDA context, where lazily loading a kernel can "
                 "wait for peer kernels that spin until this rank launches (a deadlock)")
+        need = connections_needed(world_size)
+        have = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+        if not have.isdigit() or int(have) < need:
+            raise RuntimeError(
+                f"{world_size} loopback ranks on a GPU need CUDA_DEVICE_MAX_CONNECTIONS >= {need} "
+                f"(it is {have}), set before CUDA initialises: with fewer hardware work queues "
+                "than streams, two ranks' streams share a queue, and a rank's kernel can wait "
+                "there behind work that waits for it (a deadlock until the timeout)")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         from .cuda import library

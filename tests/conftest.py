@@ -27,6 +27,10 @@ if _HERE not in sys.path:
 # every kernel loaded when the context starts: a lazy load can wait for peer kernels that
 # spin until the loading rank launches (megatron_mok.loopback). Spawned ranks stay lazy.
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+# ... and a hardware work queue per stream: with CUDA's default of 8, the 16+ streams of an
+# 8-rank loopback run share queues, and a rank's kernel can queue behind a peer's work that
+# waits for it (megatron_mok.loopback; the W=8 stalls of session 5, benchmarks/NOTES.md).
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 import harness  # noqa: E402  (sets the no-multicast environment before anything else runs)
 import torch  # noqa: E402

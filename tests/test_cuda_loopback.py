@@ -250,6 +250,24 @@ def test_loopback_on_gpu_needs_eager_module_loading(monkeypatch):
         loopback.run(lambda rank, world_size: rank, 2, device="cuda")
 
 
+def test_loopback_on_gpu_needs_a_work_queue_per_stream(monkeypatch):
+    from megatron_mok import loopback
+
+    assert loopback.connections_needed(8) == 18 <= loopback.MAX_CONNECTIONS
+    assert loopback.connections_needed(16) > loopback.MAX_CONNECTIONS   # no setting is enough
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    for value in ("8", "", "many"):        # CUDA's default, and values that are no number
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
+        with pytest.raises(RuntimeError, match=r"CUDA_DEVICE_MAX_CONNECTIONS >= 18"):
+            loopback.run(lambda rank, world_size: rank, 8, device="cuda")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    with pytest.raises(RuntimeError, match=r"it is 8\)"):   # unset: CUDA's default
+        loopback.run(lambda rank, world_size: rank, 8, device="cuda")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    with pytest.raises(RuntimeError, match=r">= 34"):
+        loopback.run(lambda rank, world_size: rank, 16, device="cuda")
+
+
 def _sleeps_then_fails(rank, world_size):
     import time
 
