@@ -92,35 +92,29 @@ __device__ inline void note_abandoned(ErrorReport* e, int32_t peer, int32_t what
 }
 
 // Record the first error of this rank's kernels; later ones only abort.
-__device__ inline void report_error_at(ErrorReport* e, int32_t rank, uint64_t timeout_ns,
-                                       int32_t code, int32_t peer, int32_t what, int64_t detail) {
+__device__ inline void report_error(const CommContext& c, int32_t code, int32_t peer,
+                                    int32_t what, int64_t detail) {
+  ErrorReport* e = c.error();
   if (atomicCAS(&e->code, 0, code) == 0) {
-    e->rank = rank;
+    e->rank = c.rank;
     e->peer = peer;
     e->what = what;
     e->detail = detail;
     __threadfence_system();
     if (code == kTimeout && note_wait(e, what))
       printf("[megatron_mok] rank %d: timed out after %llu ns waiting for peer %d (wait kind %d, "
-             "detail %lld)\n", rank, (unsigned long long)timeout_ns, peer, what, (long long)detail);
+             "detail %lld)\n", c.rank, (unsigned long long)c.timeout_ns, peer, what, (long long)detail);
   }
-}
-
-__device__ inline void report_error(const CommContext& c, int32_t code, int32_t peer,
-                                    int32_t what, int64_t detail) {
-  report_error_at(c.error(), c.rank, c.timeout_ns, code, peer, what, detail);
 }
 
 // True once this rank's kernels reported an error that breaks the protocol (a timeout): spin
 // waits give up and kernels skip their work. Data errors leave the protocol intact and do not
 // abort: a bad expert id is dropped like -1, and static-shape rows past max_recv_tokens are not
 // written; every rank's call then completes and the host raises at its next read.
-__device__ inline bool aborted_at(const ErrorReport* e) {
-  const int32_t code = ld_volatile(&e->code);
+__device__ inline bool aborted(const CommContext& c) {
+  const int32_t code = ld_volatile(&c.error()->code);
   return code != kOk && code != kBadExpert && code != kRecvOverflow;
 }
-
-__device__ inline bool aborted(const CommContext& c) { return aborted_at(c.error()); }
 
 // Spin until *flag >= target (acquire, system scope). False on timeout or abort: the caller
 // must stop its work and return.
