@@ -25,8 +25,8 @@ set before CUDA initialises. The driver gives a context that many hardware work 
 streams share a queue, whose commands run in order, so a rank's kernel can sit behind a peer's
 kernel that waits, stream-ordered, for a kernel spinning until this rank's kernel runs: a
 deadlock until the spin-waits time out (each rank uses two streams: its own and the CUDA
-backend's side stream). Likewise ``CUDA_MODULE_LOADING=EAGER``, set before CUDA initialises. With lazy loading (CUDA's
-default) the first launch of any kernel (torch's included) may wait for the whole context to
+backend's side stream). Likewise ``CUDA_MODULE_LOADING=EAGER``, set before CUDA
+initialises. With lazy loading (CUDA's default) the first launch of any kernel (torch's included) may wait for the whole context to
 be idle, while peers' kernels spin waiting for this rank: a deadlock until the spin-waits
 time out (CUDA programming guide, "Lazy Loading", concurrent execution). No device-wide
 synchronisation (``torch.cuda.synchronize``, ``empty_cache``) while peers may have kernels

@@ -38,12 +38,17 @@ def test_timeout_names_the_other_waits_the_rank_gave_up():
     table = [0] * 32
     table[4 * 4: 4 * 4 + 4] = [3, 0, 703, 0]
     table[4 * 3: 4 * 3 + 4] = [1, 0, 701, 0]
-    waits = abandoned_waits((1 << 3) | (1 << 4), table)
+    report = [1, 0, 1, 3, 701, 0, (1 << 3) | (1 << 4), 0]
+    waits = abandoned_waits(report, table)
     assert waits == [(3, 1, 701), (4, 3, 703)]
-    msg = describe([1, 0, 1, 3, 701, 0, (1 << 3) | (1 << 4), 0], 30.0, None, waits)
+    msg = describe(report, 30.0, None, waits)
     assert "waiting for peer 1: the peer's staged tokens (dispatch ring chunk) (detail 701)" in msg
     assert "Also stopped on this rank, still waiting: peers to release this rank's dispatch ring " \
            "slot from peer 3 (detail 703)." in msg
     assert "Also stopped" not in describe([1, 0, 1, 3, 701, 0, 0, 0], 30.0, None, [(3, 1, 701)])
     # a 64-bit detail survives the two words
-    assert abandoned_waits(1 << 6, [0] * 24 + [2, 0, -1, 1]) == [(6, 2, (1 << 32) | 0xFFFFFFFF)]
+    assert abandoned_waits([1, 0, 0, 0, 0, 0, 1 << 6, 0], [0] * 24 + [2, 0, -1, 1]) == \
+        [(6, 2, (1 << 32) | 0xFFFFFFFF)]
+    # waits_noted is read unsigned: a high-word bit (no kind uses it) must not turn into a
+    # negative mask with every low bit set
+    assert abandoned_waits([1, 0, 0, 0, 0, 0, 0, -2**31], [0] * 32) == []

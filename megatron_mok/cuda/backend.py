@@ -183,9 +183,8 @@ class CudaBackend:
                 # Let this rank's kernels finish aborting (they record the waits they give up),
                 # then name those waits too: a stall report should show every stuck party.
                 self._sync()
-                report = self.error_words.cpu().tolist()
-                noted = (report[6] & 0xFFFFFFFF) | ((report[7] & 0xFFFFFFFF) << 32)
-                abandoned = abandoned_waits(noted, self.abandoned_words.cpu().tolist())
+                abandoned = abandoned_waits(self.error_words.cpu().tolist(),
+                                            self.abandoned_words.cpu().tolist())
             self.broken = describe(words.tolist(), self.timeout_s, self.buf.max_recv_tokens, abandoned)
             raise MokDeviceError(self.broken)
 
@@ -243,9 +242,7 @@ class CudaBackend:
             main = torch.cuda.current_stream(self.device)
             if self.stage_first:
                 staged = self._launch_staging(x, T, scratch, main)
-            self.host_report[:4].copy_(totals, non_blocking=True)
-            self.host_report[4:].copy_(self.error_words, non_blocking=True)
-            self._layout_read.record(main)
+            self._queue_host_report(totals, main)
             if fill_first:
                 self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)
             self._layout_read.synchronize()
@@ -301,9 +298,7 @@ class CudaBackend:
             self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
             self._ptr(w), T, b.num_experts, self._ptr(tpe), 1 << 62, cap))
         main = torch.cuda.current_stream(self.device)
-        self.host_report[:4].copy_(totals, non_blocking=True)
-        self.host_report[4:].copy_(self.error_words, non_blocking=True)
-        self._layout_read.record(main)
+        self._queue_host_report(totals, main)
         self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)
         self._transfer(x, T, scratch, tokens, cap, pad=False)
         self._layout_read.synchronize()
@@ -325,6 +320,13 @@ class CudaBackend:
             src_token=src_all[1, :R], tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
             state=CudaLayout(scratch=scratch, totals=totals))
         return tokens, probs_all.resize_(R), handle
+
+    def _queue_host_report(self, totals, main) -> None:
+        """Queue the copies of R (totals) and the error report into the pinned ``host_report``
+        and record the event the host read waits on (the layout kernels only)."""
+        self.host_report[:4].copy_(totals, non_blocking=True)
+        self.host_report[4:].copy_(self.error_words, non_blocking=True)
+        self._layout_read.record(main)
 
     def _spec_capacity(self) -> int:
         """Rows to allocate before R is known: SPEC_MARGIN over the largest recent R plus one

@@ -29,16 +29,21 @@ ABANDONED_ENTRY_BYTES = 16
 WAIT_KIND_COUNT = 8
 
 
-def abandoned_waits(waits_noted: int, table_words) -> list:
+def _word64(lo, hi) -> int:
+    """The 64-bit field stored as two int32 words (low first)."""
+    return (int(lo) & 0xFFFFFFFF) | (int(hi) << 32)
+
+
+def abandoned_waits(report, table_words) -> list:
     """``[(kind, peer, detail)]`` of the waits this rank gave up after the error, from the
-    report's ``waits_noted`` bit mask and its table read as int32 words (4 per entry)."""
+    report (8 int32 words: ``waits_noted`` is words 6-7) and its table read as int32 words
+    (4 per entry)."""
+    noted = _word64(report[6], report[7]) & ((1 << 64) - 1)
     out = []
     for kind in range(WAIT_KIND_COUNT):
-        if (waits_noted >> kind) & 1:
+        if (noted >> kind) & 1:
             w = table_words[4 * kind: 4 * kind + 4]
-            peer = int(w[0])
-            detail = (int(w[2]) & 0xFFFFFFFF) | (int(w[3]) << 32)
-            out.append((kind, peer, detail))
+            out.append((kind, int(w[0]), _word64(w[2], w[3])))
     return out
 
 
@@ -50,7 +55,7 @@ def describe(report, timeout_s: float, max_recv_tokens, abandoned=()) -> str:
     """Human-readable message for an ``ErrorReport`` read as 8 int32 words; ``abandoned``:
     the other waits this rank gave up after a timeout (:func:`abandoned_waits`)."""
     code, rank, peer, what = (int(v) for v in report[:4])
-    detail = (int(report[4]) & 0xFFFFFFFF) | (int(report[5]) << 32)
+    detail = _word64(report[4], report[5])
     kind = ERROR_CODES.get(code, f"error code {code}")
     if code == 1:
         others = [(k, p, d) for k, p, d in abandoned if k != what]
