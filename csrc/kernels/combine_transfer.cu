@@ -28,8 +28,24 @@ struct CombineShape {
   int split;         // a token's (or a task's) steps may be dealt to several warps when the
                      // call has fewer of them than the grid has warps (MOK_COMBINE_SPLIT=0: never)
 
+  int N;             // chunks in the combine ring
+  uint32_t base;     // (seq * cpc) % N, set with seq at kernel start
+
   // Generation of chunk j of source region s (rank s's tokens) in this call.
   __device__ uint64_t gen(int s, int j) const { return seq * cpc + static_cast<uint64_t>(s) * cps + j; }
+  // Its ring slot, gen(s, j) % N, in 32-bit arithmetic: a 64-bit remainder is a ~70-instruction
+  // subroutine call, and the consume loop needed several per token (benchmarks/NOTES.md #22).
+  __device__ int slot(int s, int j) const {
+    uint32_t x = base + static_cast<uint32_t>(s * cps + j);  // < N + cpc
+    const uint32_t n = static_cast<uint32_t>(N);
+    if (x >= n) x -= n;
+    if (x >= n) x %= n;  // only when a call spans more than the ring (role split)
+    return static_cast<int>(x);
+  }
+  __device__ void start(uint64_t call) {
+    seq = call;
+    base = static_cast<uint32_t>((call * static_cast<uint64_t>(cpc)) % static_cast<uint64_t>(N));
+  }
 };
 
 // How many warps share one work item (a token to sum, a task to reduce): as many as the grid
@@ -92,13 +108,12 @@ __device__ void produce_chunks(const CommContext& c, const HandleArrays& h, cons
                                const float* grad_probs) {
   const int warp = threadIdx.x / kWarpSize, n_warps = blockDim.x / kWarpSize;
   RingView mine = RingView::combine(c.ws, c.local());
-  const int64_t N = mine.num_chunks;
   for (int s = 0; s < c.world; ++s) {
     if (s == c.rank) continue;  // my own partials are reduced by my consumers directly
     const int first = h.task_off[s], n = h.task_off[s + 1] - first;
     for (int j = 0; j * sh.C < n; ++j) {
       const uint64_t g = sh.gen(s, j);
-      const int64_t slot = static_cast<int64_t>(g % N);
+      const int64_t slot = sh.slot(s, j);
       if (slot % role.count != role.index()) continue;
       if (!ring_slot_acquire(c, mine, slot, g, kWaitCombineReleased)) return;
       char* chunk = mine.ring + slot * mine.chunk_bytes;
@@ -126,7 +141,6 @@ __device__ void produce_rows(const CommContext& c, const HandleArrays& h, const 
   const int warp = static_cast<int>(threadIdx.x / kWarpSize) * gridDim.x + blockIdx.x;
   RingView mine = RingView::combine(c.ws, c.local());
   int32_t* arrived = reinterpret_cast<int32_t*>(c.local() + c.ws.comb_arrived);
-  const int64_t N = mine.num_chunks;
   int64_t acquired = -1;  // the last slot this warp checked (its tasks ascend, so chunks do)
   int s = 0, s_first = 0;  // source of the current task, and its index of s's first task
   const int total = h.task_off[c.world] - (h.task_off[c.rank + 1] - h.task_off[c.rank]);
@@ -148,7 +162,7 @@ __device__ void produce_rows(const CommContext& c, const HandleArrays& h, const 
     const int q = i - s_first, j = q / sh.C;
     const int n = h.task_off[s + 1] - h.task_off[s];
     const uint64_t g = sh.gen(s, j);
-    const int64_t slot = static_cast<int64_t>(g % N);
+    const int64_t slot = sh.slot(s, j);
     if (slot != acquired) {
       if (!ring_slot_acquire_warp(c, mine, slot, g, kWaitCombineReleased)) return;
       acquired = slot;
@@ -173,17 +187,16 @@ __device__ void produce_rows(const CommContext& c, const HandleArrays& h, const 
 
 // Where rank d staged the partial of my token whose index among my tokens sent to d is q.
 template <typename P>
-__device__ __forceinline__ const P* remote_partial(const CommContext& c, const CombineShape& sh,
-                                                   int64_t N, int d, int q) {
-  const uint64_t g = sh.gen(c.rank, q / sh.C);
-  const char* chunk = c.peers.base[d] + c.ws.comb_ring + (g % N) * c.ws.comb_chunk_bytes;
+__device__ __forceinline__ const P* remote_partial(const CommContext& c, const CombineShape& sh, int d, int q) {
+  const char* chunk = c.peers.base[d] + c.ws.comb_ring +
+                      static_cast<int64_t>(sh.slot(c.rank, q / sh.C)) * c.ws.comb_chunk_bytes;
   return reinterpret_cast<const P*>(chunk) + static_cast<size_t>(q % sh.C) * sh.H;
 }
 
 // Waits until every remote partial of token t is staged (the warp's cache of ready chunks
 // skips the flag read for tokens of a chunk already seen).
 __device__ bool wait_token_partials(const CommContext& c, const HandleArrays& h, const CombineShape& sh,
-                                    int64_t N, SeenGens& seen, int t) {
+                                    SeenGens& seen, int t) {
   const int W = c.world, me = c.rank;
   for (int d = 0; d < W; ++d) {
     const int q = h.send_index(c.ws.cfg, t, d);
@@ -191,7 +204,7 @@ __device__ bool wait_token_partials(const CommContext& c, const HandleArrays& h,
     const uint64_t g = sh.gen(me, q / sh.C);
     if (!seen.has(d, g)) {
       RingView theirs = RingView::combine(c.ws, c.peers.base[d]);
-      if (!wait_geq(c, theirs.ready + g % N, g + 1, d, kWaitCombineReady, static_cast<int64_t>(g)))
+      if (!wait_geq(c, theirs.ready + sh.slot(me, q / sh.C), g + 1, d, kWaitCombineReady, static_cast<int64_t>(g)))
         return false;
       seen.set(d, g);
     }
@@ -288,7 +301,6 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   const int n_tok = Pc > 1 ? (warp < n_my * Pc ? 1 : 0)
                            : (n_my > warp ? (n_my - warp + n_warps - 1) / n_warps : 0);
   auto token_of = [&](int k) { return Pc > 1 ? warp % n_my : warp + k * n_warps; };
-  const int64_t n_pieces = static_cast<int64_t>(n_tok) * n_steps;
   int4* ring = smem + static_cast<size_t>(threadIdx.x / kWarpSize) * R * RS::kSlotInt4;
   // This lane's words of group u in slot i.
   auto lane_words = [&](int i, int u) { return ring + i * RS::kSlotInt4 + (u * kWarpSize + lane) * RS::kVecs; };
@@ -298,8 +310,13 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   };
   SeenGens seen;
 
-  // ---- issue side: pieces [0, ip) are issued; the ring's free slots start at islot.
-  int64_t ip = 0;
+  // Slot index i + j of the warp's ring, for i < R and j <= R (no division in the loop).
+  auto wrap = [](int i) { return i >= R ? i - R : i; };
+
+  // ---- issue side: ip pieces are issued, the next is token iss_k's step iss_st (counters,
+  // not ip / n_steps: a 64-bit division per piece was a subroutine call, NOTES.md #22); the
+  // ring's free slots start at islot.
+  int ip = 0, iss_k = 0, iss_st = first_step;
   int islot = 0, free_slots = R;
   int ik = -1;                 // token whose plan is below
   int irow = -1;               // lane r: token ik's own row r
@@ -308,8 +325,8 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   uint64_t streamed = 0;       // bit k % 64: token k's first remote partial is streamed
   int ck = 0;                  // the token being consumed
   auto try_issue = [&]() {
-    while (ip < n_pieces) {
-      const int k = static_cast<int>(ip / n_steps), st = first_step + static_cast<int>(ip % n_steps);
+    while (n_steps > 0 && iss_k < n_tok) {
+      const int k = iss_k, st = iss_st;
       // Pieces that need no slot (no own rows here, partial not ready) cost nothing, so
       // bound the look-ahead in tokens too: `streamed` keeps 64 tokens' bits.
       if (k - ck >= 32) return;
@@ -324,11 +341,11 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         if (d0 >= 0) {
           const int q = h.send_index(c.ws.cfg, t, d0);
           const uint64_t g = sh.gen(me, q / sh.C);
-          const uint64_t* flag = RingView::combine(c.ws, c.peers.base[d0]).ready + g % N;
+          const uint64_t* flag = RingView::combine(c.ws, c.peers.base[d0]).ready + sh.slot(me, q / sh.C);
           // Every lane acquires the flag itself before reading the data it guards. Not
           // seen.set: the cache may only record chunks checked in token order.
           if (seen.has(d0, g) || __all_sync(0xffffffffu, ld_acquire_sys(flag) >= g + 1)) {
-            ipartial = remote_partial<P>(c, sh, N, d0, q);
+            ipartial = remote_partial<P>(c, sh, d0, q);
             streamed |= 1ull << (k % 64);
           }
         }
@@ -343,7 +360,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
           if (group_live(v0, u, sh.H)) {
             const int4* src = reinterpret_cast<const int4*>(
                 expert_out + static_cast<size_t>(row) * sh.H + v0 + u * kWarpSize * kCombineVec);
-            int4* dst = lane_words((islot + j) % R, u);
+            int4* dst = lane_words(wrap(islot + j), u);
 #pragma unroll
             for (int w = 0; w < Raw8<T>::kVecs; ++w) cp_async_16(dst + w, src + w);
           }
@@ -353,14 +370,18 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         for (int u = 0; u < U; ++u)
           if (group_live(v0, u, sh.H)) {
             const int4* src = reinterpret_cast<const int4*>(ipartial + v0 + u * kWarpSize * kCombineVec);
-            int4* dst = lane_words((islot + in_own) % R, u);
+            int4* dst = lane_words(wrap(islot + in_own), u);
 #pragma unroll
             for (int w = 0; w < Raw8<P>::kVecs; ++w) cp_async_16(dst + w, src + w);
           }
       cp_async_commit();
-      islot = (islot + need) % R;
+      islot = wrap(islot + need);
       free_slots -= need;
       ++ip;
+      if (++iss_st == first_step + n_steps) {
+        iss_st = first_step;
+        ++iss_k;
+      }
     }
   };
   try_issue();
@@ -377,22 +398,34 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     int lane_row;
     const int n_own = stream_rows<RS::kMaxOwn>(my_rows, sh.K, a.row_cap, lane_row);  // -1: direct
     const int own_slots = n_own < 0 ? 0 : n_own;
-    if (!wait_token_partials(c, h, sh, N, seen, t)) { cp_async_wait<0>(); return; }
+    if (!wait_token_partials(c, h, sh, seen, t)) { cp_async_wait<0>(); return; }
     // The streamed rank, or -1 when t's first remote partial was not ready in time (then it is
     // loaded like any further rank's).
     const int d0 = (streamed >> (k % 64)) & 1 ? first_remote(c, h, t) : -1;
     const int need = own_slots + (d0 >= 0 ? 1 : 0);
+    // Lane d < W holds q of t for rank d and, for a remote rank, where its partial is staged,
+    // so the steps below neither re-read the handle nor recompute slots (up to 32 ranks; a
+    // wider world reads them per step).
+    const bool lane_cache = W <= kWarpSize;
+    int lane_q = -1;
+    unsigned long long lane_src = 0;
+    if (lane_cache && lane < W) {
+      lane_q = pos(lane);
+      if (lane_q >= 0 && lane != me)
+        lane_src = reinterpret_cast<unsigned long long>(remote_partial<P>(c, sh, lane, lane_q));
+    }
+    const unsigned holders = __ballot_sync(0xffffffffu, lane_q >= 0);
     for (int st = first_step; st < first_step + n_steps; ++st) {
-      const int64_t p = static_cast<int64_t>(k) * n_steps + (st - first_step);
+      const int p = k * n_steps + (st - first_step);
       const int v0 = st * kStepElems + lane * kCombineVec;
       try_issue();                              // piece p is issued (the ring is free by now)
-      cp_async_wait_at_most(static_cast<int>(ip - p - 1));
+      cp_async_wait_at_most(ip - p - 1);
       // My own partial: my rows summed here (same rows, order and rounding as a producer).
       float part[U][kCombineVec], acc[U][kCombineVec];
       zero(part);
       if (n_own > 0) {
         for (int j = 0; j < n_own; ++j) {
-          const int i = (cslot + j) % R;
+          const int i = wrap(cslot + j);
 #pragma unroll
           for (int u = 0; u < U; ++u)
             if (group_live(v0, u, sh.H)) {
@@ -412,16 +445,14 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       }
       // Sum in rank order.
       zero(acc);
-      for (int d = 0; d < W; ++d) {
-        const int q = pos(d);
-        if (q < 0) continue;
+      auto add_rank = [&](int d) {
         if (d == me) {
 #pragma unroll
           for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int e = 0; e < kCombineVec; ++e) acc[u][e] += part[u][e];
         } else if (d == d0) {
-          const int i = (cslot + own_slots) % R;
+          const int i = wrap(cslot + own_slots);
 #pragma unroll
           for (int u = 0; u < U; ++u)
             if (group_live(v0, u, sh.H)) {
@@ -430,7 +461,8 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
               add_raw<P>(acc[u], r);
             }
         } else {
-          const P* src = remote_partial<P>(c, sh, N, d, q);
+          const P* src = lane_cache ? reinterpret_cast<const P*>(__shfl_sync(0xffffffffu, lane_src, d))
+                                    : remote_partial<P>(c, sh, d, pos(d));
           Raw8<P> r[U];
 #pragma unroll
           for (int u = 0; u < U; ++u)
@@ -439,13 +471,19 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
           for (int u = 0; u < U; ++u)
             if (group_live(v0, u, sh.H)) add_raw<P>(acc[u], r[u]);
         }
+      };
+      if (lane_cache) {
+        for (unsigned m = holders; m != 0; m &= m - 1) add_rank(__ffs(m) - 1);  // ascending ranks
+      } else {
+        for (int d = 0; d < W; ++d)
+          if (pos(d) >= 0) add_rank(d);
       }
 #pragma unroll
       for (int u = 0; u < U; ++u)
         if (group_live(v0, u, sh.H))
           Vec8<T>::store(y + static_cast<size_t>(t) * sh.H + v0 + u * kWarpSize * kCombineVec, acc[u]);
       // The piece's slots were read above: hand them to the pieces ahead.
-      cslot = (cslot + need) % R;
+      cslot = wrap(cslot + need);
       free_slots += need;
     }
     if (grad_w != nullptr && first_step == 0 && lane < sh.K) {  // part 0 writes the prob gradients
@@ -462,8 +500,8 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
               part = grad_probs[row];
           }
         } else {
-          const uint64_t g = sh.gen(me, q / sh.C);
-          const char* chunk = c.peers.base[d] + c.ws.comb_ring + (g % N) * c.ws.comb_chunk_bytes;
+          const char* chunk = c.peers.base[d] + c.ws.comb_ring +
+                              static_cast<int64_t>(sh.slot(me, q / sh.C)) * c.ws.comb_chunk_bytes;
           part = reinterpret_cast<const volatile float*>(chunk + c.ws.comb_side_offset)[(q % sh.C) * sh.K + lane];
         }
         val += part;
@@ -479,7 +517,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         if (q < 0 || d == me) continue;
         const int j = q / sh.C;
         const uint64_t g = sh.gen(me, j);
-        const int64_t slot = static_cast<int64_t>(g % N);
+        const int64_t slot = sh.slot(me, j);
         const int expected = min(sh.C, h.send_count[d] - j * sh.C) * Pc;  // every part reads it
         int32_t* done = RingView::combine(c.ws, c.local()).done + static_cast<size_t>(d) * N + slot;
         if (atomicAdd(done, 1) + 1 == expected) {
@@ -515,7 +553,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
                             const T* expert_out, const float* grad_probs, T* y, float* grad_w) {
   extern __shared__ __align__(16) int4 smem[];
   if (aborted(c)) return;  // after a protocol error: touch nothing (see dispatch_transfer.cu)
-  sh.seq = c.counters()->comb_seq;
+  sh.start(c.counters()->comb_seq);
   trace_warp(c, true);
   int4* stream = smem;
   if (sh.phased) {
@@ -575,6 +613,7 @@ cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
   sh.C = c.ws.cfg.chunk_tokens;
   sh.cps = HandleArrays::chunks_per_call(c.ws.cfg);
   sh.cpc = static_cast<int64_t>(sh.cps) * c.world;
+  sh.N = static_cast<int>(c.ws.cfg.comb_ring_chunks);
   // MOK_COMBINE_PHASED=0 forces the role split (tests cover both schedules).
   const char* phased_env = getenv("MOK_COMBINE_PHASED");
   sh.phased = sh.cpc <= c.ws.cfg.comb_ring_chunks && !(phased_env != nullptr && phased_env[0] == '0');
