@@ -241,7 +241,9 @@ def test_cuda_ring_wraps_1000_calls(world_size):
 # Alternative schedules, chosen by environment variables the backend reads when a Buffer is
 # made (eager staging on a side stream before the host read, MOK_EAGER_STAGE_FIRST=1) or at
 # each combine launch (role split instead of phases, MOK_COMBINE_PHASED=0; one warp per token
-# and per task even when a call has fewer of them than warps, MOK_COMBINE_SPLIT=0). Each must
+# and per task even when a call has fewer of them than warps, MOK_COMBINE_SPLIT=0; own expert
+# rows loaded into registers instead of streamed through shared memory,
+# MOK_COMBINE_STREAM_OWN=0). Each must
 # give the reference's bits; the ring test also runs the eager staging through a wrapping ring.
 ALT_SCHEDULES = [
     pytest.param({"MOK_EAGER_STAGE_FIRST": "1"}, id="eager_stage_first"),
@@ -249,6 +251,7 @@ ALT_SCHEDULES = [
     pytest.param({"MOK_COMBINE_SPLIT": "0"}, id="combine_no_split"),
     pytest.param({"MOK_EAGER_FILL_FIRST": "1"}, id="eager_fill_first"),
     pytest.param({"MOK_EAGER_SPECULATIVE": "1"}, id="eager_speculative"),
+    pytest.param({"MOK_COMBINE_STREAM_OWN": "0"}, id="combine_own_rows_direct"),
 ]
 
 

@@ -67,9 +67,9 @@ def test_loopback_ring_wraps(world_size, calls, t_max):
 @gpu
 @pytest.mark.parametrize("env", [{"MOK_EAGER_STAGE_FIRST": "1"}, {"MOK_COMBINE_PHASED": "0"},
                                  {"MOK_COMBINE_SPLIT": "0"}, {"MOK_EAGER_FILL_FIRST": "1"},
-                                 {"MOK_EAGER_SPECULATIVE": "1"}],
+                                 {"MOK_EAGER_SPECULATIVE": "1"}, {"MOK_COMBINE_STREAM_OWN": "0"}],
                          ids=["eager_stage_first", "combine_role_split", "combine_no_split",
-                              "eager_fill_first", "eager_speculative"])
+                              "eager_fill_first", "eager_speculative", "combine_own_rows_direct"])
 def test_loopback_alternative_schedules(env, monkeypatch):
     # Set once for all threads: every rank must make the same choice.
     for k, v in env.items():

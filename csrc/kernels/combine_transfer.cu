@@ -25,6 +25,8 @@ struct CombineShape {
   int H, K, C, cps;  // hidden, topk, rows per chunk, chunks per source region
   int64_t cpc;       // chunks per call: W regions of cps chunks
   int phased;        // every block produces, then consumes (the call fits in the ring)
+  int stream_own;    // consumers stream their own expert rows through shared memory (else they
+                     // load them straight into registers and stream only the remote partials)
   int split;         // a token's (or a task's) steps may be dealt to several warps when the
                      // call has fewer of them than the grid has warps (MOK_COMBINE_SPLIT=0: never)
 
@@ -304,6 +306,9 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   int4* ring = smem + static_cast<size_t>(threadIdx.x / kWarpSize) * R * RS::kSlotInt4;
   // This lane's words of group u in slot i.
   auto lane_words = [&](int i, int u) { return ring + i * RS::kSlotInt4 + (u * kWarpSize + lane) * RS::kVecs; };
+  // The same words as shared-memory addresses, for cp.async.
+  const unsigned ring_shared = static_cast<unsigned>(__cvta_generic_to_shared(ring)) + lane * RS::kVecs * 16;
+  auto lane_shared = [&](int i, int u) { return ring_shared + (i * RS::kSlotInt4 + u * kWarpSize * RS::kVecs) * 16; };
   auto rows_of = [&](int t) -> const int32_t* {
     const int q = h.send_index(c.ws.cfg, t, me);
     return q < 0 ? nullptr : h.task_rows + static_cast<size_t>(my_first_task + q) * sh.K;
@@ -333,7 +338,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       if (k != ik) {  // plan the token once, when its first piece comes up
         ik = k;
         const int t = token_of(k);
-        const int n = stream_rows<RS::kMaxOwn>(rows_of(t), sh.K, a.row_cap, irow);
+        const int n = sh.stream_own ? stream_rows<RS::kMaxOwn>(rows_of(t), sh.K, a.row_cap, irow) : -1;
         in_own = n < 0 ? 0 : n;
         ipartial = nullptr;
         streamed &= ~(1ull << (k % 64));
@@ -360,9 +365,9 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
           if (group_live(v0, u, sh.H)) {
             const int4* src = reinterpret_cast<const int4*>(
                 expert_out + static_cast<size_t>(row) * sh.H + v0 + u * kWarpSize * kCombineVec);
-            int4* dst = lane_words(wrap(islot + j), u);
+            const unsigned dst = lane_shared(wrap(islot + j), u);
 #pragma unroll
-            for (int w = 0; w < Raw8<T>::kVecs; ++w) cp_async_16(dst + w, src + w);
+            for (int w = 0; w < Raw8<T>::kVecs; ++w) cp_async_16_shared(dst + 16 * w, src + w);
           }
       }
       if (ipartial != nullptr)
@@ -370,9 +375,9 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         for (int u = 0; u < U; ++u)
           if (group_live(v0, u, sh.H)) {
             const int4* src = reinterpret_cast<const int4*>(ipartial + v0 + u * kWarpSize * kCombineVec);
-            int4* dst = lane_words(wrap(islot + in_own), u);
+            const unsigned dst = lane_shared(wrap(islot + in_own), u);
 #pragma unroll
-            for (int w = 0; w < Raw8<P>::kVecs; ++w) cp_async_16(dst + w, src + w);
+            for (int w = 0; w < Raw8<P>::kVecs; ++w) cp_async_16_shared(dst + 16 * w, src + w);
           }
       cp_async_commit();
       islot = wrap(islot + need);
@@ -396,7 +401,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     const int32_t* my_rows = rows_of(t);
     const int my_task = my_rows != nullptr ? my_first_task + pos(me) : -1;
     int lane_row;
-    const int n_own = stream_rows<RS::kMaxOwn>(my_rows, sh.K, a.row_cap, lane_row);  // -1: direct
+    // Own rows streamed (count), or -1: loaded straight into registers (held ids when they fit).
+    const int n_own = sh.stream_own ? stream_rows<RS::kMaxOwn>(my_rows, sh.K, a.row_cap, lane_row)
+                                    : (my_rows != nullptr ? -1 : 0);
+
     const int own_slots = n_own < 0 ? 0 : n_own;
     if (!wait_token_partials(c, h, sh, seen, t)) { cp_async_wait<0>(); return; }
     // The streamed rank, or -1 when t's first remote partial was not ready in time (then it is
@@ -620,6 +628,9 @@ cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
   // MOK_COMBINE_SPLIT=0: one warp per token / task whatever the call size (A/B and bisection).
   const char* split_env = getenv("MOK_COMBINE_SPLIT");
   sh.split = !(split_env != nullptr && split_env[0] == '0');
+  // MOK_COMBINE_STREAM_OWN=0: own rows straight into registers, only partials streamed (A/B, NOTES #23).
+  const char* own_env = getenv("MOK_COMBINE_STREAM_OWN");
+  sh.stream_own = !(own_env != nullptr && own_env[0] == '0');
   switch (dtype_code) {
     case kBF16:
       return launch_partial<__nv_bfloat16>(partial_code, c, h, t, sh, expert_out, grad_probs, y, grad_w, s);
