@@ -33,7 +33,9 @@ OUT=$(cd "$OUT" && pwd)   # the base runs from another directory
 run() {  # run NAME TOKENS ROOT [ENV_LIST]
     local name=$1 t=$2 root=$3 envs=${4:-}
     ( if [ -n "$envs" ]; then IFS=, read -ra kv <<< "$envs"; for e in "${kv[@]}"; do export "$e"; done; fi
-      cd "$root" && timeout -k 5 60 $PY -m torch.distributed.run --nproc-per-node 2 scripts/profile_stages.py \
+      # A port of its own per run: a run killed by its timeout can leave the last one in use.
+      cd "$root" && timeout -k 5 60 $PY -m torch.distributed.run --nproc-per-node 2 \
+          --master-port $((20000 + RANDOM % 20000)) scripts/profile_stages.py \
           --tokens "$t" --sms 24 --iters 30 --out "$OUT/$name" > "$OUT/$name.log" 2>&1 )
     local rc=$?
     echo "$name (rc=$rc): $(grep -E '^\| 24 ' "$OUT/$name.log" | head -n 1)"
