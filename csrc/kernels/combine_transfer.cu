@@ -401,10 +401,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     const int32_t* my_rows = rows_of(t);
     const int my_task = my_rows != nullptr ? my_first_task + pos(me) : -1;
     int lane_row;
-    // Own rows streamed (count), or -1: loaded straight into registers (held ids when they fit).
+    // Own rows streamed (their count), or -1: loaded straight into registers when summed (more
+    // than kMaxOwn of them, or MOK_COMBINE_STREAM_OWN=0).
     const int n_own = sh.stream_own ? stream_rows<RS::kMaxOwn>(my_rows, sh.K, a.row_cap, lane_row)
                                     : (my_rows != nullptr ? -1 : 0);
-
     const int own_slots = n_own < 0 ? 0 : n_own;
     if (!wait_token_partials(c, h, sh, seen, t)) { cp_async_wait<0>(); return; }
     // The streamed rank, or -1 when t's first remote partial was not ready in time (then it is

@@ -278,13 +278,9 @@ __device__ __forceinline__ void load_raw_generic(Raw8<T>& r, const T* p) {
   for (int i = 0; i < Raw8<T>::kVecs; ++i) r.v[i] = reinterpret_cast<const int4*>(p)[i];
 }
 
-// Asynchronous 16-byte global -> shared copies (no registers held while in flight; L2 only).
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-// Same, to a shared-memory address (as __cvta_generic_to_shared gives): a loop that issues many
-// copies computes the window address once instead of once per copy.
+// Asynchronous 16-byte global -> shared copies (no registers held while in flight; L2 only),
+// to a shared-memory address (as __cvta_generic_to_shared gives): a loop that issues many copies
+// computes the window address once instead of once per copy.
 __device__ __forceinline__ void cp_async_16_shared(unsigned smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem) : "memory");
 }
