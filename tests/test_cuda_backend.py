@@ -102,13 +102,10 @@ def ring_chunk_bytes(H, K, elem=2, partial_elem=2):
     return C * H * elem, C * H * partial_elem + C * K * 4
 
 
-def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, lockstep=False,
-               **buffer_kw):
+def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, **buffer_kw):
     """``calls`` dispatch/combine calls of varying size through a ring of ``chunks`` chunks
     (wraps many times); one call larger than the whole ring; each checked bitwise against
-    the reference, with a full backward every 50th call. ``lockstep``: every rank finishes a
-    call (its stream) before any starts the next (a loopback barrier), so no rank runs ahead
-    (the experiment that tells a residency stall on a shared GPU from a protocol one)."""
+    the reference, with a full backward every 50th call."""
     dev = _device_for(rank)
     H, K, E, dtype = 256, 4, 4 * world_size, torch.bfloat16
     disp, comb = ring_chunk_bytes(H, K)
@@ -120,9 +117,6 @@ def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, lo
     big_call = calls // 2
     rows_seen = 0
     for i in range(calls):
-        if lockstep:                                           # loopback runs only
-            settle(dev)
-            loopback_barrier()
         T_all = [int(v) for v in torch.randint(0, min(300, T_max + 1), (world_size,), generator=g)]
         if i == big_call:
             T_all = [T_max] * world_size                       # T_max * H * 2 bytes > ring
