@@ -26,9 +26,9 @@ streams share a queue, whose commands run in order, so a rank's kernel can sit b
 kernel that waits, stream-ordered, for a kernel spinning until this rank's kernel runs: a
 deadlock until the spin-waits time out (each rank uses two streams: its own and the CUDA
 backend's side stream). Likewise ``CUDA_MODULE_LOADING=EAGER``, set before CUDA
-initialises. With lazy loading (CUDA's default) the first launch of any kernel (torch's included) may wait for the whole context to
-be idle, while peers' kernels spin waiting for this rank: a deadlock until the spin-waits
-time out (CUDA programming guide, "Lazy Loading", concurrent execution). No device-wide
+initialises. With lazy loading (CUDA's default) the first launch of any kernel (torch's
+included) may wait for the whole context to be idle, while peers' kernels spin waiting for
+this rank: a deadlock until the spin-waits time out (CUDA programming guide, "Lazy Loading", concurrent execution). No device-wide
 synchronisation (``torch.cuda.synchronize``, ``empty_cache``) while peers may have kernels
 waiting on this rank (synchronise the current stream instead); CUDA-graph captures one
 rank at a time (:meth:`LoopbackRank.barrier` between them), no replay before all captured;
@@ -234,11 +234,14 @@ def run(fn: Callable, world_size: int, *args, device="cuda", timeout_s: float = 
         need = connections_needed(world_size)
         have = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")
         if not have.isdigit() or int(have) < need:
+            limit = ("" if need <= MAX_CONNECTIONS else
+                     f"; the driver allows at most {MAX_CONNECTIONS}, so use at most "
+                     f"{(MAX_CONNECTIONS - 2) // 2} loopback ranks")
             raise RuntimeError(
                 f"{world_size} loopback ranks on a GPU need CUDA_DEVICE_MAX_CONNECTIONS >= {need} "
                 f"(it is {have}), set before CUDA initialises: with fewer hardware work queues "
                 "than streams, two ranks' streams share a queue, and a rank's kernel can wait "
-                "there behind work that waits for it (a deadlock until the timeout)")
+                f"there behind work that waits for it (a deadlock until the timeout){limit}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         from .cuda import library

@@ -247,6 +247,9 @@ def test_loopback_on_gpu_needs_a_work_queue_per_stream(monkeypatch):
         monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
         with pytest.raises(RuntimeError, match=r"CUDA_DEVICE_MAX_CONNECTIONS >= 18"):
             loopback.run(lambda rank, world_size: rank, 8, device="cuda")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")    # the most there is: 16 ranks can't run
+    with pytest.raises(RuntimeError, match=r">= 34 \(it is 32\).*use at most 15 loopback ranks"):
+        loopback.run(lambda rank, world_size: rank, 16, device="cuda")
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     with pytest.raises(RuntimeError, match=r"it is 8\)"):   # unset: CUDA's default
         loopback.run(lambda rank, world_size: rank, 8, device="cuda")
