@@ -325,6 +325,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   int islot = 0, free_slots = R;
   int ik = -1;                 // token whose plan is below
   int irow = -1;               // lane r: token ik's own row r
+  unsigned long long ibase = 0; // lane r: the address of that row (a copy is then a shuffle and an add)
   int in_own = 0;              // own rows streamed for token ik (0 when summed directly)
   const P* ipartial = nullptr; // token ik's streamed partial, or null
   uint64_t streamed = 0;       // bit k % 64: token k's first remote partial is streamed
@@ -339,6 +340,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         ik = k;
         const int t = token_of(k);
         const int n = sh.stream_own ? stream_rows<RS::kMaxOwn>(rows_of(t), sh.K, a.row_cap, irow) : -1;
+        ibase = irow >= 0 ? reinterpret_cast<unsigned long long>(expert_out + static_cast<size_t>(irow) * sh.H) : 0;
         in_own = n < 0 ? 0 : n;
         ipartial = nullptr;
         streamed &= ~(1ull << (k % 64));
@@ -359,12 +361,11 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       if (need > free_slots) return;
       const int v0 = st * kStepElems + lane * kCombineVec;
       for (int j = 0; j < in_own; ++j) {
-        const int row = __shfl_sync(0xffffffffu, irow, j);
+        const T* row = reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, ibase, j)) + v0;
 #pragma unroll
         for (int u = 0; u < U; ++u)
           if (group_live(v0, u, sh.H)) {
-            const int4* src = reinterpret_cast<const int4*>(
-                expert_out + static_cast<size_t>(row) * sh.H + v0 + u * kWarpSize * kCombineVec);
+            const int4* src = reinterpret_cast<const int4*>(row + u * kWarpSize * kCombineVec);
             const unsigned dst = lane_shared(wrap(islot + j), u);
 #pragma unroll
             for (int w = 0; w < Raw8<T>::kVecs; ++w) cp_async_16_shared(dst + 16 * w, src + w);
