@@ -222,14 +222,14 @@ __device__ __forceinline__ int first_remote(const CommContext& c, const HandleAr
 }
 
 // Shared memory of the consume loop: per warp, a ring of row slots. A slot holds one row's
-// (own expert row or remote partial) data for one step: U groups x 32 lanes x 16 B per bf16
+// (own expert row or remote partial) data for one piece: kConsumeUnroll groups x 32 lanes x 16 B per bf16
 // group (32 B when the tokens or the partials are fp32). 16 warps x 14 KB = 224 KB.
 template <typename T, typename P>
 struct RowStream {
   static constexpr int kVecs = Raw8<T>::kVecs > Raw8<P>::kVecs ? Raw8<T>::kVecs : Raw8<P>::kVecs;
-  static constexpr int kSlotInt4 = U * kWarpSize * kVecs;  // 16-byte words per slot
+  static constexpr int kSlotInt4 = kConsumeUnroll * kWarpSize * kVecs;  // 16-byte words per slot
   static constexpr int kWarpBytes = 14 * 1024;
-  static constexpr int kSlots = kWarpBytes / (kSlotInt4 * 16);  // 14 (16-bit data) or 7
+  static constexpr int kSlots = kWarpBytes / (kSlotInt4 * 16);  // 14 (16-bit data) or 7 at 2 groups
   // Own rows a token may have for them to be streamed (with its partial, within the ring).
   static constexpr int kMaxOwn = kHeldRows < kSlots - 1 ? kHeldRows : kSlots - 1;
   static constexpr size_t kSmemBytes = static_cast<size_t>(kCombineThreads / kWarpSize) * kWarpBytes;
@@ -281,8 +281,9 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
                         const CombineShape& sh, const Role& role, const T* expert_out,
                         const float* grad_probs, T* y, float* grad_w, int4* smem) {
   using RS = RowStream<T, P>;
+  constexpr int Uc = kConsumeUnroll;  // groups per piece (NOTES next experiment (A))
   constexpr int R = RS::kSlots;
-  constexpr int kStepElems = kWarpSize * kCombineVec * U;
+  constexpr int kStepElems = kWarpSize * kCombineVec * Uc;
   const int lane = threadIdx.x % kWarpSize;
   const int warps_per_block = blockDim.x / kWarpSize;
   const int n_warps = role.count * warps_per_block;
@@ -363,7 +364,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       for (int j = 0; j < in_own; ++j) {
         const T* row = reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, ibase, j)) + v0;
 #pragma unroll
-        for (int u = 0; u < U; ++u)
+        for (int u = 0; u < Uc; ++u)
           if (group_live(v0, u, sh.H)) {
             const int4* src = reinterpret_cast<const int4*>(row + u * kWarpSize * kCombineVec);
             const unsigned dst = lane_shared(wrap(islot + j), u);
@@ -373,7 +374,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       }
       if (ipartial != nullptr)
 #pragma unroll
-        for (int u = 0; u < U; ++u)
+        for (int u = 0; u < Uc; ++u)
           if (group_live(v0, u, sh.H)) {
             const int4* src = reinterpret_cast<const int4*>(ipartial + v0 + u * kWarpSize * kCombineVec);
             const unsigned dst = lane_shared(wrap(islot + in_own), u);
@@ -430,13 +431,13 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       try_issue();                              // piece p is issued (the ring is free by now)
       cp_async_wait_at_most(ip - p - 1);
       // My own partial: my rows summed here (same rows, order and rounding as a producer).
-      float part[U][kCombineVec], acc[U][kCombineVec];
+      float part[Uc][kCombineVec], acc[Uc][kCombineVec];
       zero(part);
       if (n_own > 0) {
         for (int j = 0; j < n_own; ++j) {
           const int i = wrap(cslot + j);
 #pragma unroll
-          for (int u = 0; u < U; ++u)
+          for (int u = 0; u < Uc; ++u)
             if (group_live(v0, u, sh.H)) {
               Raw8<T> r;
               load_raw_generic(r, reinterpret_cast<const T*>(lane_words(i, u)));
@@ -448,7 +449,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       }
       if (my_rows != nullptr) {
 #pragma unroll
-        for (int u = 0; u < U; ++u)
+        for (int u = 0; u < Uc; ++u)
 #pragma unroll
           for (int e = 0; e < kCombineVec; ++e) part[u][e] = round_to<P>(part[u][e]);
       }
@@ -457,13 +458,13 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       auto add_rank = [&](int d) {
         if (d == me) {
 #pragma unroll
-          for (int u = 0; u < U; ++u)
+          for (int u = 0; u < Uc; ++u)
 #pragma unroll
             for (int e = 0; e < kCombineVec; ++e) acc[u][e] += part[u][e];
         } else if (d == d0) {
           const int i = wrap(cslot + own_slots);
 #pragma unroll
-          for (int u = 0; u < U; ++u)
+          for (int u = 0; u < Uc; ++u)
             if (group_live(v0, u, sh.H)) {
               Raw8<P> r;
               load_raw_generic(r, reinterpret_cast<const P*>(lane_words(i, u)));
@@ -472,12 +473,12 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         } else {
           const P* src = lane_cache ? reinterpret_cast<const P*>(__shfl_sync(0xffffffffu, lane_src, d))
                                     : remote_partial<P>(c, sh, d, pos(d));
-          Raw8<P> r[U];
+          Raw8<P> r[Uc];
 #pragma unroll
-          for (int u = 0; u < U; ++u)
+          for (int u = 0; u < Uc; ++u)
             if (group_live(v0, u, sh.H)) load_raw(r[u], src + v0 + u * kWarpSize * kCombineVec);
 #pragma unroll
-          for (int u = 0; u < U; ++u)
+          for (int u = 0; u < Uc; ++u)
             if (group_live(v0, u, sh.H)) add_raw<P>(acc[u], r[u]);
         }
       };
@@ -488,7 +489,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
           if (pos(d) >= 0) add_rank(d);
       }
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+      for (int u = 0; u < Uc; ++u)
         if (group_live(v0, u, sh.H))
           Vec8<T>::store(y + static_cast<size_t>(t) * sh.H + v0 + u * kWarpSize * kCombineVec, acc[u]);
       // The piece's slots were read above: hand them to the pieces ahead.
@@ -548,7 +549,7 @@ __device__ __forceinline__ void consume_any(const CommContext& c, const HandleAr
                                             const TransferArgs& a, const CombineShape& sh,
                                             const Role& role, const T* expert_out,
                                             const float* grad_probs, T* y, float* grad_w, int4* smem) {
-  constexpr int kStepElems = kWarpSize * kCombineVec * U;
+  constexpr int kStepElems = kWarpSize * kCombineVec * kConsumeUnroll;
   const int n_warps = role.count * static_cast<int>(blockDim.x / kWarpSize);
   if (split_factor(sh, n_warps, a.num_tokens, (sh.H + kStepElems - 1) / kStepElems) > 1)
     consume<T, P, kOwnRows, true>(c, h, a, sh, role, expert_out, grad_probs, y, grad_w, smem);

@@ -18,12 +18,14 @@ constexpr int kWarpSize = 32;
 constexpr int kCopyUnroll = 6;
 // Elements per lane per step in the combine loops: one 16-byte bf16 vector.
 constexpr int kCombineVec = 8;
-// 8-element groups per lane in flight in the combine loops (one step of a token). Experiment
-// builds may set MOK_COMBINE_UNROLL (benchmarks/NOTES.md, next experiment (A)).
-#ifndef MOK_COMBINE_UNROLL
-#define MOK_COMBINE_UNROLL 2
+// 8-element groups per lane in flight in the combine loops (one step of a task or token).
+constexpr int kCombineUnroll = 2;
+// The same for the combine's consume loop alone (a piece of its shared-memory row stream).
+// Experiment builds may set MOK_CONSUME_UNROLL (benchmarks/NOTES.md, next experiment (A)).
+#ifndef MOK_CONSUME_UNROLL
+#define MOK_CONSUME_UNROLL 2
 #endif
-constexpr int kCombineUnroll = MOK_COMBINE_UNROLL;
+constexpr int kConsumeUnroll = MOK_CONSUME_UNROLL;
 // Threads of a dispatch block: 32 warps, 4 loads in flight each (MOK_BRIEF section 3).
 constexpr int kDispatchThreads = 1024;
 // Dynamic shared memory a block may ask for on Hopper (227 KB), less 1 KB for static use.

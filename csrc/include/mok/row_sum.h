@@ -9,9 +9,10 @@ namespace mok {
 
 constexpr int U = kCombineUnroll;  // 8-element groups per lane per step
 
-__device__ __forceinline__ void zero(float (&a)[U][kCombineVec]) {
+template <int kU>
+__device__ __forceinline__ void zero(float (&a)[kU][kCombineVec]) {
 #pragma unroll
-  for (int u = 0; u < U; ++u)
+  for (int u = 0; u < kU; ++u)
 #pragma unroll
     for (int e = 0; e < kCombineVec; ++e) a[u][e] = 0.f;
 }
@@ -22,25 +23,25 @@ __device__ __forceinline__ bool group_live(int v0, int u, int H) {
 
 // acc += the task's rows (in row order) at groups v0 + u*256. Loads go out kRows rows at a
 // time, all before their adds, so kRows * U loads per lane are in flight.
-template <typename T, int kRows>
-__device__ __forceinline__ void sum_rows(float (&acc)[U][kCombineVec], const T* base,
+template <typename T, int kRows, int kU>
+__device__ __forceinline__ void sum_rows(float (&acc)[kU][kCombineVec], const T* base,
                                          const int32_t* rows, int K, int64_t row_cap, int v0, int H) {
   for (int k0 = 0; k0 < K; k0 += kRows) {
-    Raw8<T> raw[kRows][U];
+    Raw8<T> raw[kRows][kU];
     bool live[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int row = k0 + r < K ? rows[k0 + r] : -1;
       live[r] = row >= 0 && row < row_cap;
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+      for (int u = 0; u < kU; ++u)
         if (live[r] && group_live(v0, u, H))
           load_raw(raw[r][u], base + static_cast<size_t>(row) * H + v0 + u * kWarpSize * kCombineVec);
     }
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+      for (int u = 0; u < kU; ++u)
         if (live[r] && group_live(v0, u, H)) add_raw<T>(acc[u], raw[r][u]);
     if (!live[kRows - 1]) break;  // rows are packed first: a dead slot ends the list
   }
@@ -66,18 +67,18 @@ struct HeldRows {
 
 // acc += the held rows (row order) at groups v0 + u*256, kBatch rows' loads in flight at once.
 // Rows at or past row_cap (static-shape overflow, reported elsewhere) are skipped.
-template <typename T, int kBatch>
-__device__ __forceinline__ void sum_held_rows(float (&acc)[U][kCombineVec], const T* base,
+template <typename T, int kBatch, int kU>
+__device__ __forceinline__ void sum_held_rows(float (&acc)[kU][kCombineVec], const T* base,
                                               const HeldRows& h, int64_t row_cap, int v0, int H) {
 #pragma unroll
   for (int b = 0; b < kHeldRows; b += kBatch) {
     if (b >= h.n) break;
-    Raw8<T> raw[kBatch][U];
+    Raw8<T> raw[kBatch][kU];
 #pragma unroll
     for (int r = 0; r < kBatch; ++r) {
       const bool live = b + r < h.n && h.row[b + r] < row_cap;
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+      for (int u = 0; u < kU; ++u)
         if (live && group_live(v0, u, H))
           load_raw(raw[r][u], base + static_cast<size_t>(h.row[b + r]) * H + v0 + u * kWarpSize * kCombineVec);
     }
@@ -85,7 +86,7 @@ __device__ __forceinline__ void sum_held_rows(float (&acc)[U][kCombineVec], cons
     for (int r = 0; r < kBatch; ++r) {
       const bool live = b + r < h.n && h.row[b + r] < row_cap;
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+      for (int u = 0; u < kU; ++u)
         if (live && group_live(v0, u, H)) add_raw<T>(acc[u], raw[r][u]);
     }
   }
