@@ -22,16 +22,31 @@ struct DispatchShape {
   int cpc;          // chunks per call
   int C;            // rows per chunk
   int K;
+  int N;            // chunks in the dispatch ring
+  uint32_t base;    // (seq * cpc) % N, set with seq at kernel start
+
+  // Ring slot of this call's chunk j, (seq * cpc + j) % N, in 32-bit arithmetic (a 64-bit
+  // remainder is a subroutine call; benchmarks/NOTES.md #22 found them in the combine's loop).
+  __device__ int slot(int j) const {
+    uint32_t x = base + static_cast<uint32_t>(j);  // < N + cpc
+    const uint32_t n = static_cast<uint32_t>(N);
+    if (x >= n) x -= n;
+    if (x >= n) x %= n;  // only when a call spans more than the ring
+    return static_cast<int>(x);
+  }
+  __device__ void start(uint64_t call) {
+    seq = call;
+    base = static_cast<uint32_t>((call * static_cast<uint64_t>(cpc)) % static_cast<uint64_t>(N));
+  }
 };
 
 __device__ void produce(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
                         const DispatchShape& sh, const Role& role, const int4* x) {
   RingView mine = RingView::dispatch(c.ws, c.local());
-  const int64_t N = mine.num_chunks;
   const int n_chunks = (a.num_tokens + sh.C - 1) / sh.C;
   for (int j = 0; j < n_chunks; ++j) {
     const uint64_t g = sh.seq * sh.cpc + j;
-    const int64_t slot = static_cast<int64_t>(g % N);
+    const int64_t slot = sh.slot(j);
     // A slot always belongs to the same producer block, so its generations are written in order.
     if (slot % role.count != role.index()) continue;
     const uint64_t readers = h.chunk_readers[j];
@@ -76,18 +91,29 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   // stays busy (in plain task order, rank 0 would copy locally while rank 1 pulls, then swap).
   int max_per_source = 0;
   for (int s = 0; s < c.world; ++s) max_per_source = max(max_per_source, h.task_off[s + 1] - h.task_off[s]);
-  const int64_t n_virtual = static_cast<int64_t>(max_per_source) * c.world;
+  const int n_virtual = max_per_source * c.world;
   SeenGens seen;
+  // v's quotient and remainder by W, advanced by n_warps each task without a division.
+  const int W = c.world, step_q = n_warps / W, step_r = n_warps % W;
+  int local_i = warp / W, v_rem = warp % W;
 
-  for (int64_t v = warp; v < n_virtual; v += n_warps) {
-    const int s = static_cast<int>((v + c.rank) % c.world);
-    const int local_i = static_cast<int>(v / c.world);
-    if (local_i >= h.task_off[s + 1] - h.task_off[s]) continue;
-    const int i = h.task_off[s] + local_i;
+  for (int v = warp; v < n_virtual; v += n_warps) {
+    int s = v_rem + c.rank;
+    if (s >= W) s -= W;
+    const int i_here = local_i;
+    local_i += step_q;
+    v_rem += step_r;
+    if (v_rem >= W) {
+      v_rem -= W;
+      ++local_i;
+    }
+    if (i_here >= h.task_off[s + 1] - h.task_off[s]) continue;
+    const int local_task = i_here;
+    const int i = h.task_off[s] + local_task;
     const int t = h.task_token[i];
     const int j = t / sh.C;
     const uint64_t g = sh.seq * sh.cpc + j;
-    const int64_t slot = static_cast<int64_t>(g % N);
+    const int64_t slot = sh.slot(j);
     RingView theirs = RingView::dispatch(c.ws, c.peers.base[s]);
     const int4* src;
     if (s == c.rank) {
@@ -154,20 +180,20 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   trace_warp(c, true);
   const int mode = a.mode & ~kTransferNoPad;
   if (mode == kTransferStage) {
-    sh.seq = n->disp_seq;
+    sh.start(n->disp_seq);
     produce(c, h, a, sh, Role{0, G}, x);
     trace_warp(c, false);
     warp_done_advance(&n->disp_warps_done, &n->disp_seq);
     return;
   }
   if (mode == kTransferPull) {
-    sh.seq = n->disp_pull_seq;
+    sh.start(n->disp_pull_seq);
     consume(c, h, a, sh, Role{0, G}, x, out);
     trace_warp(c, false);
     warp_done_advance(&n->disp_pull_warps_done, &n->disp_pull_seq);
     return;
   }
-  sh.seq = n->disp_seq;
+  sh.start(n->disp_seq);
   if (static_cast<int>(blockIdx.x) < a.num_producers)
     produce(c, h, a, sh, Role{0, a.num_producers}, x);
   else
@@ -186,6 +212,7 @@ cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h
   sh.cpc = HandleArrays::chunks_per_call(c.ws.cfg);
   sh.C = c.ws.cfg.chunk_tokens;
   sh.K = c.ws.cfg.topk;
+  sh.N = static_cast<int>(c.ws.cfg.disp_ring_chunks);
   dispatch_transfer_kernel<<<t.num_blocks, kDispatchThreads, 0, s>>>(
       c, h, t, sh, static_cast<const int4*>(x), static_cast<int4*>(out_rows));
   return cudaGetLastError();
