@@ -30,23 +30,15 @@ struct CombineShape {
   int split;         // a token's (or a task's) steps may be dealt to several warps when the
                      // call has fewer of them than the grid has warps (MOK_COMBINE_SPLIT=0: never)
 
-  int N;             // chunks in the combine ring
-  uint32_t base;     // (seq * cpc) % N, set with seq at kernel start
+  CallSlots slots;   // this call's ring slots (N set by the host, the rest at kernel start)
 
   // Generation of chunk j of source region s (rank s's tokens) in this call.
   __device__ uint64_t gen(int s, int j) const { return seq * cpc + static_cast<uint64_t>(s) * cps + j; }
-  // Its ring slot, gen(s, j) % N, in 32-bit arithmetic: a 64-bit remainder is a ~70-instruction
-  // subroutine call, and the consume loop needed several per token (benchmarks/NOTES.md #22).
-  __device__ int slot(int s, int j) const {
-    uint32_t x = base + static_cast<uint32_t>(s * cps + j);  // < N + cpc
-    const uint32_t n = static_cast<uint32_t>(N);
-    if (x >= n) x -= n;
-    if (x >= n) x %= n;  // only when a call spans more than the ring (role split)
-    return static_cast<int>(x);
-  }
+  // Its ring slot, gen(s, j) % N.
+  __device__ int slot(int s, int j) const { return slots.slot(s * cps + j); }
   __device__ void start(uint64_t call) {
     seq = call;
-    base = static_cast<uint32_t>((call * static_cast<uint64_t>(cpc)) % static_cast<uint64_t>(N));
+    slots.start(call, cpc);
   }
 };
 
@@ -623,7 +615,7 @@ cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
   sh.C = c.ws.cfg.chunk_tokens;
   sh.cps = HandleArrays::chunks_per_call(c.ws.cfg);
   sh.cpc = static_cast<int64_t>(sh.cps) * c.world;
-  sh.N = static_cast<int>(c.ws.cfg.comb_ring_chunks);
+  sh.slots.N = static_cast<int>(c.ws.cfg.comb_ring_chunks);
   // MOK_COMBINE_PHASED=0 forces the role split (tests cover both schedules).
   const char* phased_env = getenv("MOK_COMBINE_PHASED");
   sh.phased = sh.cpc <= c.ws.cfg.comb_ring_chunks && !(phased_env != nullptr && phased_env[0] == '0');

@@ -22,21 +22,13 @@ struct DispatchShape {
   int cpc;          // chunks per call
   int C;            // rows per chunk
   int K;
-  int N;            // chunks in the dispatch ring
-  uint32_t base;    // (seq * cpc) % N, set with seq at kernel start
+  CallSlots slots;  // this call's ring slots (N set by the host, the rest at kernel start)
 
-  // Ring slot of this call's chunk j, (seq * cpc + j) % N, in 32-bit arithmetic (a 64-bit
-  // remainder is a subroutine call; benchmarks/NOTES.md #22 found them in the combine's loop).
-  __device__ int slot(int j) const {
-    uint32_t x = base + static_cast<uint32_t>(j);  // < N + cpc
-    const uint32_t n = static_cast<uint32_t>(N);
-    if (x >= n) x -= n;
-    if (x >= n) x %= n;  // only when a call spans more than the ring
-    return static_cast<int>(x);
-  }
+  // Ring slot of this call's chunk j.
+  __device__ int slot(int j) const { return slots.slot(j); }
   __device__ void start(uint64_t call) {
     seq = call;
-    base = static_cast<uint32_t>((call * static_cast<uint64_t>(cpc)) % static_cast<uint64_t>(N));
+    slots.start(call, cpc);
   }
 };
 
@@ -212,7 +204,7 @@ cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h
   sh.cpc = HandleArrays::chunks_per_call(c.ws.cfg);
   sh.C = c.ws.cfg.chunk_tokens;
   sh.K = c.ws.cfg.topk;
-  sh.N = static_cast<int>(c.ws.cfg.disp_ring_chunks);
+  sh.slots.N = static_cast<int>(c.ws.cfg.disp_ring_chunks);
   dispatch_transfer_kernel<<<t.num_blocks, kDispatchThreads, 0, s>>>(
       c, h, t, sh, static_cast<const int4*>(x), static_cast<int4*>(out_rows));
   return cudaGetLastError();

@@ -7,6 +7,26 @@
 
 namespace mok {
 
+// Ring slots of one call's chunks: chunk k of call `seq` (k < chunks per call, cpc) has generation
+// seq * cpc + k and lives in slot (seq * cpc + k) % N. The 64-bit product's remainder is taken
+// once per call (start); per chunk it is 32-bit arithmetic, because a 64-bit remainder is a
+// ~70-instruction subroutine call (benchmarks/NOTES.md #22 found several per token in a loop).
+struct CallSlots {
+  int N;          // chunks in the ring
+  uint32_t base;  // (seq * cpc) % N
+
+  __device__ void start(uint64_t seq, int64_t cpc) {
+    base = static_cast<uint32_t>((seq * static_cast<uint64_t>(cpc)) % static_cast<uint64_t>(N));
+  }
+  __device__ int slot(int k) const {
+    uint32_t x = base + static_cast<uint32_t>(k);  // < N + cpc
+    const uint32_t n = static_cast<uint32_t>(N);
+    if (x >= n) x -= n;
+    if (x >= n) x %= n;  // only when a call spans more than the ring
+    return static_cast<int>(x);
+  }
+};
+
 // Warp-wide (every lane calls it): wait until the readers of generation `gen[slot]` (the
 // slot's previous content) released it. False on timeout/abort: the caller stops. `g` (the
 // generation about to be written) and `what` only label an error report. Used directly where
