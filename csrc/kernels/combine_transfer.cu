@@ -296,26 +296,33 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   const int n_tok = Pc > 1 ? (warp < n_my * Pc ? 1 : 0)
                            : (n_my > warp ? (n_my - warp + n_warps - 1) / n_warps : 0);
   auto token_of = [&](int k) { return Pc > 1 ? warp % n_my : warp + k * n_warps; };
-  int4* ring = smem + static_cast<size_t>(threadIdx.x / kWarpSize) * R * RS::kSlotInt4;
-  // This lane's words of group u in slot i.
-  auto lane_words = [&](int i, int u) { return ring + i * RS::kSlotInt4 + (u * kWarpSize + lane) * RS::kVecs; };
-  // The same words as shared-memory addresses, for cp.async.
-  const unsigned ring_shared = static_cast<unsigned>(__cvta_generic_to_shared(ring)) + lane * RS::kVecs * 16;
-  auto lane_shared = [&](int i, int u) { return ring_shared + (i * RS::kSlotInt4 + u * kWarpSize * RS::kVecs) * 16; };
+  // The warp's ring as shared-memory addresses of this lane's words: a slot's group u starts
+  // kGroupBytes * u after the lane's address of the slot. Both sides walk the ring with one
+  // 32-bit address each (next_slots), so a load or copy costs no address arithmetic beyond an
+  // immediate offset (the index-based version spent ~5 instructions per load: NOTES.md #24).
+  constexpr unsigned kSlotBytes = RS::kSlotInt4 * 16;
+  constexpr unsigned kGroupBytes = kWarpSize * RS::kVecs * 16;
+  const unsigned ring_begin = static_cast<unsigned>(__cvta_generic_to_shared(
+                                  smem + static_cast<size_t>(threadIdx.x / kWarpSize) * R * RS::kSlotInt4)) +
+                              lane * RS::kVecs * 16;
+  const unsigned ring_end = ring_begin + R * kSlotBytes;
+  // The address n slots after `addr` (n <= R), wrapped.
+  auto next_slots = [&](unsigned addr, int n) {
+    addr += n * kSlotBytes;
+    return addr >= ring_end ? addr - R * kSlotBytes : addr;
+  };
   auto rows_of = [&](int t) -> const int32_t* {
     const int q = h.send_index(c.ws.cfg, t, me);
     return q < 0 ? nullptr : h.task_rows + static_cast<size_t>(my_first_task + q) * sh.K;
   };
   SeenGens seen;
 
-  // Slot index i + j of the warp's ring, for i < R and j <= R (no division in the loop).
-  auto wrap = [](int i) { return i >= R ? i - R : i; };
-
   // ---- issue side: ip pieces are issued, the next is token iss_k's step iss_st (counters,
   // not ip / n_steps: a 64-bit division per piece was a subroutine call, NOTES.md #22); the
-  // ring's free slots start at islot.
+  // ring's free slots start at address iaddr.
   int ip = 0, iss_k = 0, iss_st = first_step;
-  int islot = 0, free_slots = R;
+  unsigned iaddr = ring_begin;
+  int free_slots = R;
   int ik = -1;                 // token whose plan is below
   int irow = -1;               // lane r: token ik's own row r
   unsigned long long ibase = 0; // lane r: the address of that row (a copy is then a shuffle and an add)
@@ -353,28 +360,28 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       const int need = in_own + (ipartial != nullptr ? 1 : 0);
       if (need > free_slots) return;
       const int v0 = st * kStepElems + lane * kCombineVec;
+      unsigned dst = iaddr;
       for (int j = 0; j < in_own; ++j) {
         const T* row = reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, ibase, j)) + v0;
 #pragma unroll
         for (int u = 0; u < Uc; ++u)
           if (group_live(v0, u, sh.H)) {
             const int4* src = reinterpret_cast<const int4*>(row + u * kWarpSize * kCombineVec);
-            const unsigned dst = lane_shared(wrap(islot + j), u);
 #pragma unroll
-            for (int w = 0; w < Raw8<T>::kVecs; ++w) cp_async_16_shared(dst + 16 * w, src + w);
+            for (int w = 0; w < Raw8<T>::kVecs; ++w) cp_async_16_shared(dst + u * kGroupBytes + 16 * w, src + w);
           }
+        dst = next_slots(dst, 1);
       }
       if (ipartial != nullptr)
 #pragma unroll
         for (int u = 0; u < Uc; ++u)
           if (group_live(v0, u, sh.H)) {
             const int4* src = reinterpret_cast<const int4*>(ipartial + v0 + u * kWarpSize * kCombineVec);
-            const unsigned dst = lane_shared(wrap(islot + in_own), u);
 #pragma unroll
-            for (int w = 0; w < Raw8<P>::kVecs; ++w) cp_async_16_shared(dst + 16 * w, src + w);
+            for (int w = 0; w < Raw8<P>::kVecs; ++w) cp_async_16_shared(dst + u * kGroupBytes + 16 * w, src + w);
           }
       cp_async_commit();
-      islot = wrap(islot + need);
+      iaddr = next_slots(iaddr, need);
       free_slots -= need;
       ++ip;
       if (++iss_st == first_step + n_steps) {
@@ -386,7 +393,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   try_issue();
 
   // ---- consume side
-  int cslot = 0;
+  unsigned caddr = ring_begin;  // the next piece's first slot
   for (int k = 0; k < n_tok; ++k) {
     ck = k;
     const int t = token_of(k);
@@ -425,16 +432,18 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       // My own partial: my rows summed here (same rows, order and rounding as a producer).
       float part[Uc][kCombineVec], acc[Uc][kCombineVec];
       zero(part);
+      // Slot data is summed for every group, live or not: a dead group's sums (stale slot
+      // words) are never stored, and the loop keeps no branch per group.
+      unsigned src = caddr;
       if (n_own > 0) {
         for (int j = 0; j < n_own; ++j) {
-          const int i = wrap(cslot + j);
 #pragma unroll
-          for (int u = 0; u < Uc; ++u)
-            if (group_live(v0, u, sh.H)) {
-              Raw8<T> r;
-              load_raw_generic(r, reinterpret_cast<const T*>(lane_words(i, u)));
-              add_raw<T>(part[u], r);
-            }
+          for (int u = 0; u < Uc; ++u) {
+            Raw8<T> r;
+            load_raw_shared(r, src + u * kGroupBytes);
+            add_raw<T>(part[u], r);
+          }
+          src = next_slots(src, 1);
         }
       } else if (n_own < 0) {
         sum_rows<T, kOwnRows>(part, expert_out, my_rows, sh.K, a.row_cap, v0, sh.H);
@@ -453,15 +462,13 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
           for (int u = 0; u < Uc; ++u)
 #pragma unroll
             for (int e = 0; e < kCombineVec; ++e) acc[u][e] += part[u][e];
-        } else if (d == d0) {
-          const int i = wrap(cslot + own_slots);
+        } else if (d == d0) {  // its slot follows the own rows' (src)
 #pragma unroll
-          for (int u = 0; u < Uc; ++u)
-            if (group_live(v0, u, sh.H)) {
-              Raw8<P> r;
-              load_raw_generic(r, reinterpret_cast<const P*>(lane_words(i, u)));
-              add_raw<P>(acc[u], r);
-            }
+          for (int u = 0; u < Uc; ++u) {
+            Raw8<P> r;
+            load_raw_shared(r, src + u * kGroupBytes);
+            add_raw<P>(acc[u], r);
+          }
         } else {
           const P* src = lane_cache ? reinterpret_cast<const P*>(__shfl_sync(0xffffffffu, lane_src, d))
                                     : remote_partial<P>(c, sh, d, pos(d));
@@ -485,7 +492,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         if (group_live(v0, u, sh.H))
           Vec8<T>::store(y + static_cast<size_t>(t) * sh.H + v0 + u * kWarpSize * kCombineVec, acc[u]);
       // The piece's slots were read above: hand them to the pieces ahead.
-      cslot = wrap(cslot + need);
+      caddr = next_slots(caddr, need);
       free_slots += need;
     }
     if (grad_w != nullptr && first_step == 0 && lane < sh.K) {  // part 0 writes the prob gradients

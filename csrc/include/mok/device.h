@@ -244,12 +244,14 @@ __device__ __forceinline__ void add_raw(float* acc, const Raw8<T>& r);
 
 template <>
 __device__ __forceinline__ void add_raw<__nv_bfloat16>(float* acc, const Raw8<__nv_bfloat16>& r) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r.v[0]);
+  // A bf16 is the top half of the float with the same value, so each half of a 32-bit word
+  // becomes a float with one shift or one mask (exact, as __bfloat1622float2): the intrinsic
+  // spends a PRMT and an IMAD on the upper half (NOTES.md #24).
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(&r.v[0]);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 t = __bfloat1622float2(h[i]);
-    acc[2 * i] += t.x;
-    acc[2 * i + 1] += t.y;
+    acc[2 * i] += __uint_as_float(w[i] << 16);
+    acc[2 * i + 1] += __uint_as_float(w[i] & 0xffff0000u);
   }
 }
 
@@ -271,11 +273,19 @@ __device__ __forceinline__ void add_raw<float>(float* acc, const Raw8<float>& r)
   for (int i = 0; i < 8; ++i) acc[i] += f[i];
 }
 
-// Same, from any address space (shared memory included).
+// 16 bytes from a shared-memory address (as __cvta_generic_to_shared gives): a loop over ring
+// slots then advances one 32-bit address instead of rebuilding a generic pointer per load.
+// Volatile: it must stay after the cp.async wait that makes the data visible.
+__device__ __forceinline__ int4 ld_shared_16(unsigned addr) {
+  int4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
 template <typename T>
-__device__ __forceinline__ void load_raw_generic(Raw8<T>& r, const T* p) {
+__device__ __forceinline__ void load_raw_shared(Raw8<T>& r, unsigned addr) {
 #pragma unroll
-  for (int i = 0; i < Raw8<T>::kVecs; ++i) r.v[i] = reinterpret_cast<const int4*>(p)[i];
+  for (int i = 0; i < Raw8<T>::kVecs; ++i) r.v[i] = ld_shared_16(addr + 16 * i);
 }
 
 // Asynchronous 16-byte global -> shared copies (no registers held while in flight; L2 only),
