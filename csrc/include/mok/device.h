@@ -288,11 +288,12 @@ __device__ __forceinline__ void load_raw_shared(Raw8<T>& r, unsigned addr) {
   for (int i = 0; i < Raw8<T>::kVecs; ++i) r.v[i] = ld_shared_16(addr + 16 * i);
 }
 
-// Asynchronous 16-byte global -> shared copies (no registers held while in flight; L2 only),
-// to a shared-memory address (as __cvta_generic_to_shared gives): a loop that issues many copies
-// computes the window address once instead of once per copy.
-__device__ __forceinline__ void cp_async_16_shared(unsigned smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem) : "memory");
+// Asynchronous 16-byte global -> shared copy (no registers held while in flight; L2 only) to a
+// shared-memory address (as __cvta_generic_to_shared gives), reading `gmem` only when `live`
+// (else the 16 bytes are zero-filled and nothing is read): one unpredicated instruction, so the
+// copies of a row share one address computation and take the group offsets as immediates.
+__device__ __forceinline__ void cp_async_16_shared_if(unsigned smem, const void* gmem, bool live) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(live ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int kPending>
