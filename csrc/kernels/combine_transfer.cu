@@ -437,8 +437,9 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       // My own partial: my rows summed here (same rows, order and rounding as a producer).
       float part[Uc][kCombineVec], acc[Uc][kCombineVec];
       zero(part);
-      // Slot data is summed for every group, live or not: a dead group's sums (stale slot
-      // words) are never stored, and the loop keeps no branch per group.
+      // Slot data is summed for every group, live or not: a dead group's words were
+      // zero-filled by its copy and its sums are never stored, so the loop needs no branch
+      // per group.
       unsigned src = caddr;
       if (n_own > 0) {
         for (int j = 0; j < n_own; ++j) {

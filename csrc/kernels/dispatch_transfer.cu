@@ -92,15 +92,14 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   for (int v = warp; v < n_virtual; v += n_warps) {
     int s = v_rem + c.rank;
     if (s >= W) s -= W;
-    const int i_here = local_i;
+    const int local_task = local_i;  // s's task this virtual task stands for (if it has one)
     local_i += step_q;
     v_rem += step_r;
     if (v_rem >= W) {
       v_rem -= W;
       ++local_i;
     }
-    if (i_here >= h.task_off[s + 1] - h.task_off[s]) continue;
-    const int local_task = i_here;
+    if (local_task >= h.task_off[s + 1] - h.task_off[s]) continue;
     const int i = h.task_off[s] + local_task;
     const int t = h.task_token[i];
     const int j = t / sh.C;

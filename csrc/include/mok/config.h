@@ -21,7 +21,8 @@ constexpr int kCombineVec = 8;
 // 8-element groups per lane in flight in the combine loops (one step of a task or token).
 constexpr int kCombineUnroll = 2;
 // The same for the combine's consume loop alone (a piece of its shared-memory row stream).
-// Experiment builds may set MOK_CONSUME_UNROLL (benchmarks/NOTES.md, next experiment (A)).
+// Experiment builds may set MOK_CONSUME_UNROLL (benchmarks/NOTES.md, next experiment (A):
+// 1 measured slower than 2, run s7-1).
 #ifndef MOK_CONSUME_UNROLL
 #define MOK_CONSUME_UNROLL 2
 #endif
