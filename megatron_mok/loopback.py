@@ -28,11 +28,11 @@ deadlock until the spin-waits time out (each rank uses two streams: its own and 
 backend's side stream). Likewise ``CUDA_MODULE_LOADING=EAGER``, set before CUDA
 initialises. With lazy loading (CUDA's default) the first launch of any kernel (torch's
 included) may wait for the whole context to be idle, while peers' kernels spin waiting for
-this rank: a deadlock until the spin-waits time out (CUDA programming guide, "Lazy Loading", concurrent execution). No device-wide
-synchronisation (``torch.cuda.synchronize``, ``empty_cache``) while peers may have kernels
-waiting on this rank (synchronise the current stream instead); CUDA-graph captures one
-rank at a time (:meth:`LoopbackRank.barrier` between them), no replay before all captured;
-:func:`settle` before host-synchronising torch work.
+this rank: a deadlock until the spin-waits time out (CUDA programming guide, "Lazy
+Loading", concurrent execution). No device-wide synchronisation (``torch.cuda.synchronize``,
+``empty_cache``) while peers may have kernels waiting on this rank (synchronise the current
+stream instead); CUDA-graph captures one rank at a time (:meth:`LoopbackRank.barrier` between
+them), no replay before all captured; :func:`settle` before host-synchronising torch work.
 
 The kernels are written for one rank per GPU, where a kernel that spins waiting for a peer
 holds only its own GPU. Here every rank's spinning kernels share one GPU, so they must all

@@ -591,6 +591,12 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   warp_done_advance(&c.counters()->comb_warps_done, &c.counters()->comb_seq);
 }
 
+// True when environment variable `name` is set to a value starting with '0'.
+bool env_off(const char* name) {
+  const char* v = getenv(name);
+  return v != nullptr && v[0] == '0';
+}
+
 template <typename T, typename P>
 cudaError_t launch_typed(const CommContext& c, const HandleArrays& h, const TransferArgs& t,
                          const CombineShape& sh, const void* expert_out, const float* grad_probs,
@@ -629,15 +635,13 @@ cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
   sh.cps = HandleArrays::chunks_per_call(c.ws.cfg);
   sh.cpc = static_cast<int64_t>(sh.cps) * c.world;
   sh.slots.N = static_cast<int>(c.ws.cfg.comb_ring_chunks);
-  // MOK_COMBINE_PHASED=0 forces the role split (tests cover both schedules).
-  const char* phased_env = getenv("MOK_COMBINE_PHASED");
-  sh.phased = sh.cpc <= c.ws.cfg.comb_ring_chunks && !(phased_env != nullptr && phased_env[0] == '0');
-  // MOK_COMBINE_SPLIT=0: one warp per token / task whatever the call size (A/B and bisection).
-  const char* split_env = getenv("MOK_COMBINE_SPLIT");
-  sh.split = !(split_env != nullptr && split_env[0] == '0');
-  // MOK_COMBINE_STREAM_OWN=0: own rows straight into registers, only partials streamed (A/B, NOTES #23).
-  const char* own_env = getenv("MOK_COMBINE_STREAM_OWN");
-  sh.stream_own = !(own_env != nullptr && own_env[0] == '0');
+  // Alternative schedules, on unless the variable is set to 0 (tests cover each):
+  // MOK_COMBINE_PHASED=0 forces the role split;
+  sh.phased = sh.cpc <= c.ws.cfg.comb_ring_chunks && !env_off("MOK_COMBINE_PHASED");
+  // MOK_COMBINE_SPLIT=0: one warp per token / task whatever the call size (A/B and bisection);
+  sh.split = !env_off("MOK_COMBINE_SPLIT");
+  // MOK_COMBINE_STREAM_OWN=0: own rows straight into registers, only partials streamed (NOTES #23).
+  sh.stream_own = !env_off("MOK_COMBINE_STREAM_OWN");
   switch (dtype_code) {
     case kBF16:
       return launch_partial<__nv_bfloat16>(partial_code, c, h, t, sh, expert_out, grad_probs, y, grad_w, s);

@@ -24,7 +24,8 @@ struct DispatchShape {
   int K;
   CallSlots slots;  // this call's ring slots (N set by the host, the rest at kernel start)
 
-  // Ring slot of this call's chunk j.
+  // Generation and ring slot of this call's chunk j.
+  __device__ uint64_t gen(int j) const { return seq * cpc + j; }
   __device__ int slot(int j) const { return slots.slot(j); }
   __device__ void start(uint64_t call) {
     seq = call;
@@ -37,7 +38,7 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
   RingView mine = RingView::dispatch(c.ws, c.local());
   const int n_chunks = (a.num_tokens + sh.C - 1) / sh.C;
   for (int j = 0; j < n_chunks; ++j) {
-    const uint64_t g = sh.seq * sh.cpc + j;
+    const uint64_t g = sh.gen(j);
     const int64_t slot = sh.slot(j);
     // A slot always belongs to the same producer block, so its generations are written in order.
     if (slot % role.count != role.index()) continue;
@@ -103,7 +104,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     const int i = h.task_off[s] + local_task;
     const int t = h.task_token[i];
     const int j = t / sh.C;
-    const uint64_t g = sh.seq * sh.cpc + j;
+    const uint64_t g = sh.gen(j);
     const int64_t slot = sh.slot(j);
     RingView theirs = RingView::dispatch(c.ws, c.peers.base[s]);
     const int4* src;
