@@ -213,7 +213,7 @@ __device__ __forceinline__ int first_remote(const CommContext& c, const HandleAr
   return -1;
 }
 
-// Shared memory of the consume loop: per warp, a ring of row slots. A slot holds one row's
+// Shared memory of the consume loop (and of the streamed produce phase before it): per warp, a ring of row slots. A slot holds one row's
 // (own expert row or remote partial) data for one piece: kConsumeUnroll groups x 32 lanes x 16 B per bf16
 // group (32 B when the tokens or the partials are fp32). 16 warps x 14 KB = 224 KB.
 template <typename T, typename P>
@@ -244,6 +244,68 @@ __device__ __forceinline__ void cp_async_wait_at_most(int n) {
   }
 }
 
+// A warp's ring of RowStream slots in shared memory, as this lane's shared-memory addresses: a
+// slot's group u starts kGroupBytes * u after the lane's address of the slot. Each side of a
+// stream walks the ring with one 32-bit address (next), so a load or copy costs no address
+// arithmetic beyond an immediate offset (the index-based version spent ~5 instructions per
+// load: NOTES.md #24). Used by the consume loop and by the streamed produce phase.
+template <typename T, typename P>
+struct WarpRing {
+  using RS = RowStream<T, P>;
+  static constexpr int kSlots = RS::kSlots;
+  static constexpr unsigned kSlotBytes = RS::kSlotInt4 * 16;
+  static constexpr unsigned kGroupBytes = kWarpSize * RS::kVecs * 16;
+  unsigned begin, end;
+  __device__ explicit WarpRing(int4* smem) {
+    begin = static_cast<unsigned>(__cvta_generic_to_shared(
+                smem + static_cast<size_t>(threadIdx.x / kWarpSize) * kSlots * RS::kSlotInt4)) +
+            (threadIdx.x % kWarpSize) * RS::kVecs * 16;
+    end = begin + kSlots * kSlotBytes;
+  }
+  // The address n slots after `addr` (n <= kSlots), wrapped.
+  __device__ unsigned next(unsigned addr, int n) const {
+    addr += n * kSlotBytes;
+    return addr >= end ? addr - kSlots * kSlotBytes : addr;
+  }
+  // Copies one piece (kConsumeUnroll groups at element v0 of this lane) of each of n rows into
+  // the n slots from `dst`: lane r's `lane_base` is row r's address, so a row's copies are a
+  // shuffle, one 64-bit add and unpredicated cp.asyncs with immediate offsets (dead groups are
+  // zero-filled). Returns the slot after them.
+  __device__ unsigned copy_rows(unsigned dst, unsigned long long lane_base, int n, int v0, int H) const {
+    constexpr int Uc = kConsumeUnroll;
+    const unsigned voff = static_cast<unsigned>(v0) * sizeof(T);  // a row is far shorter than 4 GiB
+    bool live[Uc];
+#pragma unroll
+    for (int u = 0; u < Uc; ++u) live[u] = group_live(v0, u, H);
+    for (int j = 0; j < n; ++j) {
+      const char* row = reinterpret_cast<const char*>(__shfl_sync(0xffffffffu, lane_base, j)) + voff;
+#pragma unroll
+      for (int u = 0; u < Uc; ++u) {
+        const int4* src = reinterpret_cast<const int4*>(row + u * kWarpSize * kCombineVec * sizeof(T));
+#pragma unroll
+        for (int w = 0; w < Raw8<T>::kVecs; ++w) cp_async_16_shared_if(dst + u * kGroupBytes + 16 * w, src + w, live[u]);
+      }
+      dst = next(dst, 1);
+    }
+    return dst;
+  }
+  // acc += the n rows' piece in the n slots from `src` (row order). Every group is summed, live
+  // or not: a dead group's words were zero-filled by its copy and its sums are never stored, so
+  // the loop needs no branch per group. Returns the slot after them.
+  __device__ unsigned sum_rows(float (&acc)[kConsumeUnroll][kCombineVec], unsigned src, int n) const {
+    for (int j = 0; j < n; ++j) {
+#pragma unroll
+      for (int u = 0; u < kConsumeUnroll; ++u) {
+        Raw8<T> r;
+        load_raw_shared(r, src + u * kGroupBytes);
+        add_raw<T>(acc[u], r);
+      }
+      src = next(src, 1);
+    }
+    return src;
+  }
+};
+
 // The own rows of one of my tokens as the stream takes them, read by the whole warp at once:
 // lane r gets row r in `lane_row`. The live rows (0 <= row < row_cap) are a prefix (rows are
 // packed first and ascend), so these are the rows sum_rows adds, in its order. Returns their
@@ -256,6 +318,136 @@ __device__ __forceinline__ int stream_rows(const int32_t* rows, int K, int64_t r
   const unsigned dead = __ballot_sync(0xffffffffu, !live);
   const int n = dead == 0 ? kWarpSize : __ffs(dead) - 1;
   return n > kMax ? -1 : n;
+}
+
+// Virtual remote task i (the tasks of every source but me, back to back) -> its source and its
+// index among that source's tasks. Calls must come with ascending i.
+struct RemoteTaskCursor {
+  int s = 0, s_first = 0;  // current source, and the virtual index of its first task
+  __device__ void seek(const CommContext& c, const HandleArrays& h, int i, int& src, int& q) {
+    while (s == c.rank || i >= s_first + (h.task_off[s + 1] - h.task_off[s])) {
+      if (s != c.rank) s_first += h.task_off[s + 1] - h.task_off[s];
+      ++s;
+    }
+    src = s;
+    q = i - s_first;
+  }
+};
+
+// Phased produce phase with the consume loop's row stream (NOTES.md, next experiment (C)): each
+// warp's tasks (i = warp, warp + n_warps, ...) are reduced piece by piece from its ring of
+// shared-memory slots, their rows copied in with cp.async as many pieces ahead as the ring
+// holds (a task has ~4 rows at world size 2, so ~3 pieces), instead of 2 rows x 2 groups of
+// register loads per lane. Same rows, order and rounding as produce_row, so the partials are
+// bitwise the same. Tasks with more rows than a ring holds are summed from global memory. A
+// call with fewer tasks than warps splits tasks over warps and keeps produce_rows.
+template <typename T, typename P, int kOwnRows>
+__device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+                                      const CombineShape& sh, const T* expert_out, const float* grad_probs,
+                                      int4* smem) {
+  using RS = RowStream<T, P>;
+  constexpr int Uc = kConsumeUnroll;
+  constexpr int kStepElems = kWarpSize * kCombineVec * Uc;
+  const int lane = threadIdx.x % kWarpSize;
+  const int n_warps = gridDim.x * (blockDim.x / kWarpSize);
+  const int warp = static_cast<int>(threadIdx.x / kWarpSize) * gridDim.x + blockIdx.x;
+  const int total = h.task_off[c.world] - (h.task_off[c.rank + 1] - h.task_off[c.rank]);
+  const int S = (sh.H + kStepElems - 1) / kStepElems;
+  if (split_factor(sh, n_warps, total, (sh.H + kWarpSize * kCombineVec * U - 1) / (kWarpSize * kCombineVec * U)) > 1) {
+    produce_rows<T, P>(c, h, a, sh, expert_out, grad_probs);
+    return;
+  }
+  RingView mine = RingView::combine(c.ws, c.local());
+  int32_t* arrived = reinterpret_cast<int32_t*>(c.local() + c.ws.comb_arrived);
+  const WarpRing<T, P> ring(smem);
+  const int n_mine = total > warp ? (total - warp + n_warps - 1) / n_warps : 0;
+  auto task_rows = [&](int task) { return h.task_rows + static_cast<size_t>(task) * sh.K; };
+
+  // ---- issue side: piece iss_st of my task iss_k is next; the ring's free slots start at iaddr.
+  RemoteTaskCursor icur;
+  int ip = 0, iss_k = 0, iss_st = 0, free_slots = RS::kSlots;
+  unsigned iaddr = ring.begin;
+  int ik = -1, in_rows = 0;    // task whose plan is below, and its rows streamed
+  unsigned long long ibase = 0; // lane r: the address of that task's row r
+  auto try_issue = [&]() {
+    while (iss_k < n_mine) {
+      if (iss_k != ik) {  // plan the task once, when its first piece comes up
+        ik = iss_k;
+        int s, q, irow;
+        icur.seek(c, h, warp + iss_k * n_warps, s, q);
+        const int n = stream_rows<RS::kMaxOwn>(task_rows(h.task_off[s] + q), sh.K, a.row_cap, irow);
+        ibase = irow >= 0 ? reinterpret_cast<unsigned long long>(expert_out + static_cast<size_t>(irow) * sh.H) : 0;
+        in_rows = n < 0 ? 0 : n;  // n < 0: too many rows for the ring, summed from global memory
+      }
+      if (in_rows > free_slots) return;
+      iaddr = ring.copy_rows(iaddr, ibase, in_rows, iss_st * kStepElems + lane * kCombineVec, sh.H);
+      cp_async_commit();
+      free_slots -= in_rows;
+      ++ip;
+      if (++iss_st == S) {
+        iss_st = 0;
+        ++iss_k;
+      }
+    }
+  };
+  try_issue();
+
+  // ---- reduce side
+  RemoteTaskCursor ccur;
+  int64_t acquired = -1;  // the last slot this warp checked (its tasks ascend, so chunks do)
+  unsigned caddr = ring.begin;
+  for (int k = 0; k < n_mine; ++k) {
+    int s, q;
+    ccur.seek(c, h, warp + k * n_warps, s, q);
+    const int task = h.task_off[s] + q, j = q / sh.C;
+    const uint64_t g = sh.gen(s, j);
+    const int64_t slot = sh.slot(s, j);
+    if (slot != acquired) {
+      if (!ring_slot_acquire_warp(c, mine, slot, g, kWaitCombineReleased)) { cp_async_wait<0>(); return; }
+      acquired = slot;
+    }
+    char* chunk = mine.ring + slot * mine.chunk_bytes;
+    P* dst = reinterpret_cast<P*>(chunk) + static_cast<size_t>(q % sh.C) * sh.H;
+    const int32_t* rows = task_rows(task);
+    int lane_row;
+    const int n_rows = stream_rows<RS::kMaxOwn>(rows, sh.K, a.row_cap, lane_row);  // as planned
+    for (int st = 0; st < S; ++st) {
+      const int p = k * S + st;
+      const int v0 = st * kStepElems + lane * kCombineVec;
+      try_issue();  // piece p is issued (the ring is free by now)
+      cp_async_wait_at_most(ip - p - 1);
+      float acc[Uc][kCombineVec];
+      zero(acc);
+      if (n_rows >= 0) {
+        caddr = ring.sum_rows(acc, caddr, n_rows);
+        free_slots += n_rows;
+      } else {
+        sum_rows<T, kOwnRows>(acc, expert_out, rows, sh.K, a.row_cap, v0, sh.H);
+      }
+#pragma unroll
+      for (int u = 0; u < Uc; ++u)
+        if (group_live(v0, u, sh.H)) Vec8<P>::store(dst + v0 + u * kWarpSize * kCombineVec, acc[u]);
+    }
+    if (grad_probs != nullptr && lane < sh.K) {  // the prob-gradient side values, as produce_row
+      float val = 0.f;
+      for (int kk = 0; kk < sh.K; ++kk) {
+        const int row = rows[kk];
+        if (row < 0) break;
+        if (h.task_k[static_cast<size_t>(task) * sh.K + kk] == lane && row < a.row_cap) val = grad_probs[row];
+      }
+      reinterpret_cast<float*>(chunk + c.ws.comb_side_offset)[(q % sh.C) * sh.K + lane] = val;
+    }
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence();
+      const int rows_here = min(sh.C, (h.task_off[s + 1] - h.task_off[s]) - j * sh.C);
+      if (atomicAdd(arrived + slot, 1) + 1 == rows_here) {
+        arrived[slot] = 0;  // the slot's next generation counts from zero
+        ring_slot_publish(mine, slot, g, 1ull << s);
+      }
+    }
+  }
+  cp_async_wait<0>();  // the consume phase reuses the ring
 }
 
 // Consumer warps: my tokens t = warp, warp + n_warps, ... Each token is summed in steps of
@@ -296,21 +488,8 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   const int n_tok = Pc > 1 ? (warp < n_my * Pc ? 1 : 0)
                            : (n_my > warp ? (n_my - warp + n_warps - 1) / n_warps : 0);
   auto token_of = [&](int k) { return Pc > 1 ? warp % n_my : warp + k * n_warps; };
-  // The warp's ring as shared-memory addresses of this lane's words: a slot's group u starts
-  // kGroupBytes * u after the lane's address of the slot. Both sides walk the ring with one
-  // 32-bit address each (next_slots), so a load or copy costs no address arithmetic beyond an
-  // immediate offset (the index-based version spent ~5 instructions per load: NOTES.md #24).
-  constexpr unsigned kSlotBytes = RS::kSlotInt4 * 16;
-  constexpr unsigned kGroupBytes = kWarpSize * RS::kVecs * 16;
-  const unsigned ring_begin = static_cast<unsigned>(__cvta_generic_to_shared(
-                                  smem + static_cast<size_t>(threadIdx.x / kWarpSize) * R * RS::kSlotInt4)) +
-                              lane * RS::kVecs * 16;
-  const unsigned ring_end = ring_begin + R * kSlotBytes;
-  // The address n slots after `addr` (n <= R), wrapped.
-  auto next_slots = [&](unsigned addr, int n) {
-    addr += n * kSlotBytes;
-    return addr >= ring_end ? addr - R * kSlotBytes : addr;
-  };
+  const WarpRing<T, P> ring(smem);
+  constexpr unsigned kGroupBytes = WarpRing<T, P>::kGroupBytes;
   auto rows_of = [&](int t) -> const int32_t* {
     const int q = h.send_index(c.ws.cfg, t, me);
     return q < 0 ? nullptr : h.task_rows + static_cast<size_t>(my_first_task + q) * sh.K;
@@ -321,7 +500,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   // not ip / n_steps: a 64-bit division per piece was a subroutine call, NOTES.md #22); the
   // ring's free slots start at address iaddr.
   int ip = 0, iss_k = 0, iss_st = first_step;
-  unsigned iaddr = ring_begin;
+  unsigned iaddr = ring.begin;
   int free_slots = R;
   int ik = -1;                 // token whose plan is below
   int irow = -1;               // lane r: token ik's own row r
@@ -360,33 +539,17 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       const int need = in_own + (ipartial != nullptr ? 1 : 0);
       if (need > free_slots) return;
       const int v0 = st * kStepElems + lane * kCombineVec;
-      // The lane's byte offset in every row (a row is far shorter than 4 GiB) and its live
-      // groups, once per piece: a row's copies are then a shuffle, one 64-bit add and
-      // unpredicated cp.asyncs with immediate offsets (~24 instructions per row before: #24).
-      const unsigned voff = static_cast<unsigned>(v0) * sizeof(T);
-      bool live[Uc];
-#pragma unroll
-      for (int u = 0; u < Uc; ++u) live[u] = group_live(v0, u, sh.H);
-      unsigned dst = iaddr;
-      for (int j = 0; j < in_own; ++j) {
-        const char* row = reinterpret_cast<const char*>(__shfl_sync(0xffffffffu, ibase, j)) + voff;
-#pragma unroll
-        for (int u = 0; u < Uc; ++u) {
-          const int4* src = reinterpret_cast<const int4*>(row + u * kWarpSize * kCombineVec * sizeof(T));
-#pragma unroll
-          for (int w = 0; w < Raw8<T>::kVecs; ++w) cp_async_16_shared_if(dst + u * kGroupBytes + 16 * w, src + w, live[u]);
-        }
-        dst = next_slots(dst, 1);
-      }
+      const unsigned dst = ring.copy_rows(iaddr, ibase, in_own, v0, sh.H);
       if (ipartial != nullptr)
 #pragma unroll
         for (int u = 0; u < Uc; ++u) {
           const int4* src = reinterpret_cast<const int4*>(ipartial + v0 + u * kWarpSize * kCombineVec);
 #pragma unroll
-          for (int w = 0; w < Raw8<P>::kVecs; ++w) cp_async_16_shared_if(dst + u * kGroupBytes + 16 * w, src + w, live[u]);
+          for (int w = 0; w < Raw8<P>::kVecs; ++w)
+            cp_async_16_shared_if(dst + u * kGroupBytes + 16 * w, src + w, group_live(v0, u, sh.H));
         }
       cp_async_commit();
-      iaddr = next_slots(iaddr, need);
+      iaddr = ring.next(iaddr, need);
       free_slots -= need;
       ++ip;
       if (++iss_st == first_step + n_steps) {
@@ -398,7 +561,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   try_issue();
 
   // ---- consume side
-  unsigned caddr = ring_begin;  // the next piece's first slot
+  unsigned caddr = ring.begin;  // the next piece's first slot
   for (int k = 0; k < n_tok; ++k) {
     ck = k;
     const int t = token_of(k);
@@ -437,20 +600,9 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       // My own partial: my rows summed here (same rows, order and rounding as a producer).
       float part[Uc][kCombineVec], acc[Uc][kCombineVec];
       zero(part);
-      // Slot data is summed for every group, live or not: a dead group's words were
-      // zero-filled by its copy and its sums are never stored, so the loop needs no branch
-      // per group.
       unsigned src = caddr;
       if (n_own > 0) {
-        for (int j = 0; j < n_own; ++j) {
-#pragma unroll
-          for (int u = 0; u < Uc; ++u) {
-            Raw8<T> r;
-            load_raw_shared(r, src + u * kGroupBytes);
-            add_raw<T>(part[u], r);
-          }
-          src = next_slots(src, 1);
-        }
+        src = ring.sum_rows(part, caddr, n_own);
       } else if (n_own < 0) {
         sum_rows<T, kOwnRows>(part, expert_out, my_rows, sh.K, a.row_cap, v0, sh.H);
       }
@@ -498,7 +650,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         if (group_live(v0, u, sh.H))
           Vec8<T>::store(y + static_cast<size_t>(t) * sh.H + v0 + u * kWarpSize * kCombineVec, acc[u]);
       // The piece's slots were read above: hand them to the pieces ahead.
-      caddr = next_slots(caddr, need);
+      caddr = ring.next(caddr, need);
       free_slots += need;
     }
     if (grad_w != nullptr && first_step == 0 && lane < sh.K) {  // part 0 writes the prob gradients
@@ -577,7 +729,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
     // tokens, by which time the peers' partials are (mostly) staged. No block idles while
     // the other role is the bottleneck, and the partial stream rarely finds a chunk unready.
     const Role all{0, static_cast<int>(gridDim.x)};
-    produce_rows<T, P>(c, h, a, sh, expert_out, grad_probs);
+    produce_rows_streamed<T, P, kOwnRows>(c, h, a, sh, expert_out, grad_probs, stream);
     trace_phase_end(c);
     consume_any<T, P, kOwnRows>(c, h, a, sh, all, expert_out, grad_probs, y, grad_w, stream);
   } else if (static_cast<int>(blockIdx.x) < a.num_producers) {
