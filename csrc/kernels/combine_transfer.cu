@@ -213,9 +213,10 @@ __device__ __forceinline__ int first_remote(const CommContext& c, const HandleAr
   return -1;
 }
 
-// Shared memory of the consume loop (and of the streamed produce phase before it): per warp, a ring of row slots. A slot holds one row's
-// (own expert row or remote partial) data for one piece: kConsumeUnroll groups x 32 lanes x 16 B per bf16
-// group (32 B when the tokens or the partials are fp32). 16 warps x 14 KB = 224 KB.
+// Shared memory of the consume loop (and of the streamed produce phase before it): per warp,
+// a ring of row slots. A slot holds one row's (expert row or remote partial) data for one
+// piece: kConsumeUnroll groups x 32 lanes x 16 B per bf16 group (32 B when the tokens or the
+// partials are fp32). 16 warps x 14 KB = 224 KB.
 template <typename T, typename P>
 struct RowStream {
   static constexpr int kVecs = Raw8<T>::kVecs > Raw8<P>::kVecs ? Raw8<T>::kVecs : Raw8<P>::kVecs;
