@@ -508,6 +508,53 @@ def _split_calls(rank, world_size):
     return True
 
 
+def _streamed_produce_calls(rank, world_size, backend="cuda", num_sms=2):
+    """Calls with MORE remote tasks than combine warps (num_sms=2: 32 warps), so the phased
+    produce phase reduces every warp's tasks through the shared-memory row stream (NOTES #26)
+    rather than splitting them: H = 1288 (3 pieces per task, the last one partial, so dead
+    groups are zero-filled), tasks with 0..K rows, K = 16 with duplicates (tasks with more rows
+    than the ring streams, summed from global memory in the same loop), a rank with no tokens,
+    token-dtype and fp32 partials; forward and backward against the reference, bitwise."""
+    dev = _device_for(rank)
+    warps = num_sms * 16                        # kCombineThreads / 32 warps per block
+    H, dtype = 1288, torch.bfloat16
+    calls = [(4, 300, "random"), (4, 257, "unrouted"), (4, 301, "skewed"), (4, 263, "one_expert"),
+             (16, 150, "duplicate"), (4, 0, "random")]
+    for partial in (None, torch.float32):
+        kw = {} if partial is None else {"combine_partial_dtype": partial}
+        for i, (K, t, case) in enumerate(calls):
+            E = 4 * world_size if K == 4 else 16 * world_size
+            # Rank 1 has no tokens in the first call (its peers' tasks still flow to it).
+            T_all = [0 if (i == 0 and r == 1) else max(0, t - 7 * r) for r in range(world_size)]
+            buf = mok_buffer(E, H, K, 320, dtype, backend, dev, num_sms=num_sms, timeout_s=30, **kw)
+            ref = mok_buffer(E, H, K, 320, dtype, "reference", dev, **kw)
+            inputs = make_inputs(700 + i, world_size, T_all, E, H, K, dtype, case=case, device=dev)
+            # Remote tasks (a peer's token with rows here) and rows per task of every rank, so
+            # the test states the paths it covers: more tasks than warps on some rank is the
+            # streamed produce phase; more than 8 rows in a task (K = 16) its global-memory sums.
+            E_local = E // world_size
+            hits = [[((inputs[s][1] >= d * E_local) & (inputs[s][1] < (d + 1) * E_local)).sum(dim=1)
+                     for s in range(world_size)] for d in range(world_size)]
+            tasks = [sum(int((hits[d][s] > 0).sum()) for s in range(world_size) if s != d) for d in range(world_size)]
+            if t > 0:
+                assert max(tasks) > warps, f"call {i}: remote tasks per rank {tasks}, not more than {warps} warps"
+            if K == 16:
+                assert max(int(h.max()) for d in range(world_size) for s, h in enumerate(hits[d])
+                           if s != d and h.numel()) > 8, f"call {i}: no task with more than 8 rows"
+            assert_same_results(full_pass(buf, *inputs[rank], i), full_pass(ref, *inputs[rank], i),
+                                f"streamed produce call {i} K={K} T={T_all} partial={partial} rank {rank}")
+            if hasattr(buf, "check_errors"):
+                buf.check_errors()
+            buf.destroy()
+            ref.destroy()
+    return True
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_streamed_produce_matches_reference(world_size):
+    run_distributed(_streamed_produce_calls, world_size, backend="nccl", timeout=300)
+
+
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
 @pytest.mark.parametrize("env", [{}, {"MOK_COMBINE_PHASED": "0"}], ids=["phased", "role_split"])
 def test_cuda_combine_split_over_warps_matches_reference(env, world_size):
@@ -651,3 +698,7 @@ def test_repeat_and_ring_code_runs_on_cpu():
     run_distributed(_repeats_and_sms, 2, "random", 5, "reference", (4, 24), 3)
     rows = run_distributed(_ring_wrap, 2, 12, "reference")
     assert all(r[0] > 0 for r in rows)
+
+
+def test_streamed_produce_code_runs_on_cpu():
+    run_distributed(_streamed_produce_calls, 2, "reference")
