@@ -550,6 +550,37 @@ def _streamed_produce_calls(rank, world_size, backend="cuda", num_sms=2):
     return True
 
 
+def _scan_tiles_calls(rank, world_size, backend="cuda"):
+    """Layouts with more (expert, source, chunk) groups than one tile of the layout scan
+    (1024 threads x 4 = 4096 entries): E_local = 33 experts x W sources x 65 chunks (T_max =
+    4100, 64-token chunks) = 4290 at W=2, so the scan carries a prefix into a partial second
+    tile; tokens per rank not multiples of anything, one rank nearly empty, skewed and
+    unrouted routing; forward and backward against the reference, bitwise."""
+    dev = _device_for(rank)
+    H, K, dtype, T_max = 16, 5, torch.bfloat16, 4100
+    E = 33 * world_size
+    groups = (E // world_size) * world_size * ((T_max + 63) // 64)
+    assert groups > 4096 and groups % 4096, groups
+    buf = mok_buffer(E, H, K, T_max, dtype, backend, dev, timeout_s=30)
+    ref = mok_buffer(E, H, K, T_max, dtype, "reference", dev)
+    for i, (T_all, case) in enumerate([([4099] + [3001] * (world_size - 1), "random"),
+                                       ([1] + [4100] * (world_size - 1), "skewed"),
+                                       ([2777 - 13 * r for r in range(world_size)], "unrouted")]):
+        inputs = make_inputs(600 + i, world_size, T_all, E, H, K, dtype, case=case, device=dev)
+        assert_same_results(full_pass(buf, *inputs[rank], i), full_pass(ref, *inputs[rank], i),
+                            f"scan tiles call {i} T={T_all} rank {rank}")
+    if hasattr(buf, "check_errors"):
+        buf.check_errors()
+    buf.destroy()
+    ref.destroy()
+    return True
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_layout_scan_over_tiles_matches_reference(world_size):
+    run_distributed(_scan_tiles_calls, world_size, backend="nccl", timeout=300)
+
+
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
 def test_cuda_streamed_produce_matches_reference(world_size):
     run_distributed(_streamed_produce_calls, world_size, backend="nccl", timeout=300)
@@ -702,3 +733,7 @@ def test_repeat_and_ring_code_runs_on_cpu():
 
 def test_streamed_produce_code_runs_on_cpu():
     run_distributed(_streamed_produce_calls, 2, "reference")
+
+
+def test_scan_tiles_code_runs_on_cpu():
+    run_distributed(_scan_tiles_calls, 2, "reference")

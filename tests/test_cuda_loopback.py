@@ -21,7 +21,7 @@ from harness import run_loopback
 from test_cuda_backend import (CASE_NAMES, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
                                _missing_peer, _overflow_cuda, _repeats_and_sms, _ring_wrap,
                                _speculative_calls, _speculative_mismatch, _split_calls, _static_cuda,
-                               _streamed_produce_calls)
+                               _scan_tiles_calls, _streamed_produce_calls)
 
 ALL_SIZES = (2, 3, 4, 8)
 # Every case at the world sizes a 2-GPU machine cannot give; a sample at 2 (also run on
@@ -90,6 +90,11 @@ def test_loopback_combine_split_over_warps_matches_reference(env, monkeypatch):
 @pytest.mark.parametrize("world_size", (3, 4))
 def test_loopback_streamed_produce_matches_reference(world_size):
     run_loopback(_streamed_produce_calls, world_size, timeout=300)
+
+
+@gpu
+def test_loopback_layout_scan_over_tiles_matches_reference():
+    run_loopback(_scan_tiles_calls, 3, timeout=300)
 
 
 @gpu
