@@ -552,20 +552,22 @@ def _streamed_produce_calls(rank, world_size, backend="cuda", num_sms=2):
 
 def _scan_tiles_calls(rank, world_size, backend="cuda"):
     """Layouts with more (expert, source, chunk) groups than one tile of the layout scan
-    (1024 threads x 4 = 4096 entries): E_local = 33 experts x W sources x 65 chunks (T_max =
-    4100, 64-token chunks) = 4290 at W=2, so the scan carries a prefix into a partial second
-    tile; tokens per rank not multiples of anything, one rank nearly empty, skewed and
+    (1024 threads x 4 = 4096 entries): 65 local experts x W sources x enough 64-token chunks
+    (4290 groups at W=2, 4485 at W=3), so the scan carries a prefix into a partial second
+    tile (few chunks, so that loopback worlds of 3-4 ranks still fit their routing kernels on
+    one GPU); tokens per rank not multiples of anything, one rank nearly empty, skewed and
     unrouted routing; forward and backward against the reference, bitwise."""
     dev = _device_for(rank)
-    H, K, dtype, T_max = 16, 5, torch.bfloat16, 4100
-    E = 33 * world_size
-    groups = (E // world_size) * world_size * ((T_max + 63) // 64)
+    H, K, dtype, E_local = 16, 5, torch.bfloat16, 65
+    cpc = -(-4100 // (E_local * world_size)) + 1
+    T_max, E = 64 * cpc, E_local * world_size
+    groups = E_local * world_size * cpc
     assert groups > 4096 and groups % 4096, groups
     buf = mok_buffer(E, H, K, T_max, dtype, backend, dev, timeout_s=30)
     ref = mok_buffer(E, H, K, T_max, dtype, "reference", dev)
-    for i, (T_all, case) in enumerate([([4099] + [3001] * (world_size - 1), "random"),
-                                       ([1] + [4100] * (world_size - 1), "skewed"),
-                                       ([2777 - 13 * r for r in range(world_size)], "unrouted")]):
+    for i, (T_all, case) in enumerate([([T_max - 1] + [T_max - 67] * (world_size - 1), "random"),
+                                       ([1] + [T_max] * (world_size - 1), "skewed"),
+                                       ([T_max - 13 * r - 5 for r in range(world_size)], "unrouted")]):
         inputs = make_inputs(600 + i, world_size, T_all, E, H, K, dtype, case=case, device=dev)
         assert_same_results(full_pass(buf, *inputs[rank], i), full_pass(ref, *inputs[rank], i),
                             f"scan tiles call {i} T={T_all} rank {rank}")

@@ -93,8 +93,9 @@ def test_loopback_streamed_produce_matches_reference(world_size):
 
 
 @gpu
-def test_loopback_layout_scan_over_tiles_matches_reference():
-    run_loopback(_scan_tiles_calls, 3, timeout=300)
+@pytest.mark.parametrize("world_size", (3, 4))
+def test_loopback_layout_scan_over_tiles_matches_reference(world_size):
+    run_loopback(_scan_tiles_calls, world_size, timeout=300)
 
 
 @gpu
