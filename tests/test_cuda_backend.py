@@ -508,6 +508,14 @@ def _split_calls(rank, world_size):
     return True
 
 
+def _check_and_destroy(buf, ref):
+    """Raise the CUDA Buffer's pending device error report, if any; free both Buffers."""
+    if hasattr(buf, "check_errors"):
+        buf.check_errors()
+    buf.destroy()
+    ref.destroy()
+
+
 def _streamed_produce_calls(rank, world_size, backend="cuda", num_sms=2):
     """Calls with MORE remote tasks than combine warps (num_sms=2: 32 warps), so the phased
     produce phase reduces every warp's tasks through the shared-memory row stream (NOTES #26)
@@ -543,10 +551,7 @@ def _streamed_produce_calls(rank, world_size, backend="cuda", num_sms=2):
                            if s != d and h.numel()) > 8, f"call {i}: no task with more than 8 rows"
             assert_same_results(full_pass(buf, *inputs[rank], i), full_pass(ref, *inputs[rank], i),
                                 f"streamed produce call {i} K={K} T={T_all} partial={partial} rank {rank}")
-            if hasattr(buf, "check_errors"):
-                buf.check_errors()
-            buf.destroy()
-            ref.destroy()
+            _check_and_destroy(buf, ref)
     return True
 
 
@@ -571,10 +576,7 @@ def _scan_tiles_calls(rank, world_size, backend="cuda"):
         inputs = make_inputs(600 + i, world_size, T_all, E, H, K, dtype, case=case, device=dev)
         assert_same_results(full_pass(buf, *inputs[rank], i), full_pass(ref, *inputs[rank], i),
                             f"scan tiles call {i} T={T_all} rank {rank}")
-    if hasattr(buf, "check_errors"):
-        buf.check_errors()
-    buf.destroy()
-    ref.destroy()
+    _check_and_destroy(buf, ref)
     return True
 
 
