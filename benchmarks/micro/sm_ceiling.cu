@@ -475,6 +475,16 @@ int main(int argc, char** argv) {
     cases.push_back({"rep_reg_u8_mixed", "register copies, local and pulled tasks alternating", 2,
                      4096 * row_mb, kDstRows * row_mb, 4096 * row_mb,
                      [&](Dev& v, int d, int n) { rep_reg<8><<<n, 1024, 0, v.s>>>(src_for(d, 2), v.dst, v.map, kSrcRows, kK); }});
+    // The 2-GPU dispatch pull's own shape (standard shape, 2 ranks): 8192 tasks per GPU, half
+    // local and half pulled, 2 rows each (235 MB written), 6 loads in flight per lane like the
+    // kernel; and the same with every task local. Against the kernel's ~400 us (NOTES #28, #29),
+    // this says how much is the data pattern and how much the protocol around it.
+    cases.push_back({"rep_reg_u6_w2shape_mixed", "dispatch pull shape at W=2: 2 rows per task, half pulled", 2,
+                     4096 * row_mb, 2.0 * kSrcRows * row_mb, 4096 * row_mb,
+                     [&](Dev& v, int d, int n) { rep_reg<6><<<n, 1024, 0, v.s>>>(src_for(d, 2), v.dst, v.map, kSrcRows, 2); }});
+    cases.push_back({"rep_reg_u6_w2shape_local", "dispatch pull shape at W=2, every task local", 2,
+                     kSrcRows * row_mb, 2.0 * kSrcRows * row_mb, 0,
+                     [&](Dev& v, int d, int n) { rep_reg<6><<<n, 1024, 0, v.s>>>(src_for(d, 0), v.dst, v.map, kSrcRows, 2); }});
     cases.push_back({"rep_bulk_mixed", "bulk copies (half rows, 31 stages), local and pulled alternating", 2,
                      4096 * row_mb, kDstRows * row_mb, 4096 * row_mb,
                      [=](Dev& v, int d, int n) {
