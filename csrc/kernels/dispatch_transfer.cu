@@ -119,7 +119,11 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       src = reinterpret_cast<const int4*>(theirs.ring + slot * theirs.chunk_bytes) +
             static_cast<size_t>(t % sh.C) * sh.vec_per_row;
     }
+    // Lane k holds the task's row k (K <= 32), read once per task: the copy loop takes each
+    // row id by a shuffle instead of re-reading it from global memory for every group of
+    // vectors (the stores in between may alias it, so the compiler reloaded it each time).
     const int32_t* rows = h.task_rows + static_cast<size_t>(i) * sh.K;
+    const int lane_row = lane < sh.K ? rows[lane] : -1;
     for (int base = lane; base < sh.vec_per_row; base += kWarpSize * kCopyUnroll) {
       int4 v[kCopyUnroll];
 #pragma unroll
@@ -128,7 +132,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         if (vi < sh.vec_per_row) v[u] = ld_stream_16(src + vi);
       }
       for (int k = 0; k < sh.K; ++k) {
-        const int row = rows[k];
+        const int row = __shfl_sync(0xffffffffu, lane_row, k);
         if (row < 0) break;  // rows are packed first, -1 after
         if (row >= a.row_cap) continue;  // overflow (reported by the layout): never write past
         int4* dst = out + static_cast<size_t>(row) * sh.vec_per_row;

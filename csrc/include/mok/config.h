@@ -15,7 +15,12 @@ constexpr int kScanThreads = 1024;
 constexpr int kCombineThreads = 512;
 constexpr int kWarpSize = 32;
 // 16-byte vectors per lane in flight in the copy loops (MOK_BRIEF: >= 4 independent loads).
-constexpr int kCopyUnroll = 6;
+// Experiment builds may set MOK_COPY_UNROLL (benchmarks/NOTES.md, next experiments after
+// session 8, item 1: is the 2-GPU pull bound by its loads in flight?).
+#ifndef MOK_COPY_UNROLL
+#define MOK_COPY_UNROLL 6
+#endif
+constexpr int kCopyUnroll = MOK_COPY_UNROLL;
 // Elements per lane per step in the combine loops: one 16-byte bf16 vector.
 constexpr int kCombineVec = 8;
 // 8-element groups per lane in flight in the combine loops (one step of a task or token).
@@ -28,7 +33,11 @@ constexpr int kCombineUnroll = 2;
 #endif
 constexpr int kConsumeUnroll = MOK_CONSUME_UNROLL;
 // Threads of a dispatch block: 32 warps, 4 loads in flight each (MOK_BRIEF section 3).
-constexpr int kDispatchThreads = 1024;
+// Experiment builds may set MOK_DISPATCH_THREADS (with MOK_COPY_UNROLL: fewer, fuller warps).
+#ifndef MOK_DISPATCH_THREADS
+#define MOK_DISPATCH_THREADS 1024
+#endif
+constexpr int kDispatchThreads = MOK_DISPATCH_THREADS;
 // Dynamic shared memory a block may ask for on Hopper (227 KB), less 1 KB for static use.
 constexpr size_t kMaxDynamicSmem = 226 * 1024;
 // Largest world size: reader sets are 64-bit masks.
