@@ -90,7 +90,11 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   const int W = c.world, step_q = n_warps / W, step_r = n_warps % W;
   int local_i = warp / W, v_rem = warp % W;
 
+  // MOK_DISPATCH_CLOCKS builds: this warp's cycles by kind (compiled out otherwise).
+  [[maybe_unused]] long long clk[kDClockKinds] = {}, clk0 = 0, clk_t = 0;
+  if constexpr (kDispatchClocks) clk0 = clock64();
   for (int v = warp; v < n_virtual; v += n_warps) {
+    if constexpr (kDispatchClocks) clk_t = clock64();
     int s = v_rem + c.rank;
     if (s >= W) s -= W;
     const int local_task = local_i;  // s's task this virtual task stands for (if it has one)
@@ -124,12 +128,28 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     // vectors (the stores in between may alias it, so the compiler reloaded it each time).
     const int32_t* rows = h.task_rows + static_cast<size_t>(i) * sh.K;
     const int lane_row = lane < sh.K ? rows[lane] : -1;
-    for (int base = lane; base < sh.vec_per_row; base += kWarpSize * kCopyUnroll) {
+    if constexpr (kDispatchClocks) {
+      clk[s == c.rank ? kDClockSetupLocal : kDClockSetupRemote] += clock64() - clk_t;
+    }
+    // Every lane runs every round (the shuffles need the whole warp; the s8-5 build let lanes
+    // past a short row's end leave the loop early and read garbage row ids).
+    for (int base0 = 0; base0 < sh.vec_per_row; base0 += kWarpSize * kCopyUnroll) {
+      const int base = base0 + lane;
+      if constexpr (kDispatchClocks) clk_t = clock64();
       int4 v[kCopyUnroll];
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u) {
         const int vi = base + u * kWarpSize;
         if (vi < sh.vec_per_row) v[u] = ld_stream_16(src + vi);
+      }
+      if constexpr (kDispatchClocks) {  // the loads have landed once a register of each is read
+        int sink = 0;
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) sink ^= v[u].x;
+        asm volatile("" ::"r"(sink));
+        const long long now = clock64();
+        clk[s == c.rank ? kDClockLoadLocal : kDClockLoadRemote] += now - clk_t;
+        clk_t = now;
       }
       for (int k = 0; k < sh.K; ++k) {
         const int row = __shfl_sync(0xffffffffu, lane_row, k);
@@ -142,6 +162,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
           if (vi < sh.vec_per_row) st_16(dst + vi, v[u]);
         }
       }
+      if constexpr (kDispatchClocks) clk[kDClockStore] += clock64() - clk_t;
     }
     __syncwarp();
     if (s != c.rank && lane == 0) {
@@ -155,6 +176,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     }
   }
 
+  if constexpr (kDispatchClocks) {
+    clk[kDClockTotal] = clock64() - clk0;
+    for (int kind = 0; kind < kDClockKinds; ++kind) dispatch_clock_add(c, kind, clk[kind]);
+  }
   // Static-shape mode: rows past R are zero (not when the host shrinks the rows to R).
   if (a.mode & kTransferNoPad) return;
   const int4 zero = make_int4(0, 0, 0, 0);

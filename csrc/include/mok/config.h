@@ -38,6 +38,14 @@ constexpr int kConsumeUnroll = MOK_CONSUME_UNROLL;
 #define MOK_DISPATCH_THREADS 1024
 #endif
 constexpr int kDispatchThreads = MOK_DISPATCH_THREADS;
+// Diagnostic builds may set MOK_DISPATCH_CLOCKS=1: the dispatch transfer's pulling warps sum
+// their cycles by kind (task setup, waiting for local / NVLink loads, issuing stores) into the
+// last rows of the trace region (benchmarks/NOTES.md, next experiments after session 8, item 1).
+// Off (0) in every normal build: the code is compiled out.
+#ifndef MOK_DISPATCH_CLOCKS
+#define MOK_DISPATCH_CLOCKS 0
+#endif
+constexpr bool kDispatchClocks = MOK_DISPATCH_CLOCKS != 0;
 // Dynamic shared memory a block may ask for on Hopper (227 KB), less 1 KB for static use.
 constexpr size_t kMaxDynamicSmem = 226 * 1024;
 // Largest world size: reader sets are 64-bit masks.

@@ -59,6 +59,27 @@ __device__ inline void trace_phase_end(const CommContext& c) {
   atomicMax(&tr[1], globaltimer_ns());
 }
 
+// Diagnostics (MOK_DISPATCH_CLOCKS builds): what a pulling warp's cycles went to. Trace row
+// kTraceBlocks - kDClockKinds + kind holds {sum of cycles, number of warps}; those rows are free
+// when the grid has at most kTraceBlocks / 2 - kDClockKinds blocks (phase ends use rows
+// kTraceBlocks / 2 + b).
+enum DispatchClock {
+  kDClockSetupLocal = 0,   // task lookup of a local task (index loads)
+  kDClockSetupRemote = 1,  // the same for a remote task, its chunk's ready flag included
+  kDClockLoadLocal = 2,    // from issuing a round's loads to their arrival, local source
+  kDClockLoadRemote = 3,   // the same over NVLink
+  kDClockStore = 4,        // issuing a round's stores
+  kDClockTotal = 5,
+  kDClockKinds = 6
+};
+__device__ inline void dispatch_clock_add(const CommContext& c, int kind, long long cycles) {
+  if (threadIdx.x % kWarpSize != 0 || gridDim.x > kTraceBlocks / 2 - kDClockKinds) return;
+  unsigned long long* row =
+      reinterpret_cast<unsigned long long*>(c.local() + c.ws.trace) + 2 * (kTraceBlocks - kDClockKinds + kind);
+  atomicAdd(&row[0], static_cast<unsigned long long>(cycles));
+  atomicAdd(&row[1], 1ull);
+}
+
 // Called once per warp when it has finished its share of a kernel: the last warp of the grid
 // advances the call number `seq`. No block barrier, so warps that stopped early on an error
 // simply never count (the Buffer is unusable after an error anyway).
