@@ -126,6 +126,7 @@ def main():
                 parts = ", ".join(f"{what} {100.0 * clocks[i][0] / total:.1f}%" for i, what in enumerate(
                     ("setup local", "setup remote (flag waits incl.)", "load wait local",
                      "load wait NVLink", "store issue")))
+                parts += f", rest (chunk release accounting, loop) {100.0 * (total - sum(r[0] for r in clocks[:5])) / total:.1f}%"
                 print(f"[dclocks] rank {rank} sms={sms} dispatch pull ({clocks[5][1]} warps, "
                       f"{total / clocks[5][1] / 1e3:.1f} k cycles per warp): {parts}", flush=True)
         if args.kernels and rank == 0 and sms == 24:
