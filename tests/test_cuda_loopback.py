@@ -20,8 +20,8 @@ import torch
 from harness import run_loopback
 from test_cuda_backend import (CASE_NAMES, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
                                _missing_peer, _overflow_cuda, _repeats_and_sms, _ring_wrap,
-                               _speculative_calls, _speculative_mismatch, _split_calls, _static_cuda,
-                               _scan_tiles_calls, _streamed_produce_calls)
+                               _ring_reused_every_call, _scan_tiles_calls, _speculative_calls, _speculative_mismatch,
+                               _split_calls, _static_cuda, _streamed_produce_calls)
 
 ALL_SIZES = (2, 3, 4, 8)
 # Every case at the world sizes a 2-GPU machine cannot give; a sample at 2 (also run on
@@ -64,11 +64,20 @@ def test_loopback_ring_wraps(world_size, calls, t_max):
 
 
 @gpu
+@pytest.mark.parametrize("world_size", (3, 4))
+def test_loopback_dispatch_ring_reused_every_call(world_size):
+    rows, ring = run_loopback(_ring_reused_every_call, world_size, 200, timeout=600)[0]
+    assert rows * 256 * 2 > 30 * ring, "the ring was not reused call after call"
+
+
+@gpu
 @pytest.mark.parametrize("env", [{"MOK_EAGER_STAGE_FIRST": "1"}, {"MOK_COMBINE_PHASED": "0"},
                                  {"MOK_COMBINE_SPLIT": "0"}, {"MOK_EAGER_FILL_FIRST": "1"},
-                                 {"MOK_EAGER_SPECULATIVE": "1"}, {"MOK_COMBINE_STREAM_OWN": "0"}],
+                                 {"MOK_EAGER_SPECULATIVE": "1"}, {"MOK_COMBINE_STREAM_OWN": "0"},
+                                 {"MOK_DISPATCH_RELEASE_AT_END": "0"}],
                          ids=["eager_stage_first", "combine_role_split", "combine_no_split",
-                              "eager_fill_first", "eager_speculative", "combine_own_rows_direct"])
+                              "eager_fill_first", "eager_speculative", "combine_own_rows_direct",
+                              "dispatch_release_per_task"])
 def test_loopback_alternative_schedules(env, monkeypatch):
     # Set once for all threads: every rank must make the same choice.
     for k, v in env.items():

@@ -744,12 +744,6 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   warp_done_advance(&c.counters()->comb_warps_done, &c.counters()->comb_seq);
 }
 
-// True when environment variable `name` is set to a value starting with '0'.
-bool env_off(const char* name) {
-  const char* v = getenv(name);
-  return v != nullptr && v[0] == '0';
-}
-
 template <typename T, typename P>
 cudaError_t launch_typed(const CommContext& c, const HandleArrays& h, const TransferArgs& t,
                          const CombineShape& sh, const void* expert_out, const float* grad_probs,

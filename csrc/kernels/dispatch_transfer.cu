@@ -23,6 +23,7 @@ struct DispatchShape {
   int C;            // rows per chunk
   int K;
   CallSlots slots;  // this call's ring slots (N set by the host, the rest at kernel start)
+  bool release_at_end;  // the call fits in the ring: chunks are released by the grid's last warp
 
   // Generation and ring slot of this call's chunk j.
   __device__ uint64_t gen(int j) const { return seq * cpc + j; }
@@ -165,7 +166,9 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       if constexpr (kDispatchClocks) clk[kDClockStore] += clock64() - clk_t;
     }
     __syncwarp();
-    if (s != c.rank && lane == 0) {
+    // Per-task release accounting only when a call spans more than the ring (then producers
+    // need slots back during the call); otherwise release_call_chunks does it once per call.
+    if (!sh.release_at_end && s != c.rank && lane == 0) {
       __threadfence();
       int32_t* done = mine.done + static_cast<size_t>(s) * N + slot;
       if (atomicAdd(done, 1) + 1 == h.chunk_tasks[s * sh.cpc + j]) {
@@ -190,6 +193,21 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     out[v] = zero;
 }
 
+// The grid's last warp, once every pull of this call is done, tells each source that my reads
+// of its chunks are over: one release store per (source, chunk) I read from, instead of a fence
+// (waiting for the task's stores) and an atomic round trip per remote task on the pull's path
+// (NOTES #30). Only when the call fits in the ring: a slot is then written once per call, and
+// the source's next staging of it comes with a later call.
+__device__ void release_call_chunks(const CommContext& c, const HandleArrays& h, const DispatchShape& sh) {
+  __threadfence_system();
+  for (int idx = threadIdx.x % kWarpSize; idx < c.world * sh.cpc; idx += kWarpSize) {
+    const int s = idx / sh.cpc, j = idx - s * sh.cpc;
+    if (s == c.rank || h.chunk_tasks[idx] == 0) continue;  // not a reader of that chunk
+    RingView theirs = RingView::dispatch(c.ws, c.peers.base[s]);
+    st_release_sys(theirs.released + static_cast<size_t>(c.rank) * theirs.num_chunks + sh.slot(j), sh.gen(j) + 1);
+  }
+}
+
 __global__ void __launch_bounds__(kDispatchThreads, 1)
     dispatch_transfer_kernel(CommContext c, HandleArrays h, TransferArgs a, DispatchShape sh,
                              const int4* x, int4* out) {
@@ -211,7 +229,8 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
     sh.start(n->disp_pull_seq);
     consume(c, h, a, sh, Role{0, G}, x, out);
     trace_warp(c, false);
-    warp_done_advance(&n->disp_pull_warps_done, &n->disp_pull_seq);
+    if (warp_done_advance(&n->disp_pull_warps_done, &n->disp_pull_seq) && sh.release_at_end)
+      release_call_chunks(c, h, sh);
     return;
   }
   sh.start(n->disp_seq);
@@ -220,7 +239,8 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   else
     consume(c, h, a, sh, Role{a.num_producers, G - a.num_producers}, x, out);
   trace_warp(c, false);
-  warp_done_advance(&n->disp_warps_done, &n->disp_seq, &n->disp_pull_seq);
+  if (warp_done_advance(&n->disp_warps_done, &n->disp_seq, &n->disp_pull_seq) && sh.release_at_end)
+    release_call_chunks(c, h, sh);
 }
 
 }  // namespace
@@ -234,6 +254,8 @@ cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h
   sh.C = c.ws.cfg.chunk_tokens;
   sh.K = c.ws.cfg.topk;
   sh.slots.N = static_cast<int>(c.ws.cfg.disp_ring_chunks);
+  // MOK_DISPATCH_RELEASE_AT_END=0 keeps the per-task release accounting (A/B; tests cover both).
+  sh.release_at_end = sh.cpc <= sh.slots.N && !env_off("MOK_DISPATCH_RELEASE_AT_END");
   dispatch_transfer_kernel<<<t.num_blocks, kDispatchThreads, 0, s>>>(
       c, h, t, sh, static_cast<const int4*>(x), static_cast<int4*>(out_rows));
   return cudaGetLastError();

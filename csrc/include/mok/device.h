@@ -83,8 +83,10 @@ __device__ inline void dispatch_clock_add(const CommContext& c, int kind, long l
 // Called once per warp when it has finished its share of a kernel: the last warp of the grid
 // advances the call number `seq`. No block barrier, so warps that stopped early on an error
 // simply never count (the Buffer is unusable after an error anyway).
-__device__ inline void warp_done_advance(uint32_t* warps_done, uint64_t* seq, uint64_t* seq2 = nullptr) {
+// Returns true, in every lane, in the grid's last warp.
+__device__ inline bool warp_done_advance(uint32_t* warps_done, uint64_t* seq, uint64_t* seq2 = nullptr) {
   __syncwarp();
+  int last = 0;
   if (threadIdx.x % kWarpSize == 0) {
     const uint32_t total = gridDim.x * gridDim.y * (blockDim.x / kWarpSize);
     __threadfence();
@@ -93,8 +95,10 @@ __device__ inline void warp_done_advance(uint32_t* warps_done, uint64_t* seq, ui
       *seq += 1;
       if (seq2 != nullptr) *seq2 += 1;
       __threadfence();
+      last = 1;
     }
   }
+  return __shfl_sync(0xffffffffu, last, 0) != 0;
 }
 
 // Diagnostics: true for the first wait of kind `what` on this rank to time out (printed) or to

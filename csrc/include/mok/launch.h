@@ -4,11 +4,20 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+
 #include "device.h"
 #include "handle_arrays.h"
 #include "ring.h"
 
 namespace mok {
+
+// True when environment variable `name` is set to a value starting with '0': how the launchers
+// read their schedule switches (MOK_COMBINE_PHASED=0, MOK_DISPATCH_RELEASE_AT_END=0, ...).
+inline bool env_off(const char* name) {
+  const char* v = getenv(name);
+  return v != nullptr && v[0] == '0';
+}
 
 // Routing of one full dispatch (all pointers device, `T` rows).
 struct RoutingArgs {
