@@ -121,7 +121,11 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
           return;
         seen.set(s, g);
       }
-      src = reinterpret_cast<const int4*>(theirs.ring + slot * theirs.chunk_bytes) +
+      // Diagnostic builds (MOK_DISPATCH_DIAG_LOCAL_SRC=1, WRONG DATA, timing only): read the
+      // same slot of MY ring instead of the source's, so every load is local and the flags,
+      // waits and releases are unchanged: how much of the pull is NVLink's.
+      const char* ring = kDispatchDiagLocalSrc ? mine.ring : theirs.ring;
+      src = reinterpret_cast<const int4*>(ring + slot * theirs.chunk_bytes) +
             static_cast<size_t>(t % sh.C) * sh.vec_per_row;
     }
     // Lane k holds the task's row k (K <= 32), read once per task: the copy loop takes each

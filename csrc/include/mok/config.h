@@ -46,6 +46,13 @@ constexpr int kDispatchThreads = MOK_DISPATCH_THREADS;
 #define MOK_DISPATCH_CLOCKS 0
 #endif
 constexpr bool kDispatchClocks = MOK_DISPATCH_CLOCKS != 0;
+// Diagnostic builds only, never for results: MOK_DISPATCH_DIAG_LOCAL_SRC=1 makes the dispatch
+// pull read remote tasks' rows from the same slot of the local ring (wrong data, same protocol)
+// to time the pull without NVLink (benchmarks/NOTES.md, next experiments after session 8).
+#ifndef MOK_DISPATCH_DIAG_LOCAL_SRC
+#define MOK_DISPATCH_DIAG_LOCAL_SRC 0
+#endif
+constexpr bool kDispatchDiagLocalSrc = MOK_DISPATCH_DIAG_LOCAL_SRC != 0;
 // Dynamic shared memory a block may ask for on Hopper (227 KB), less 1 KB for static use.
 constexpr size_t kMaxDynamicSmem = 226 * 1024;
 // Largest world size: reader sets are 64-bit masks.
