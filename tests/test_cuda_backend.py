@@ -256,8 +256,9 @@ def test_cuda_ring_wraps_1000_calls(world_size):
 # each combine launch (role split instead of phases, MOK_COMBINE_PHASED=0; one warp per token
 # and per task even when a call has fewer of them than warps, MOK_COMBINE_SPLIT=0; own expert
 # rows loaded into registers instead of streamed through shared memory,
-# MOK_COMBINE_STREAM_OWN=0; or the dispatch's per-task chunk release accounting even when a
-# call fits in the ring, MOK_DISPATCH_RELEASE_AT_END=0). Each must
+# MOK_COMBINE_STREAM_OWN=0; the dispatch's per-task chunk release accounting even when a
+# call fits in the ring, MOK_DISPATCH_RELEASE_AT_END=0; or SM staging blocks instead of the copy
+# engine, MOK_DISPATCH_CE_STAGE=0). Each must
 # give the reference's bits; the ring test also runs the eager staging through a wrapping ring.
 ALT_SCHEDULES = [
     pytest.param({"MOK_EAGER_STAGE_FIRST": "1"}, id="eager_stage_first"),
@@ -267,6 +268,10 @@ ALT_SCHEDULES = [
     pytest.param({"MOK_EAGER_SPECULATIVE": "1"}, id="eager_speculative"),
     pytest.param({"MOK_COMBINE_STREAM_OWN": "0"}, id="combine_own_rows_direct"),
     pytest.param({"MOK_DISPATCH_RELEASE_AT_END": "0"}, id="dispatch_release_per_task"),
+    pytest.param({"MOK_DISPATCH_CE_STAGE": "0"}, id="dispatch_sm_staging"),
+    # 7-token chunks of 32-wide bf16 rows are 448 bytes in 512-byte ring slots: the copy engine
+    # copies them with a pitch, then the partial last chunk.
+    pytest.param({"MOK_CHUNK_TOKENS": "7"}, id="chunk7_padded_slots"),
 ]
 
 
@@ -299,6 +304,21 @@ def test_cuda_alternative_schedules_match_reference(name, env, world_size):
 def test_cuda_alternative_schedules_wrap_the_ring(env, world_size):
     rows, ring = run_distributed(_schedule_ring_wrap, world_size, env, 200, backend="nccl", timeout=600)[0]
     assert rows * 256 * 2 > 4 * ring, "the ring did not wrap"
+
+
+def _staging_settings_disagree(rank, world_size):
+    """Rank 1 turns copy-engine staging off, the others keep it: the Buffer must refuse on
+    every rank (peers would read tokens from other slots than the ones staged), not hang."""
+    env = {"MOK_DISPATCH_CE_STAGE": "0"} if rank == 1 else {}
+    dev = _device_for(rank)
+    with pytest.raises(ValueError, match="disagree on the dispatch staging settings"):
+        _with_env(env, lambda r, w: mok_buffer(4 * w, 64, 2, 32, torch.bfloat16, "cuda", dev), rank, world_size)
+    return True
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_ranks_with_different_staging_settings_are_refused(world_size):
+    assert all(run_distributed(_staging_settings_disagree, world_size, backend="nccl", timeout=120))
 
 
 def _static_cuda(rank, world_size, name, extra_rows):

@@ -11,6 +11,11 @@
 //
 // Both roles run in one grid whose blocks are all resident, so a call larger than the ring
 // still progresses: producers wait for consumers on the other GPUs, never for themselves.
+//
+// Copy-engine staging (kTransferCeStaged, a call that fits in the ring): the copy engine stages
+// my tokens into slots [0, chunks) before the kernel (launch_dispatch_stage_copy), so no SM
+// spends time on the staging's ~117 MB of reads and writes at the standard shape; every block
+// pulls and block 0's first warp only publishes the slots (NOTES #31).
 #include "mok/launch.h"
 
 namespace mok {
@@ -24,6 +29,7 @@ struct DispatchShape {
   int K;
   CallSlots slots;  // this call's ring slots (N set by the host, the rest at kernel start)
   bool release_at_end;  // the call fits in the ring: chunks are released by the grid's last warp
+  bool ce_staged;       // the copy engine staged my chunks into slots [0, chunks): fixed slots
 
   // Generation and ring slot of this call's chunk j.
   __device__ uint64_t gen(int j) const { return seq * cpc + j; }
@@ -31,6 +37,7 @@ struct DispatchShape {
   __device__ void start(uint64_t call) {
     seq = call;
     slots.start(call, cpc);
+    if (ce_staged) slots.base = 0;  // every rank agrees: the mode is a property of the Buffer
   }
 };
 
@@ -197,6 +204,17 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     out[v] = zero;
 }
 
+// One warp (copy-engine staging): my chunks are in slots [0, chunks) already (the copy came
+// earlier on the stream); record each slot's generation and readers for the next reuse check
+// and publish it, as a producer block would after copying.
+__device__ void publish_ce_staged(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+                                  const DispatchShape& sh) {
+  RingView mine = RingView::dispatch(c.ws, c.local());
+  const int n_chunks = (a.num_tokens + sh.C - 1) / sh.C;
+  for (int j = threadIdx.x % kWarpSize; j < n_chunks; j += kWarpSize)
+    ring_slot_publish(mine, j, sh.gen(j), h.chunk_readers[j]);
+}
+
 // The grid's last warp, once every pull of this call is done, tells each source that my reads
 // of its chunks are over: one release store per (source, chunk) I read from, instead of a fence
 // (waiting for the task's stores) and an atomic round trip per remote task on the pull's path
@@ -243,7 +261,10 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
     return;
   }
   sh.start(n->disp_seq);
-  if (static_cast<int>(blockIdx.x) < a.num_producers)
+  if (sh.ce_staged) {
+    if (blockIdx.x == 0 && threadIdx.x < kWarpSize) publish_ce_staged(c, h, a, sh);
+    consume(c, h, a, sh, Role{0, G}, x, out);
+  } else if (static_cast<int>(blockIdx.x) < a.num_producers)
     produce(c, h, a, sh, Role{0, a.num_producers}, x);
   else
     consume(c, h, a, sh, Role{a.num_producers, G - a.num_producers}, x, out);
@@ -265,9 +286,57 @@ cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h
   sh.slots.N = static_cast<int>(c.ws.cfg.disp_ring_chunks);
   // MOK_DISPATCH_RELEASE_AT_END=0 keeps the per-task release accounting (A/B; tests cover both).
   sh.release_at_end = sh.cpc <= sh.slots.N && !env_off("MOK_DISPATCH_RELEASE_AT_END");
+  sh.ce_staged = (t.mode & kTransferCeStaged) != 0;
+  if (sh.ce_staged && sh.cpc > sh.slots.N) return cudaErrorInvalidValue;  // checked by the API
   dispatch_transfer_kernel<<<t.num_blocks, kDispatchThreads, 0, s>>>(
       c, h, t, sh, static_cast<const int4*>(x), static_cast<int4*>(out_rows));
   return cudaGetLastError();
+}
+
+bool dispatch_call_fits_ring(const Workspace& ws) {
+  return HandleArrays::chunks_per_call(ws.cfg) <= static_cast<int>(ws.cfg.disp_ring_chunks);
+}
+
+// Before the copy engine overwrites slots [0, n_chunks): the readers of each slot's previous
+// generation (recorded by its publisher) must have released it. One warp per slot in turn; a
+// ring used only by copy-engine calls never wraps within a call, and its previous readers are
+// the peers' pulls of an earlier call, which need nothing from this rank any more.
+__global__ void __launch_bounds__(kStageAcquireThreads) stage_acquire_kernel(CommContext c, int n_chunks, int cpc) {
+  if (aborted(c)) return;
+  RingView mine = RingView::dispatch(c.ws, c.local());
+  const uint64_t g0 = c.counters()->disp_seq * static_cast<uint64_t>(cpc);  // labels an error only
+  const int n_warps = blockDim.x / kWarpSize;
+  for (int j = threadIdx.x / kWarpSize; j < n_chunks; j += n_warps)
+    if (!ring_slot_acquire_warp(c, mine, j, g0 + j, kWaitDispatchReleased)) return;
+}
+
+cudaError_t launch_dispatch_stage_copy(const CommContext& c, const void* x, int num_tokens,
+                                       int elem_bytes, cudaStream_t s) {
+  const Workspace& ws = c.ws;
+  if (!dispatch_call_fits_ring(ws)) return cudaErrorInvalidValue;
+  const int C = ws.cfg.chunk_tokens;
+  const int n_chunks = (num_tokens + C - 1) / C;
+  if (n_chunks == 0) return cudaSuccess;  // nothing to stage, nothing to publish
+  stage_acquire_kernel<<<1, kStageAcquireThreads, 0, s>>>(c, n_chunks, HandleArrays::chunks_per_call(ws.cfg));
+  if (cudaError_t e = cudaGetLastError()) return e;
+  // A slot may be longer than its C rows (aligned to 256 B): copy full chunks with a pitch, then
+  // the last, partial one. At the usual sizes (C * row bytes a multiple of 256) it is one copy.
+  const size_t row = static_cast<size_t>(ws.cfg.hidden) * elem_bytes;
+  const size_t chunk = static_cast<size_t>(C) * row;
+  char* dst = c.local() + ws.disp_ring;
+  const char* src = static_cast<const char*>(x);
+  if (chunk == ws.disp_chunk_bytes)
+    return cudaMemcpyAsync(dst, src, static_cast<size_t>(num_tokens) * row, cudaMemcpyDeviceToDevice, s);
+  const int full = num_tokens / C, tail = num_tokens - full * C;
+  if (full > 0) {
+    if (cudaError_t e = cudaMemcpy2DAsync(dst, ws.disp_chunk_bytes, src, chunk, chunk, full,
+                                          cudaMemcpyDeviceToDevice, s))
+      return e;
+  }
+  if (tail > 0)
+    return cudaMemcpyAsync(dst + full * ws.disp_chunk_bytes, src + full * chunk, tail * row,
+                           cudaMemcpyDeviceToDevice, s);
+  return cudaSuccess;
 }
 
 }  // namespace mok

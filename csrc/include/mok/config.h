@@ -8,6 +8,8 @@ namespace mok {
 
 // Threads of a layout block (count/fill kernels) and of the one-block scan kernels.
 constexpr int kLayoutThreads = 256;
+// The copy-engine staging's slot check (one small block, so it fits beside any other kernel).
+constexpr int kStageAcquireThreads = 128;
 constexpr int kScanThreads = 1024;
 // Threads of a combine block: 16 warps at up to 128 registers per lane (fp32 accumulators
 // plus 2-4 rows x 2 groups of loads in flight); the SM-ceiling microbenchmark's reduction

@@ -25,7 +25,7 @@ struct CommContext {
   int32_t world;
   uint64_t timeout_ns;
 
-  __device__ char* local() const { return peers.base[rank]; }
+  __host__ __device__ char* local() const { return peers.base[rank]; }
   __device__ ErrorReport* error() const { return ws.error_at(local()); }
   __device__ SeqCounters* counters() const { return ws.counters_at(local()); }
 };
