@@ -386,7 +386,10 @@ class CudaBackend:
 
     def _stage_copy(self, x, T, stream) -> None:
         """Copy-engine staging: a one-block kernel checks my ring slots are free, then the copy
-        engine copies x into them (no SM time); the transfer kernel after it publishes them."""
+        engine copies x into them (no SM time); the transfer kernel after it publishes them.
+        A world of one rank has no readers: nothing to copy (every block still pulls)."""
+        if self.buf.world_size == 1:
+            return
         self._check(self.lib.mok_dispatch_stage_copy(self.ctx, stream, self._ptr(x), T))
 
     def _launch_staging(self, x, T, scratch, main) -> torch.cuda.Event:
