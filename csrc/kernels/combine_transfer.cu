@@ -29,6 +29,7 @@ struct CombineShape {
                      // load them straight into registers and stream only the remote partials)
   int split;         // a token's (or a task's) steps may be dealt to several warps when the
                      // call has fewer of them than the grid has warps (MOK_COMBINE_SPLIT=0: never)
+  int token_runs;    // phased consumers take runs of consecutive tokens (else every n_warps-th)
 
   CallSlots slots;   // this call's ring slots (N set by the host, the rest at kernel start)
 
@@ -486,9 +487,21 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   const int Pc = kSplit ? split_factor(sh, n_warps, n_my, S) : 1;
   int first_step = 0, n_steps = S;
   if (Pc > 1) part_steps(S, Pc, warp / n_my, first_step, n_steps);
-  const int n_tok = Pc > 1 ? (warp < n_my * Pc ? 1 : 0)
-                           : (n_my > warp ? (n_my - warp + n_warps - 1) / n_warps : 0);
-  auto token_of = [&](int k) { return Pc > 1 ? warp % n_my : warp + k * n_warps; };
+  int n_tok = Pc > 1 ? (warp < n_my * Pc ? 1 : 0)
+                     : (n_my > warp ? (n_my - warp + n_warps - 1) / n_warps : 0);
+  // Phased calls: a warp's tokens are a run of consecutive ones (the first n_my % n_warps warps
+  // one more), so their partials share ring chunks and one ready-flag check over NVLink covers
+  // ~10 tokens instead of one per token (every n_warps-th token is ~6 chunks further:
+  // benchmarks/NOTES.md #33). The role split keeps the strided order, whose warps all move
+  // through the chunks in order (the progress argument of a ring smaller than a call).
+  int first_tok = warp, tok_stride = n_warps;
+  if (Pc == 1 && sh.token_runs) {
+    const int base = n_my / n_warps, extra = n_my % n_warps;
+    n_tok = base + (warp < extra ? 1 : 0);
+    first_tok = warp * base + min(warp, extra);
+    tok_stride = 1;
+  }
+  auto token_of = [&](int k) { return Pc > 1 ? warp % n_my : first_tok + k * tok_stride; };
   const WarpRing<T, P> ring(smem);
   constexpr unsigned kGroupBytes = WarpRing<T, P>::kGroupBytes;
   auto rows_of = [&](int t) -> const int32_t* {
@@ -789,6 +802,8 @@ cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
   sh.split = !env_off("MOK_COMBINE_SPLIT");
   // MOK_COMBINE_STREAM_OWN=0: own rows straight into registers, only partials streamed (NOTES #23).
   sh.stream_own = !env_off("MOK_COMBINE_STREAM_OWN");
+  // MOK_COMBINE_TOKEN_RUNS=0: phased consumers take every n_warps-th token (NOTES #33).
+  sh.token_runs = sh.phased && !env_off("MOK_COMBINE_TOKEN_RUNS");
   switch (dtype_code) {
     case kBF16:
       return launch_partial<__nv_bfloat16>(partial_code, c, h, t, sh, expert_out, grad_probs, y, grad_w, s);
