@@ -258,8 +258,9 @@ def test_cuda_ring_wraps_1000_calls(world_size):
 # rows loaded into registers instead of streamed through shared memory,
 # MOK_COMBINE_STREAM_OWN=0; the dispatch's per-task chunk release accounting even when a
 # call fits in the ring, MOK_DISPATCH_RELEASE_AT_END=0; SM staging blocks instead of the copy
-# engine, MOK_DISPATCH_CE_STAGE=0; or phased combine consumers taking every n-th token instead
-# of runs of consecutive ones, MOK_COMBINE_TOKEN_RUNS=0). Each must
+# engine, MOK_DISPATCH_CE_STAGE=0; phased combine consumers taking every n-th token instead of
+# runs of consecutive ones, MOK_COMBINE_TOKEN_RUNS=0; the same for the dispatch's pulling warps,
+# MOK_DISPATCH_TASK_RUNS=0). Each must
 # give the reference's bits; the ring test also runs the eager staging through a wrapping ring.
 ALT_SCHEDULES = [
     pytest.param({"MOK_EAGER_STAGE_FIRST": "1"}, id="eager_stage_first"),
@@ -271,6 +272,7 @@ ALT_SCHEDULES = [
     pytest.param({"MOK_DISPATCH_RELEASE_AT_END": "0"}, id="dispatch_release_per_task"),
     pytest.param({"MOK_DISPATCH_CE_STAGE": "0"}, id="dispatch_sm_staging"),
     pytest.param({"MOK_COMBINE_TOKEN_RUNS": "0"}, id="combine_strided_tokens"),
+    pytest.param({"MOK_DISPATCH_TASK_RUNS": "0"}, id="dispatch_strided_tasks"),
     # 7-token chunks of 32-wide bf16 rows are 448 bytes in 512-byte ring slots: the copy engine
     # copies them with a pitch, then the partial last chunk.
     pytest.param({"MOK_CHUNK_TOKENS": "7"}, id="chunk7_padded_slots"),

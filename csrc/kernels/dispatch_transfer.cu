@@ -30,6 +30,7 @@ struct DispatchShape {
   CallSlots slots;  // this call's ring slots (N set by the host, the rest at kernel start)
   bool release_at_end;  // the call fits in the ring: chunks are released by the grid's last warp
   bool ce_staged;       // the copy engine staged my chunks into slots [0, chunks): fixed slots
+  bool task_runs;       // pulling warps take runs of consecutive (virtual) tasks, not every n-th
 
   // Generation and ring slot of this call's chunk j.
   __device__ uint64_t gen(int j) const { return seq * cpc + j; }
@@ -94,14 +95,25 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   for (int s = 0; s < c.world; ++s) max_per_source = max(max_per_source, h.task_off[s + 1] - h.task_off[s]);
   const int n_virtual = max_per_source * c.world;
   SeenGens seen;
-  // v's quotient and remainder by W, advanced by n_warps each task without a division.
-  const int W = c.world, step_q = n_warps / W, step_r = n_warps % W;
-  int local_i = warp / W, v_rem = warp % W;
+  // Which virtual tasks: every n_warps-th from `warp` (the chunks are then pulled in the order
+  // staging blocks publish them), or, when the copy engine staged everything before the kernel,
+  // a run of consecutive ones (the first n_virtual % n_warps warps one more): a warp's remote
+  // tasks then share chunks, so one ready-flag check over NVLink covers several (NOTES #34).
+  int v_begin = warp, v_end = n_virtual, v_step = n_warps;
+  if (sh.task_runs) {
+    const int base = n_virtual / n_warps, extra = n_virtual % n_warps;
+    v_begin = warp * base + min(warp, extra);
+    v_end = v_begin + base + (warp < extra ? 1 : 0);
+    v_step = 1;
+  }
+  // v's quotient and remainder by W, advanced by v_step each task without a division.
+  const int W = c.world, step_q = v_step / W, step_r = v_step % W;
+  int local_i = v_begin / W, v_rem = v_begin % W;
 
   // MOK_DISPATCH_CLOCKS builds: this warp's cycles by kind (compiled out otherwise).
   [[maybe_unused]] long long clk[kDClockKinds] = {}, clk0 = 0, clk_t = 0;
   if constexpr (kDispatchClocks) clk0 = clock64();
-  for (int v = warp; v < n_virtual; v += n_warps) {
+  for (int v = v_begin; v < v_end; v += v_step) {
     if constexpr (kDispatchClocks) clk_t = clock64();
     int s = v_rem + c.rank;
     if (s >= W) s -= W;
@@ -287,6 +299,8 @@ cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h
   // MOK_DISPATCH_RELEASE_AT_END=0 keeps the per-task release accounting (A/B; tests cover both).
   sh.release_at_end = sh.cpc <= sh.slots.N && !env_off("MOK_DISPATCH_RELEASE_AT_END");
   sh.ce_staged = (t.mode & kTransferCeStaged) != 0;
+  // MOK_DISPATCH_TASK_RUNS=0 keeps every n-th task with copy-engine staging too (A/B; tested).
+  sh.task_runs = sh.ce_staged && !env_off("MOK_DISPATCH_TASK_RUNS");
   if (sh.ce_staged && sh.cpc > sh.slots.N) return cudaErrorInvalidValue;  // checked by the API
   dispatch_transfer_kernel<<<t.num_blocks, kDispatchThreads, 0, s>>>(
       c, h, t, sh, static_cast<const int4*>(x), static_cast<int4*>(out_rows));
