@@ -162,6 +162,11 @@ class CudaBackend:
         self._layout_read = torch.cuda.Event()
         self._layout_done = torch.cuda.Event()
         self._staged = torch.cuda.Event()
+        # Full dispatches run the copy-engine staging on the side stream, beside the layout
+        # kernels (NOTES #35; MOK_DISPATCH_CE_OVERLAP=0 queues it on the dispatch's stream).
+        self.ce_overlap = self.ce_stage and buf.world_size > 1 and _env_int("MOK_DISPATCH_CE_OVERLAP", 1) != 0
+        self._ce_fork = torch.cuda.Event()
+        self._ce_done = torch.cuda.Event()
 
     def _check_ranks_agree(self, dev) -> None:
         """Settings that fix where a rank's peers read its tokens (chunk size, staging mode,
@@ -246,6 +251,10 @@ class CudaBackend:
         layout_cap = b.max_recv_tokens if static else (1 << 62)
         if self.speculative and not static:
             return self._dispatch_speculative(x, T, idx, w, scratch, totals, tpe, stream)
+        main = torch.cuda.current_stream(self.device)
+        ce_side = self.ce_overlap and not self.speculative
+        if ce_side:
+            self._stage_copy_beside(x, T, main)
         self._check(self.lib.mok_dispatch_layout(
             self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
             self._ptr(w), T, b.num_experts, self._ptr(tpe), layout_cap, -1))
@@ -259,11 +268,10 @@ class CudaBackend:
             # The one host read of an eager dispatch: R (and the error report with it). The
             # host waits for the layout kernels only: the fill (fill-first) or the staging
             # (stage-first) queued behind them keeps the GPU busy meanwhile.
-            main = torch.cuda.current_stream(self.device)
             if self.stage_first:
                 staged = self._launch_staging(x, T, scratch, main)
             self._queue_host_report(totals, main)
-            if self.ce_stage:  # after the read's event: the copy runs while the host reads R
+            if self.ce_stage and not ce_side:  # after the read's event: copies during the read
                 self._stage_copy(x, T, stream)
             if fill_first:
                 self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)
@@ -282,7 +290,9 @@ class CudaBackend:
             self._fill(stream, scratch, probs_all, src_all, cap, pad=True)
             probs, src_rank, src_token = probs_all, src_all[0], src_all[1]
         if staged is None:
-            self._transfer(x, T, scratch, tokens, cap, staged=self.ce_stage and not static)
+            if ce_side:
+                main.wait_event(self._ce_done)
+            self._transfer(x, T, scratch, tokens, cap, staged=ce_side or (self.ce_stage and not static))
         else:
             self._check(self.lib.mok_dispatch_transfer(
                 self.ctx, stream, self._ptr(scratch), self._ptr(x), T, self._ptr(tokens), cap,
@@ -391,6 +401,18 @@ class CudaBackend:
         if self.buf.world_size == 1:
             return
         self._check(self.lib.mok_dispatch_stage_copy(self.ctx, stream, self._ptr(x), T))
+
+    def _stage_copy_beside(self, x, T, main) -> None:
+        """The copy-engine staging on the side stream, forked from ``main`` where the dispatch
+        starts, so the copy (and its slot check) runs beside the layout kernels; the transfer
+        waits for ``_ce_done``. Capturable: a fork and a join of the capturing stream."""
+        side = self.side_stream
+        self._ce_fork.record(main)
+        side.wait_event(self._ce_fork)
+        self._stage_copy(x, T, self._side_raw)
+        if not torch.cuda.is_current_stream_capturing():
+            x.record_stream(side)  # the allocator must not reuse x before the copy is done
+        self._ce_done.record(side)
 
     def _launch_staging(self, x, T, scratch, main) -> torch.cuda.Event:
         """The staging half of an eager dispatch on the side stream, after the layout kernels
