@@ -76,11 +76,12 @@ def test_loopback_dispatch_ring_reused_every_call(world_size):
                                  {"MOK_EAGER_SPECULATIVE": "1"}, {"MOK_COMBINE_STREAM_OWN": "0"},
                                  {"MOK_DISPATCH_RELEASE_AT_END": "0"}, {"MOK_DISPATCH_CE_STAGE": "0"},
                                  {"MOK_COMBINE_TOKEN_RUNS": "0"}, {"MOK_DISPATCH_TASK_RUNS": "0"},
-                                 {"MOK_DISPATCH_CE_OVERLAP": "0"}],
+                                 {"MOK_DISPATCH_CE_OVERLAP": "0"}, {"MOK_COMBINE_RELEASE_AT_END": "0"}],
                          ids=["eager_stage_first", "combine_role_split", "combine_no_split",
                               "eager_fill_first", "eager_speculative", "combine_own_rows_direct",
                               "dispatch_release_per_task", "dispatch_sm_staging", "combine_strided_tokens",
-                              "dispatch_strided_tasks", "dispatch_ce_copy_in_line"])
+                              "dispatch_strided_tasks", "dispatch_ce_copy_in_line",
+                              "combine_release_per_token"])
 def test_loopback_alternative_schedules(env, monkeypatch):
     # Set once for all threads: every rank must make the same choice.
     for k, v in env.items():

@@ -30,6 +30,7 @@ struct CombineShape {
   int split;         // a token's (or a task's) steps may be dealt to several warps when the
                      // call has fewer of them than the grid has warps (MOK_COMBINE_SPLIT=0: never)
   int token_runs;    // phased consumers take runs of consecutive tokens (else every n_warps-th)
+  int release_at_end; // phased calls: the grid's last warp releases the partial chunks read
 
   CallSlots slots;   // this call's ring slots (N set by the host, the rest at kernel start)
 
@@ -689,9 +690,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       }
       grad_w[static_cast<size_t>(t) * sh.K + lane] = val;
     }
-    // Release: the last of my tokens in a (rank, chunk) frees that chunk of d's ring.
+    // Release: the last of my tokens in a (rank, chunk) frees that chunk of d's ring (unless
+    // the grid's last warp releases them all at the end: release_partial_chunks).
     __syncwarp();
-    if (lane == 0) {
+    if (!sh.release_at_end && lane == 0) {
       __threadfence();
       for (int d = 0; d < W; ++d) {
         const int q = pos(d);
@@ -728,6 +730,26 @@ __device__ __forceinline__ void consume_any(const CommContext& c, const HandleAr
     consume<T, P, kOwnRows, false>(c, h, a, sh, role, expert_out, grad_probs, y, grad_w, smem);
 }
 
+// Phased calls (each slot written at most once per call): the grid's last warp, once every
+// token of this call is summed, releases each chunk of partials this rank read from each peer,
+// once, instead of a fence (waiting for the token's y stores) and an atomic round trip per
+// token and remote rank on the consume loop's path (NOTES #36; #30 did the same for the
+// dispatch). A peer's next call may then stage into those slots.
+__device__ void release_partial_chunks(const CommContext& c, const HandleArrays& h, const CombineShape& sh) {
+  if (__shfl_sync(0xffffffffu, aborted(c) ? 1 : 0, 0)) return;  // after an error: release nothing
+  __syncwarp();
+  __threadfence_system();
+  const int me = c.rank;
+  for (int d = 0; d < c.world; ++d) {
+    if (d == me) continue;
+    const int n_chunks = (h.send_count[d] + sh.C - 1) / sh.C;  // chunks of my partials in d's ring
+    RingView theirs = RingView::combine(c.ws, c.peers.base[d]);
+    for (int j = threadIdx.x % kWarpSize; j < n_chunks; j += kWarpSize)
+      st_release_sys(theirs.released + static_cast<size_t>(me) * theirs.num_chunks + sh.slot(me, j),
+                     sh.gen(me, j) + 1);
+  }
+}
+
 template <typename T, typename P, int kOwnRows>
 __global__ void __launch_bounds__(kCombineThreads, 1)
     combine_transfer_kernel(CommContext c, HandleArrays h, TransferArgs a, CombineShape sh,
@@ -754,7 +776,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
                             expert_out, grad_probs, y, grad_w, stream);
   }
   trace_warp(c, false);
-  warp_done_advance(&c.counters()->comb_warps_done, &c.counters()->comb_seq);
+  if (warp_done_advance(&c.counters()->comb_warps_done, &c.counters()->comb_seq) && sh.release_at_end)
+    release_partial_chunks(c, h, sh);
 }
 
 template <typename T, typename P>
@@ -804,6 +827,8 @@ cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
   sh.stream_own = !env_off("MOK_COMBINE_STREAM_OWN");
   // MOK_COMBINE_TOKEN_RUNS=0: phased consumers take every n_warps-th token (NOTES #33).
   sh.token_runs = sh.phased && !env_off("MOK_COMBINE_TOKEN_RUNS");
+  // MOK_COMBINE_RELEASE_AT_END=0: phased consumers release chunks per token (NOTES #36).
+  sh.release_at_end = sh.phased && !env_off("MOK_COMBINE_RELEASE_AT_END");
   switch (dtype_code) {
     case kBF16:
       return launch_partial<__nv_bfloat16>(partial_code, c, h, t, sh, expert_out, grad_probs, y, grad_w, s);
