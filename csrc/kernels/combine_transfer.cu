@@ -368,7 +368,9 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
 
   // ---- issue side: piece iss_st of my task iss_k is next; the ring's free slots start at iaddr.
   RemoteTaskCursor icur;
-  int ip = 0, iss_k = 0, iss_st = 0, free_slots = RS::kSlots;
+  // ahead: pieces issued and not yet summed (one counter instead of the issued count minus the
+  // piece index, whose product spilled in the consume loop's copy: NOTES #37).
+  int ahead = 0, iss_k = 0, iss_st = 0, free_slots = RS::kSlots;
   unsigned iaddr = ring.begin;
   int ik = -1, in_rows = 0;    // task whose plan is below, and its rows streamed
   unsigned long long ibase = 0; // lane r: the address of that task's row r
@@ -386,7 +388,7 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
       iaddr = ring.copy_rows(iaddr, ibase, in_rows, iss_st * kStepElems + lane * kCombineVec, sh.H);
       cp_async_commit();
       free_slots -= in_rows;
-      ++ip;
+      ++ahead;
       if (++iss_st == S) {
         iss_st = 0;
         ++iss_k;
@@ -415,10 +417,10 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
     int lane_row;
     const int n_rows = stream_rows<RS::kMaxOwn>(rows, sh.K, a.row_cap, lane_row);  // as planned
     for (int st = 0; st < S; ++st) {
-      const int p = k * S + st;
       const int v0 = st * kStepElems + lane * kCombineVec;
-      try_issue();  // piece p is issued (the ring is free by now)
-      cp_async_wait_at_most(ip - p - 1);
+      try_issue();  // this piece is issued (the ring is free by now)
+      cp_async_wait_at_most(ahead - 1);  // it has landed; the ahead - 1 after it may be in flight
+      --ahead;
       float acc[Uc][kCombineVec];
       zero(acc);
       if (n_rows >= 0) {
@@ -511,10 +513,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   };
   SeenGens seen;
 
-  // ---- issue side: ip pieces are issued, the next is token iss_k's step iss_st (counters,
-  // not ip / n_steps: a 64-bit division per piece was a subroutine call, NOTES.md #22); the
+  // ---- issue side: the next piece is token iss_k's step iss_st (counters, not a piece index
+  // / n_steps: a 64-bit division per piece was a subroutine call, NOTES.md #22); the
   // ring's free slots start at address iaddr.
-  int ip = 0, iss_k = 0, iss_st = first_step;
+  int ahead = 0, iss_k = 0, iss_st = first_step;  // ahead: pieces issued and not yet summed
   unsigned iaddr = ring.begin;
   int free_slots = R;
   int ik = -1;                 // token whose plan is below
@@ -566,7 +568,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       cp_async_commit();
       iaddr = ring.next(iaddr, need);
       free_slots -= need;
-      ++ip;
+      ++ahead;
       if (++iss_st == first_step + n_steps) {
         iss_st = first_step;
         ++iss_k;
@@ -608,10 +610,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     }
     const unsigned holders = __ballot_sync(0xffffffffu, lane_q >= 0);
     for (int st = first_step; st < first_step + n_steps; ++st) {
-      const int p = k * n_steps + (st - first_step);
       const int v0 = st * kStepElems + lane * kCombineVec;
-      try_issue();                              // piece p is issued (the ring is free by now)
-      cp_async_wait_at_most(ip - p - 1);
+      try_issue();                              // this piece is issued (the ring is free by now)
+      cp_async_wait_at_most(ahead - 1);         // it has landed; later ones may be in flight
+      --ahead;
       // My own partial: my rows summed here (same rows, order and rounding as a producer).
       float part[Uc][kCombineVec], acc[Uc][kCombineVec];
       zero(part);
