@@ -119,6 +119,16 @@ def main():
                 print(f"[trace] rank {rank} sms={sms} {name} (phased, all {be.num_blocks} blocks): "
                       f"produce phase ends {min(pend):.1f}..{max(pend):.1f} us; consume phase ends "
                       f"{min(ends):.1f}..{max(ends):.1f} us", flush=True)
+            # MOK_DISPATCH_CLOCKS builds: the pulling warps' cycles by kind in the last 6 rows.
+            clocks = tr[-6:].cpu().tolist()
+            if name == "dispatch_transfer" and clocks[5][1] > 0:
+                total = clocks[5][0]
+                parts = ", ".join(f"{what} {100.0 * clocks[i][0] / total:.1f}%" for i, what in enumerate(
+                    ("setup local", "setup remote (flag waits incl.)", "load wait local",
+                     "load wait NVLink", "store issue")))
+                parts += f", rest (chunk release accounting, loop) {100.0 * (total - sum(r[0] for r in clocks[:5])) / total:.1f}%"
+                print(f"[dclocks] rank {rank} sms={sms} dispatch pull ({clocks[5][1]} warps, "
+                      f"{total / clocks[5][1] / 1e3:.1f} k cycles per warp): {parts}", flush=True)
         if args.kernels and rank == 0 and sms == 24:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:

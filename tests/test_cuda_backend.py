@@ -102,10 +102,11 @@ def ring_chunk_bytes(H, K, elem=2, partial_elem=2):
     return C * H * elem, C * H * partial_elem + C * K * 4
 
 
-def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, **buffer_kw):
+def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, require_big=True, **buffer_kw):
     """``calls`` dispatch/combine calls of varying size through a ring of ``chunks`` chunks
-    (wraps many times); one call larger than the whole ring; each checked bitwise against
-    the reference, with a full backward every 50th call."""
+    (wraps many times); one call larger than the whole ring (``require_big``; otherwise one
+    call of T_max tokens); each checked bitwise against the reference, with a full backward
+    every 50th call."""
     dev = _device_for(rank)
     H, K, E, dtype = 256, 4, 4 * world_size, torch.bfloat16
     disp, comb = ring_chunk_bytes(H, K)
@@ -120,7 +121,7 @@ def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, **
         T_all = [int(v) for v in torch.randint(0, min(300, T_max + 1), (world_size,), generator=g)]
         if i == big_call:
             T_all = [T_max] * world_size                       # T_max * H * 2 bytes > ring
-            assert T_max * H * 2 > ring
+            assert T_max * H * 2 > ring or not require_big
         inputs = make_inputs(1000 + i, world_size, T_all, E, H, K, dtype, case=cases[i % 4], device=dev)
         tag = f"call {i} T={T_all} rank {rank}"
         if i % 50 == 7 or i == big_call:
@@ -144,6 +145,18 @@ def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, **
     buf.destroy()
     ref.destroy()
     return rows_seen, ring
+
+
+def _ring_reused_every_call(rank, world_size, calls, backend="cuda"):
+    """A dispatch ring of exactly one call's chunks (T_max = 192: 3 chunks of 64 tokens, ring of
+    3): every call stages into every slot the call before it read, so each staging waits for
+    the peers' releases of the previous call, which a call that fits in the ring makes once,
+    from the grid's last warp (NOTES #30), rather than per task. Bitwise against the reference
+    (the combine ring, W x 3 chunks per call, takes the role split)."""
+    from megatron_mok.cuda.backend import DEFAULT_CHUNK_TOKENS as C
+    assert C == 64, C
+    rows, ring = _ring_wrap(rank, world_size, calls, backend, 3, 3 * C, require_big=False)
+    return rows, ring
 
 
 def _device_error(buf) -> str:
@@ -226,6 +239,12 @@ def test_cuda_repeats_and_sm_counts_bitwise(name, world_size):
 
 
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_dispatch_ring_reused_every_call(world_size):
+    rows, ring = run_distributed(_ring_reused_every_call, world_size, 300, backend="nccl", timeout=600)[0]
+    assert rows * 256 * 2 > 50 * ring, "the ring was not reused call after call"
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
 def test_cuda_ring_wraps_1000_calls(world_size):
     out = run_distributed(_ring_wrap, world_size, 1000, backend="nccl", timeout=600)
     rows, ring = out[0]
@@ -237,7 +256,13 @@ def test_cuda_ring_wraps_1000_calls(world_size):
 # each combine launch (role split instead of phases, MOK_COMBINE_PHASED=0; one warp per token
 # and per task even when a call has fewer of them than warps, MOK_COMBINE_SPLIT=0; own expert
 # rows loaded into registers instead of streamed through shared memory,
-# MOK_COMBINE_STREAM_OWN=0). Each must
+# MOK_COMBINE_STREAM_OWN=0; the dispatch's per-task chunk release accounting even when a
+# call fits in the ring, MOK_DISPATCH_RELEASE_AT_END=0; SM staging blocks instead of the copy
+# engine, MOK_DISPATCH_CE_STAGE=0; phased combine consumers taking every n-th token instead of
+# runs of consecutive ones, MOK_COMBINE_TOKEN_RUNS=0; the same for the dispatch's pulling warps,
+# MOK_DISPATCH_TASK_RUNS=0; the copy-engine staging queued on the dispatch's own stream instead of
+# beside the layout, MOK_DISPATCH_CE_OVERLAP=0; phased combine consumers releasing the peers'
+# partial chunks per token instead of once per call, MOK_COMBINE_RELEASE_AT_END=0). Each must
 # give the reference's bits; the ring test also runs the eager staging through a wrapping ring.
 ALT_SCHEDULES = [
     pytest.param({"MOK_EAGER_STAGE_FIRST": "1"}, id="eager_stage_first"),
@@ -246,6 +271,15 @@ ALT_SCHEDULES = [
     pytest.param({"MOK_EAGER_FILL_FIRST": "1"}, id="eager_fill_first"),
     pytest.param({"MOK_EAGER_SPECULATIVE": "1"}, id="eager_speculative"),
     pytest.param({"MOK_COMBINE_STREAM_OWN": "0"}, id="combine_own_rows_direct"),
+    pytest.param({"MOK_DISPATCH_RELEASE_AT_END": "0"}, id="dispatch_release_per_task"),
+    pytest.param({"MOK_DISPATCH_CE_STAGE": "0"}, id="dispatch_sm_staging"),
+    pytest.param({"MOK_COMBINE_TOKEN_RUNS": "0"}, id="combine_strided_tokens"),
+    pytest.param({"MOK_DISPATCH_TASK_RUNS": "0"}, id="dispatch_strided_tasks"),
+    pytest.param({"MOK_DISPATCH_CE_OVERLAP": "0"}, id="dispatch_ce_copy_in_line"),
+    pytest.param({"MOK_COMBINE_RELEASE_AT_END": "0"}, id="combine_release_per_token"),
+    # 7-token chunks of 32-wide bf16 rows are 448 bytes in 512-byte ring slots: the copy engine
+    # copies them with a pitch, then the partial last chunk.
+    pytest.param({"MOK_CHUNK_TOKENS": "7"}, id="chunk7_padded_slots"),
 ]
 
 
@@ -278,6 +312,21 @@ def test_cuda_alternative_schedules_match_reference(name, env, world_size):
 def test_cuda_alternative_schedules_wrap_the_ring(env, world_size):
     rows, ring = run_distributed(_schedule_ring_wrap, world_size, env, 200, backend="nccl", timeout=600)[0]
     assert rows * 256 * 2 > 4 * ring, "the ring did not wrap"
+
+
+def _staging_settings_disagree(rank, world_size):
+    """Rank 1 turns copy-engine staging off, the others keep it: the Buffer must refuse on
+    every rank (peers would read tokens from other slots than the ones staged), not hang."""
+    env = {"MOK_DISPATCH_CE_STAGE": "0"} if rank == 1 else {}
+    dev = _device_for(rank)
+    with pytest.raises(ValueError, match="disagree on the dispatch staging settings"):
+        _with_env(env, lambda r, w: mok_buffer(4 * w, 64, 2, 32, torch.bfloat16, "cuda", dev), rank, world_size)
+    return True
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_ranks_with_different_staging_settings_are_refused(world_size):
+    assert all(run_distributed(_staging_settings_disagree, world_size, backend="nccl", timeout=120))
 
 
 def _static_cuda(rank, world_size, name, extra_rows):
@@ -732,6 +781,8 @@ def test_comparison_code_runs_on_cpu(name):
 def test_repeat_and_ring_code_runs_on_cpu():
     run_distributed(_repeats_and_sms, 2, "random", 5, "reference", (4, 24), 3)
     rows = run_distributed(_ring_wrap, 2, 12, "reference")
+    assert all(r[0] > 0 for r in rows)
+    rows = run_distributed(_ring_reused_every_call, 2, 12, "reference")
     assert all(r[0] > 0 for r in rows)
 
 

@@ -84,6 +84,8 @@ def test_calls_before_peers_are_set_fail_cleanly():
     (24, 0, 0, "1 <= num_producers < num_blocks"),
     (0, 0, 1, "num_blocks >= 1"),
     (0, 0, 2, "num_blocks >= 1"),
+    (24, 4, 9, "8 (copy-engine staged) only goes with 0"),    # stage | copy-engine staged
+    (24, 0, 10, "8 (copy-engine staged) only goes with 0"),   # pull | copy-engine staged
 ])
 def test_dispatch_transfer_refuses_bad_roles_before_launching(blocks, producers, mode, message):
     # Peers are only recorded by mok_set_peers, so fake (never dereferenced) pointers let the
@@ -99,6 +101,33 @@ def test_dispatch_transfer_refuses_bad_roles_before_launching(blocks, producers,
         assert message in lib.mok_last_error().decode()
     finally:
         lib.mok_destroy(ctx)
+
+
+def _with_fake_peers(lib, **over):
+    import ctypes
+    ctx = _create(lib, **over)
+    peers = (ctypes.c_uint64 * 2)(1 << 40, 2 << 40)
+    assert lib.mok_set_peers(ctx, peers, 2, 1.0) == 0
+    return ctx
+
+
+def test_copy_engine_staging_needs_a_ring_that_holds_a_call():
+    # 4096 tokens in chunks of 64 = 64 chunks per call: a ring of 64 holds a call, 63 does not.
+    lib = library.get()
+    fits, short = _with_fake_peers(lib, disp_chunks=64), _with_fake_peers(lib, disp_chunks=63)
+    try:
+        assert lib.mok_dispatch_ce_stage_supported(fits) == 1
+        assert lib.mok_dispatch_ce_stage_supported(short) == 0
+        assert lib.mok_dispatch_ce_stage_supported(None) == 0
+        assert lib.mok_dispatch_stage_copy(short, None, None, 128) != 0
+        assert "holds a whole call" in lib.mok_last_error().decode()
+        assert lib.mok_dispatch_transfer(short, None, None, None, 0, None, 0, 24, 0, 8) != 0
+        assert "holds a whole call" in lib.mok_last_error().decode()
+        assert lib.mok_dispatch_stage_copy(fits, None, None, 4097) != 0
+        assert "num_tokens outside" in lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(fits)
+        lib.mok_destroy(short)
 
 
 def test_library_reports_the_abi_version_this_package_declares():

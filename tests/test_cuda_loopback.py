@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from harness import run_loopback
-from test_cuda_backend import (CASE_NAMES, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
+from test_cuda_backend import (ALT_SCHEDULES, CASE_NAMES, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
                                _missing_peer, _overflow_cuda, _repeats_and_sms, _ring_wrap,
-                               _speculative_calls, _speculative_mismatch, _split_calls, _static_cuda,
-                               _scan_tiles_calls, _streamed_produce_calls)
+                               _ring_reused_every_call, _scan_tiles_calls, _speculative_calls, _speculative_mismatch,
+                               _split_calls, _static_cuda, _streamed_produce_calls)
 
 ALL_SIZES = (2, 3, 4, 8)
 # Every case at the world sizes a 2-GPU machine cannot give; a sample at 2 (also run on
@@ -64,11 +64,20 @@ def test_loopback_ring_wraps(world_size, calls, t_max):
 
 
 @gpu
-@pytest.mark.parametrize("env", [{"MOK_EAGER_STAGE_FIRST": "1"}, {"MOK_COMBINE_PHASED": "0"},
-                                 {"MOK_COMBINE_SPLIT": "0"}, {"MOK_EAGER_FILL_FIRST": "1"},
-                                 {"MOK_EAGER_SPECULATIVE": "1"}, {"MOK_COMBINE_STREAM_OWN": "0"}],
-                         ids=["eager_stage_first", "combine_role_split", "combine_no_split",
-                              "eager_fill_first", "eager_speculative", "combine_own_rows_direct"])
+@pytest.mark.parametrize("world_size", (3, 4))
+def test_loopback_dispatch_ring_reused_every_call(world_size):
+    rows, ring = run_loopback(_ring_reused_every_call, world_size, 200, timeout=600)[0]
+    assert rows * 256 * 2 > 30 * ring, "the ring was not reused call after call"
+
+
+# The 2-GPU file's alternative schedules, but for 7-token chunks: the 1024-token ring-wrap call
+# below would need more routing blocks than fit beside 3 ranks' transfers on one GPU (that case
+# runs at W=3 in test_loopback_padded_ring_slots_match_reference instead).
+LOOPBACK_SCHEDULES = [p for p in ALT_SCHEDULES if p.id != "chunk7_padded_slots"]
+
+
+@gpu
+@pytest.mark.parametrize("env", LOOPBACK_SCHEDULES)
 def test_loopback_alternative_schedules(env, monkeypatch):
     # Set once for all threads: every rank must make the same choice.
     for k, v in env.items():
@@ -76,6 +85,16 @@ def test_loopback_alternative_schedules(env, monkeypatch):
     run_loopback(_backend_vs_reference, 4, "mixed", 77, timeout=300)
     rows, ring = run_loopback(_ring_wrap, 3, 150, timeout=600)[0]
     assert rows * 256 * 2 > 4 * ring, "the ring did not wrap"
+
+
+@gpu
+@pytest.mark.parametrize("name", ("random", "mixed"))
+def test_loopback_padded_ring_slots_match_reference(name, monkeypatch):
+    # 7-token chunks of 32-wide bf16 rows (448 bytes) in 512-byte ring slots: the copy-engine
+    # staging copies with a pitch, then the partial last chunk (a 1024-token ring-wrap call would
+    # need more routing blocks than fit beside 3 ranks' transfers, so only the contract cases).
+    monkeypatch.setenv("MOK_CHUNK_TOKENS", "7")
+    run_loopback(_backend_vs_reference, 3, name, 78, timeout=300)
 
 
 @gpu

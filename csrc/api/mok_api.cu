@@ -124,11 +124,17 @@ int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const vo
                           int num_tokens, void* out_rows, int64_t row_cap,
                           int num_blocks, int num_producers, int mode) {
   if (int e = check_ready(ctx)) return e;
-  const int roles = mode & ~kTransferNoPad;
+  const int roles = mode & ~(kTransferNoPad | kTransferCeStaged);
+  const bool ce = (mode & kTransferCeStaged) != 0;
   if (roles != kTransferBoth && roles != kTransferStage && roles != kTransferPull)
     return fail("dispatch transfer mode must be 0 (both roles), 1 (stage) or 2 (pull), "
-                "optionally | 4 (no zero padding)");
-  if (roles == kTransferBoth && (num_producers < 1 || num_blocks <= num_producers))
+                "optionally | 4 (no zero padding); | 8 (copy-engine staged) only with 0");
+  if (ce && roles != kTransferBoth)
+    return fail("dispatch transfer mode 8 (copy-engine staged) only goes with 0 (both roles)");
+  if (ce && !dispatch_call_fits_ring(ctx->comm.ws))
+    return fail("copy-engine staging needs a dispatch ring that holds a whole call");
+  if (ce) num_producers = 0;
+  if (roles == kTransferBoth && !ce && (num_producers < 1 || num_blocks <= num_producers))
     return fail("dispatch transfer needs 1 <= num_producers < num_blocks");
   if (num_blocks < 1) return fail("dispatch transfer needs num_blocks >= 1");
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
@@ -136,6 +142,21 @@ int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const vo
   return check_launch(launch_dispatch_transfer(ctx->comm, h, t, x, out_rows, ctx->comm.ws.cfg.elem_bytes,
                                                static_cast<cudaStream_t>(stream)),
                       "dispatch transfer launch");
+}
+
+int mok_dispatch_stage_copy(MokContext* ctx, void* stream, const void* x, int num_tokens) {
+  if (int e = check_ready(ctx)) return e;
+  if (num_tokens < 0 || num_tokens > ctx->comm.ws.cfg.max_tokens)
+    return fail("num_tokens outside [0, max_tokens]");
+  if (!dispatch_call_fits_ring(ctx->comm.ws))
+    return fail("copy-engine staging needs a dispatch ring that holds a whole call");
+  return check_launch(launch_dispatch_stage_copy(ctx->comm, x, num_tokens, ctx->comm.ws.cfg.elem_bytes,
+                                                 static_cast<cudaStream_t>(stream)),
+                      "dispatch stage copy");
+}
+
+int mok_dispatch_ce_stage_supported(const MokContext* ctx) {
+  return ctx != nullptr && dispatch_call_fits_ring(ctx->comm.ws) ? 1 : 0;
 }
 
 int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert_out,

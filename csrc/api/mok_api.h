@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 3
+#define MOK_ABI_VERSION 4
 int mok_abi_version(void);
 
 MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int partial_bytes, int topk,
@@ -41,12 +41,20 @@ int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
                       int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap,
                       int pad);
 /* mode 0: one kernel, num_producers blocks stage and the rest pull; 1: every block stages
- * (out_rows unused); 2: every block pulls; | 4: rows [R, row_cap) are not zeroed. With MOK_EAGER_STAGE_FIRST=1 an eager dispatch
+ * (out_rows unused); 2: every block pulls; | 4: rows [R, row_cap) are not zeroed;
+ * 0 | 8: mok_dispatch_stage_copy staged x earlier on the stream, every block pulls
+ * (num_producers is ignored). With MOK_EAGER_STAGE_FIRST=1 an eager dispatch
  * launches 1 on a side stream before reading R, then 2 once the rows are allocated
  * (megatron_mok/cuda/backend.py); otherwise every dispatch uses 0. */
 int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const void* x,
                           int num_tokens, void* out_rows, int64_t row_cap,
                           int num_blocks, int num_producers, int mode);
+/* Copy-engine staging (mode 8 above): a one-block kernel waits for the readers of my dispatch
+ * ring slots [0, ceil(num_tokens / chunk_tokens)) to release them, then the copy engine copies
+ * x there. Only for a ring that holds a whole call (mok_dispatch_ce_stage_supported). Every
+ * rank of a group must use it for every dispatch or for none (the slots are fixed with it). */
+int mok_dispatch_stage_copy(MokContext* ctx, void* stream, const void* x, int num_tokens);
+int mok_dispatch_ce_stage_supported(const MokContext* ctx);
 int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert_out,
                 const float* grad_probs, int num_tokens, void* y, float* grad_w,
                 int64_t row_cap, int dtype_code, int partial_code, int num_blocks,

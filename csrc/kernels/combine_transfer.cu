@@ -29,6 +29,8 @@ struct CombineShape {
                      // load them straight into registers and stream only the remote partials)
   int split;         // a token's (or a task's) steps may be dealt to several warps when the
                      // call has fewer of them than the grid has warps (MOK_COMBINE_SPLIT=0: never)
+  int token_runs;    // phased consumers take runs of consecutive tokens (else every n_warps-th)
+  int release_at_end; // phased calls: the grid's last warp releases the partial chunks read
 
   CallSlots slots;   // this call's ring slots (N set by the host, the rest at kernel start)
 
@@ -366,7 +368,9 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
 
   // ---- issue side: piece iss_st of my task iss_k is next; the ring's free slots start at iaddr.
   RemoteTaskCursor icur;
-  int ip = 0, iss_k = 0, iss_st = 0, free_slots = RS::kSlots;
+  // ahead: pieces issued and not yet summed (one counter instead of the issued count minus the
+  // piece index, whose product spilled in the consume loop's copy: NOTES #37).
+  int ahead = 0, iss_k = 0, iss_st = 0, free_slots = RS::kSlots;
   unsigned iaddr = ring.begin;
   int ik = -1, in_rows = 0;    // task whose plan is below, and its rows streamed
   unsigned long long ibase = 0; // lane r: the address of that task's row r
@@ -384,7 +388,7 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
       iaddr = ring.copy_rows(iaddr, ibase, in_rows, iss_st * kStepElems + lane * kCombineVec, sh.H);
       cp_async_commit();
       free_slots -= in_rows;
-      ++ip;
+      ++ahead;
       if (++iss_st == S) {
         iss_st = 0;
         ++iss_k;
@@ -413,10 +417,10 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
     int lane_row;
     const int n_rows = stream_rows<RS::kMaxOwn>(rows, sh.K, a.row_cap, lane_row);  // as planned
     for (int st = 0; st < S; ++st) {
-      const int p = k * S + st;
       const int v0 = st * kStepElems + lane * kCombineVec;
-      try_issue();  // piece p is issued (the ring is free by now)
-      cp_async_wait_at_most(ip - p - 1);
+      try_issue();  // this piece is issued (the ring is free by now)
+      cp_async_wait_at_most(ahead - 1);  // it has landed; the ahead - 1 after it may be in flight
+      --ahead;
       float acc[Uc][kCombineVec];
       zero(acc);
       if (n_rows >= 0) {
@@ -486,9 +490,21 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   const int Pc = kSplit ? split_factor(sh, n_warps, n_my, S) : 1;
   int first_step = 0, n_steps = S;
   if (Pc > 1) part_steps(S, Pc, warp / n_my, first_step, n_steps);
-  const int n_tok = Pc > 1 ? (warp < n_my * Pc ? 1 : 0)
-                           : (n_my > warp ? (n_my - warp + n_warps - 1) / n_warps : 0);
-  auto token_of = [&](int k) { return Pc > 1 ? warp % n_my : warp + k * n_warps; };
+  int n_tok = Pc > 1 ? (warp < n_my * Pc ? 1 : 0)
+                     : (n_my > warp ? (n_my - warp + n_warps - 1) / n_warps : 0);
+  // Phased calls: a warp's tokens are a run of consecutive ones (the first n_my % n_warps warps
+  // one more), so their partials share ring chunks and one ready-flag check over NVLink covers
+  // ~10 tokens instead of one per token (every n_warps-th token is ~6 chunks further:
+  // benchmarks/NOTES.md #33). The role split keeps the strided order, whose warps all move
+  // through the chunks in order (the progress argument of a ring smaller than a call).
+  int first_tok = warp, tok_stride = n_warps;
+  if (Pc == 1 && sh.token_runs) {
+    const int base = n_my / n_warps, extra = n_my % n_warps;
+    n_tok = base + (warp < extra ? 1 : 0);
+    first_tok = warp * base + min(warp, extra);
+    tok_stride = 1;
+  }
+  auto token_of = [&](int k) { return Pc > 1 ? warp % n_my : first_tok + k * tok_stride; };
   const WarpRing<T, P> ring(smem);
   constexpr unsigned kGroupBytes = WarpRing<T, P>::kGroupBytes;
   auto rows_of = [&](int t) -> const int32_t* {
@@ -497,10 +513,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   };
   SeenGens seen;
 
-  // ---- issue side: ip pieces are issued, the next is token iss_k's step iss_st (counters,
-  // not ip / n_steps: a 64-bit division per piece was a subroutine call, NOTES.md #22); the
+  // ---- issue side: the next piece is token iss_k's step iss_st (counters, not a piece index
+  // / n_steps: a 64-bit division per piece was a subroutine call, NOTES.md #22); the
   // ring's free slots start at address iaddr.
-  int ip = 0, iss_k = 0, iss_st = first_step;
+  int ahead = 0, iss_k = 0, iss_st = first_step;  // ahead: pieces issued and not yet summed
   unsigned iaddr = ring.begin;
   int free_slots = R;
   int ik = -1;                 // token whose plan is below
@@ -552,7 +568,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       cp_async_commit();
       iaddr = ring.next(iaddr, need);
       free_slots -= need;
-      ++ip;
+      ++ahead;
       if (++iss_st == first_step + n_steps) {
         iss_st = first_step;
         ++iss_k;
@@ -594,10 +610,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     }
     const unsigned holders = __ballot_sync(0xffffffffu, lane_q >= 0);
     for (int st = first_step; st < first_step + n_steps; ++st) {
-      const int p = k * n_steps + (st - first_step);
       const int v0 = st * kStepElems + lane * kCombineVec;
-      try_issue();                              // piece p is issued (the ring is free by now)
-      cp_async_wait_at_most(ip - p - 1);
+      try_issue();                              // this piece is issued (the ring is free by now)
+      cp_async_wait_at_most(ahead - 1);         // it has landed; later ones may be in flight
+      --ahead;
       // My own partial: my rows summed here (same rows, order and rounding as a producer).
       float part[Uc][kCombineVec], acc[Uc][kCombineVec];
       zero(part);
@@ -676,9 +692,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       }
       grad_w[static_cast<size_t>(t) * sh.K + lane] = val;
     }
-    // Release: the last of my tokens in a (rank, chunk) frees that chunk of d's ring.
+    // Release: the last of my tokens in a (rank, chunk) frees that chunk of d's ring (unless
+    // the grid's last warp releases them all at the end: release_partial_chunks).
     __syncwarp();
-    if (lane == 0) {
+    if (!sh.release_at_end && lane == 0) {
       __threadfence();
       for (int d = 0; d < W; ++d) {
         const int q = pos(d);
@@ -715,6 +732,26 @@ __device__ __forceinline__ void consume_any(const CommContext& c, const HandleAr
     consume<T, P, kOwnRows, false>(c, h, a, sh, role, expert_out, grad_probs, y, grad_w, smem);
 }
 
+// Phased calls (each slot written at most once per call): the grid's last warp, once every
+// token of this call is summed, releases each chunk of partials this rank read from each peer,
+// once, instead of a fence (waiting for the token's y stores) and an atomic round trip per
+// token and remote rank on the consume loop's path (NOTES #36; #30 did the same for the
+// dispatch). A peer's next call may then stage into those slots.
+__device__ void release_partial_chunks(const CommContext& c, const HandleArrays& h, const CombineShape& sh) {
+  if (__shfl_sync(0xffffffffu, aborted(c) ? 1 : 0, 0)) return;  // after an error: release nothing
+  __syncwarp();
+  __threadfence_system();
+  const int me = c.rank;
+  for (int d = 0; d < c.world; ++d) {
+    if (d == me) continue;
+    const int n_chunks = (h.send_count[d] + sh.C - 1) / sh.C;  // chunks of my partials in d's ring
+    RingView theirs = RingView::combine(c.ws, c.peers.base[d]);
+    for (int j = threadIdx.x % kWarpSize; j < n_chunks; j += kWarpSize)
+      st_release_sys(theirs.released + static_cast<size_t>(me) * theirs.num_chunks + sh.slot(me, j),
+                     sh.gen(me, j) + 1);
+  }
+}
+
 template <typename T, typename P, int kOwnRows>
 __global__ void __launch_bounds__(kCombineThreads, 1)
     combine_transfer_kernel(CommContext c, HandleArrays h, TransferArgs a, CombineShape sh,
@@ -741,13 +778,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
                             expert_out, grad_probs, y, grad_w, stream);
   }
   trace_warp(c, false);
-  warp_done_advance(&c.counters()->comb_warps_done, &c.counters()->comb_seq);
-}
-
-// True when environment variable `name` is set to a value starting with '0'.
-bool env_off(const char* name) {
-  const char* v = getenv(name);
-  return v != nullptr && v[0] == '0';
+  if (warp_done_advance(&c.counters()->comb_warps_done, &c.counters()->comb_seq) && sh.release_at_end)
+    release_partial_chunks(c, h, sh);
 }
 
 template <typename T, typename P>
@@ -795,6 +827,10 @@ cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
   sh.split = !env_off("MOK_COMBINE_SPLIT");
   // MOK_COMBINE_STREAM_OWN=0: own rows straight into registers, only partials streamed (NOTES #23).
   sh.stream_own = !env_off("MOK_COMBINE_STREAM_OWN");
+  // MOK_COMBINE_TOKEN_RUNS=0: phased consumers take every n_warps-th token (NOTES #33).
+  sh.token_runs = sh.phased && !env_off("MOK_COMBINE_TOKEN_RUNS");
+  // MOK_COMBINE_RELEASE_AT_END=0: phased consumers release chunks per token (NOTES #36).
+  sh.release_at_end = sh.phased && !env_off("MOK_COMBINE_RELEASE_AT_END");
   switch (dtype_code) {
     case kBF16:
       return launch_partial<__nv_bfloat16>(partial_code, c, h, t, sh, expert_out, grad_probs, y, grad_w, s);

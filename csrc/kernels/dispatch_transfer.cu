@@ -11,6 +11,11 @@
 //
 // Both roles run in one grid whose blocks are all resident, so a call larger than the ring
 // still progresses: producers wait for consumers on the other GPUs, never for themselves.
+//
+// Copy-engine staging (kTransferCeStaged, a call that fits in the ring): the copy engine stages
+// my tokens into slots [0, chunks) before the kernel (launch_dispatch_stage_copy), so no SM
+// spends time on the staging's ~117 MB of reads and writes at the standard shape; every block
+// pulls and block 0's first warp only publishes the slots (NOTES #31).
 #include "mok/launch.h"
 
 namespace mok {
@@ -23,6 +28,9 @@ struct DispatchShape {
   int C;            // rows per chunk
   int K;
   CallSlots slots;  // this call's ring slots (N set by the host, the rest at kernel start)
+  bool release_at_end;  // the call fits in the ring: chunks are released by the grid's last warp
+  bool ce_staged;       // the copy engine staged my chunks into slots [0, chunks): fixed slots
+  bool task_runs;       // pulling warps take runs of consecutive (virtual) tasks, not every n-th
 
   // Generation and ring slot of this call's chunk j.
   __device__ uint64_t gen(int j) const { return seq * cpc + j; }
@@ -30,6 +38,7 @@ struct DispatchShape {
   __device__ void start(uint64_t call) {
     seq = call;
     slots.start(call, cpc);
+    if (ce_staged) slots.base = 0;  // every rank agrees: the mode is a property of the Buffer
   }
 };
 
@@ -86,11 +95,26 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   for (int s = 0; s < c.world; ++s) max_per_source = max(max_per_source, h.task_off[s + 1] - h.task_off[s]);
   const int n_virtual = max_per_source * c.world;
   SeenGens seen;
-  // v's quotient and remainder by W, advanced by n_warps each task without a division.
-  const int W = c.world, step_q = n_warps / W, step_r = n_warps % W;
-  int local_i = warp / W, v_rem = warp % W;
+  // Which virtual tasks: every n_warps-th from `warp` (the chunks are then pulled in the order
+  // staging blocks publish them), or, when the copy engine staged everything before the kernel,
+  // a run of consecutive ones (the first n_virtual % n_warps warps one more): a warp's remote
+  // tasks then share chunks, so one ready-flag check over NVLink covers several (NOTES #34).
+  int v_begin = warp, v_end = n_virtual, v_step = n_warps;
+  if (sh.task_runs) {
+    const int base = n_virtual / n_warps, extra = n_virtual % n_warps;
+    v_begin = warp * base + min(warp, extra);
+    v_end = v_begin + base + (warp < extra ? 1 : 0);
+    v_step = 1;
+  }
+  // v's quotient and remainder by W, advanced by v_step each task without a division.
+  const int W = c.world, step_q = v_step / W, step_r = v_step % W;
+  int local_i = v_begin / W, v_rem = v_begin % W;
 
-  for (int v = warp; v < n_virtual; v += n_warps) {
+  // MOK_DISPATCH_CLOCKS builds: this warp's cycles by kind (compiled out otherwise).
+  [[maybe_unused]] long long clk[kDClockKinds] = {}, clk0 = 0, clk_t = 0;
+  if constexpr (kDispatchClocks) clk0 = clock64();
+  for (int v = v_begin; v < v_end; v += v_step) {
+    if constexpr (kDispatchClocks) clk_t = clock64();
     int s = v_rem + c.rank;
     if (s >= W) s -= W;
     const int local_task = local_i;  // s's task this virtual task stands for (if it has one)
@@ -116,19 +140,43 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
           return;
         seen.set(s, g);
       }
-      src = reinterpret_cast<const int4*>(theirs.ring + slot * theirs.chunk_bytes) +
+      // Diagnostic builds (MOK_DISPATCH_DIAG_LOCAL_SRC=1, WRONG DATA, timing only): read the
+      // same slot of MY ring instead of the source's, so every load is local and the flags,
+      // waits and releases are unchanged: how much of the pull is NVLink's.
+      const char* ring = kDispatchDiagLocalSrc ? mine.ring : theirs.ring;
+      src = reinterpret_cast<const int4*>(ring + slot * theirs.chunk_bytes) +
             static_cast<size_t>(t % sh.C) * sh.vec_per_row;
     }
+    // Lane k holds the task's row k (K <= 32), read once per task: the copy loop takes each
+    // row id by a shuffle instead of re-reading it from global memory for every group of
+    // vectors (the stores in between may alias it, so the compiler reloaded it each time).
     const int32_t* rows = h.task_rows + static_cast<size_t>(i) * sh.K;
-    for (int base = lane; base < sh.vec_per_row; base += kWarpSize * kCopyUnroll) {
+    const int lane_row = lane < sh.K ? rows[lane] : -1;
+    if constexpr (kDispatchClocks) {
+      clk[s == c.rank ? kDClockSetupLocal : kDClockSetupRemote] += clock64() - clk_t;
+    }
+    // Every lane runs every round (the shuffles need the whole warp; the s8-5 build let lanes
+    // past a short row's end leave the loop early and read garbage row ids).
+    for (int base0 = 0; base0 < sh.vec_per_row; base0 += kWarpSize * kCopyUnroll) {
+      const int base = base0 + lane;
+      if constexpr (kDispatchClocks) clk_t = clock64();
       int4 v[kCopyUnroll];
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u) {
         const int vi = base + u * kWarpSize;
         if (vi < sh.vec_per_row) v[u] = ld_stream_16(src + vi);
       }
+      if constexpr (kDispatchClocks) {  // the loads have landed once a register of each is read
+        int sink = 0;
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) sink ^= v[u].x;
+        asm volatile("" ::"r"(sink));
+        const long long now = clock64();
+        clk[s == c.rank ? kDClockLoadLocal : kDClockLoadRemote] += now - clk_t;
+        clk_t = now;
+      }
       for (int k = 0; k < sh.K; ++k) {
-        const int row = rows[k];
+        const int row = __shfl_sync(0xffffffffu, lane_row, k);
         if (row < 0) break;  // rows are packed first, -1 after
         if (row >= a.row_cap) continue;  // overflow (reported by the layout): never write past
         int4* dst = out + static_cast<size_t>(row) * sh.vec_per_row;
@@ -138,9 +186,12 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
           if (vi < sh.vec_per_row) st_16(dst + vi, v[u]);
         }
       }
+      if constexpr (kDispatchClocks) clk[kDClockStore] += clock64() - clk_t;
     }
     __syncwarp();
-    if (s != c.rank && lane == 0) {
+    // Per-task release accounting only when a call spans more than the ring (then producers
+    // need slots back during the call); otherwise release_call_chunks does it once per call.
+    if (!sh.release_at_end && s != c.rank && lane == 0) {
       __threadfence();
       int32_t* done = mine.done + static_cast<size_t>(s) * N + slot;
       if (atomicAdd(done, 1) + 1 == h.chunk_tasks[s * sh.cpc + j]) {
@@ -151,6 +202,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     }
   }
 
+  if constexpr (kDispatchClocks) {
+    clk[kDClockTotal] = clock64() - clk0;
+    for (int kind = 0; kind < kDClockKinds; ++kind) dispatch_clock_add(c, kind, clk[kind]);
+  }
   // Static-shape mode: rows past R are zero (not when the host shrinks the rows to R).
   if (a.mode & kTransferNoPad) return;
   const int4 zero = make_int4(0, 0, 0, 0);
@@ -159,6 +214,37 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   for (size_t v = pad_begin + static_cast<size_t>(warp) * kWarpSize + lane; v < pad_end;
        v += static_cast<size_t>(n_warps) * kWarpSize)
     out[v] = zero;
+}
+
+// One warp (copy-engine staging): my chunks are in slots [0, chunks) already (the copy came
+// earlier on the stream); record each slot's generation and readers for the next reuse check
+// and publish it, as a producer block would after copying.
+__device__ void publish_ce_staged(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+                                  const DispatchShape& sh) {
+  RingView mine = RingView::dispatch(c.ws, c.local());
+  const int n_chunks = (a.num_tokens + sh.C - 1) / sh.C;
+  for (int j = threadIdx.x % kWarpSize; j < n_chunks; j += kWarpSize)
+    ring_slot_publish(mine, j, sh.gen(j), h.chunk_readers[j]);
+}
+
+// The grid's last warp, once every pull of this call is done, tells each source that my reads
+// of its chunks are over: one release store per (source, chunk) I read from, instead of a fence
+// (waiting for the task's stores) and an atomic round trip per remote task on the pull's path
+// (NOTES #30). Only when the call fits in the ring: a slot is then written once per call, and
+// the source's next staging of it comes with a later call.
+__device__ void release_call_chunks(const CommContext& c, const HandleArrays& h, const DispatchShape& sh) {
+  // After an error some pulls never ran: release nothing (the Buffer is unusable anyway).
+  if (__shfl_sync(0xffffffffu, aborted(c) ? 1 : 0, 0)) return;  // one answer for the warp
+  // Every lane's stores below come after lane 0 saw the grid's last count (the warp barrier
+  // orders them), and after the other warps' fences that preceded their counts.
+  __syncwarp();
+  __threadfence_system();
+  for (int idx = threadIdx.x % kWarpSize; idx < c.world * sh.cpc; idx += kWarpSize) {
+    const int s = idx / sh.cpc, j = idx - s * sh.cpc;
+    if (s == c.rank || h.chunk_tasks[idx] == 0) continue;  // not a reader of that chunk
+    RingView theirs = RingView::dispatch(c.ws, c.peers.base[s]);
+    st_release_sys(theirs.released + static_cast<size_t>(c.rank) * theirs.num_chunks + sh.slot(j), sh.gen(j) + 1);
+  }
 }
 
 __global__ void __launch_bounds__(kDispatchThreads, 1)
@@ -182,16 +268,21 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
     sh.start(n->disp_pull_seq);
     consume(c, h, a, sh, Role{0, G}, x, out);
     trace_warp(c, false);
-    warp_done_advance(&n->disp_pull_warps_done, &n->disp_pull_seq);
+    if (warp_done_advance(&n->disp_pull_warps_done, &n->disp_pull_seq) && sh.release_at_end)
+      release_call_chunks(c, h, sh);
     return;
   }
   sh.start(n->disp_seq);
-  if (static_cast<int>(blockIdx.x) < a.num_producers)
+  if (sh.ce_staged) {
+    if (blockIdx.x == 0 && threadIdx.x < kWarpSize) publish_ce_staged(c, h, a, sh);
+    consume(c, h, a, sh, Role{0, G}, x, out);
+  } else if (static_cast<int>(blockIdx.x) < a.num_producers)
     produce(c, h, a, sh, Role{0, a.num_producers}, x);
   else
     consume(c, h, a, sh, Role{a.num_producers, G - a.num_producers}, x, out);
   trace_warp(c, false);
-  warp_done_advance(&n->disp_warps_done, &n->disp_seq, &n->disp_pull_seq);
+  if (warp_done_advance(&n->disp_warps_done, &n->disp_seq, &n->disp_pull_seq) && sh.release_at_end)
+    release_call_chunks(c, h, sh);
 }
 
 }  // namespace
@@ -205,9 +296,61 @@ cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h
   sh.C = c.ws.cfg.chunk_tokens;
   sh.K = c.ws.cfg.topk;
   sh.slots.N = static_cast<int>(c.ws.cfg.disp_ring_chunks);
+  // MOK_DISPATCH_RELEASE_AT_END=0 keeps the per-task release accounting (A/B; tests cover both).
+  sh.release_at_end = sh.cpc <= sh.slots.N && !env_off("MOK_DISPATCH_RELEASE_AT_END");
+  sh.ce_staged = (t.mode & kTransferCeStaged) != 0;
+  // MOK_DISPATCH_TASK_RUNS=0 keeps every n-th task with copy-engine staging too (A/B; tested).
+  sh.task_runs = sh.ce_staged && !env_off("MOK_DISPATCH_TASK_RUNS");
+  if (sh.ce_staged && sh.cpc > sh.slots.N) return cudaErrorInvalidValue;  // checked by the API
   dispatch_transfer_kernel<<<t.num_blocks, kDispatchThreads, 0, s>>>(
       c, h, t, sh, static_cast<const int4*>(x), static_cast<int4*>(out_rows));
   return cudaGetLastError();
+}
+
+bool dispatch_call_fits_ring(const Workspace& ws) {
+  return HandleArrays::chunks_per_call(ws.cfg) <= static_cast<int>(ws.cfg.disp_ring_chunks);
+}
+
+// Before the copy engine overwrites slots [0, n_chunks): the readers of each slot's previous
+// generation (recorded by its publisher) must have released it. One warp per slot in turn; a
+// ring used only by copy-engine calls never wraps within a call, and its previous readers are
+// the peers' pulls of an earlier call, which need nothing from this rank any more.
+__global__ void __launch_bounds__(kStageAcquireThreads) stage_acquire_kernel(CommContext c, int n_chunks, int cpc) {
+  if (aborted(c)) return;
+  RingView mine = RingView::dispatch(c.ws, c.local());
+  const uint64_t g0 = c.counters()->disp_seq * static_cast<uint64_t>(cpc);  // labels an error only
+  const int n_warps = blockDim.x / kWarpSize;
+  for (int j = threadIdx.x / kWarpSize; j < n_chunks; j += n_warps)
+    if (!ring_slot_acquire_warp(c, mine, j, g0 + j, kWaitDispatchReleased)) return;
+}
+
+cudaError_t launch_dispatch_stage_copy(const CommContext& c, const void* x, int num_tokens,
+                                       int elem_bytes, cudaStream_t s) {
+  const Workspace& ws = c.ws;
+  if (!dispatch_call_fits_ring(ws)) return cudaErrorInvalidValue;
+  const int C = ws.cfg.chunk_tokens;
+  const int n_chunks = (num_tokens + C - 1) / C;
+  if (n_chunks == 0) return cudaSuccess;  // nothing to stage, nothing to publish
+  stage_acquire_kernel<<<1, kStageAcquireThreads, 0, s>>>(c, n_chunks, HandleArrays::chunks_per_call(ws.cfg));
+  if (cudaError_t e = cudaGetLastError()) return e;
+  // A slot may be longer than its C rows (aligned to 256 B): copy full chunks with a pitch, then
+  // the last, partial one. At the usual sizes (C * row bytes a multiple of 256) it is one copy.
+  const size_t row = static_cast<size_t>(ws.cfg.hidden) * elem_bytes;
+  const size_t chunk = static_cast<size_t>(C) * row;
+  char* dst = c.local() + ws.disp_ring;
+  const char* src = static_cast<const char*>(x);
+  if (chunk == ws.disp_chunk_bytes)
+    return cudaMemcpyAsync(dst, src, static_cast<size_t>(num_tokens) * row, cudaMemcpyDeviceToDevice, s);
+  const int full = num_tokens / C, tail = num_tokens - full * C;
+  if (full > 0) {
+    if (cudaError_t e = cudaMemcpy2DAsync(dst, ws.disp_chunk_bytes, src, chunk, chunk, full,
+                                          cudaMemcpyDeviceToDevice, s))
+      return e;
+  }
+  if (tail > 0)
+    return cudaMemcpyAsync(dst + full * ws.disp_chunk_bytes, src + full * chunk, tail * row,
+                           cudaMemcpyDeviceToDevice, s);
+  return cudaSuccess;
 }
 
 }  // namespace mok

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ..comm import all_gather_ints
 from ..handle import DispatchHandle
 from . import library
 from .errors import (ABANDONED_ENTRY_BYTES, ABANDONED_OFFSET, WAIT_KIND_COUNT, MokDeviceError,
@@ -144,6 +145,12 @@ class CudaBackend:
         self.fill_first = bound_fits and (_env_int("MOK_EAGER_FILL_FIRST", 0) != 0 or self.speculative)
         self._spec_recent: list = []
         self.spec_fallbacks = 0  # calls whose guess was short on some rank (all redid the transfer)
+        # Copy-engine staging (NOTES #31, on unless MOK_DISPATCH_CE_STAGE=0): the copy engine
+        # copies x into my dispatch ring before the transfer kernel, so all its blocks pull. Only
+        # for a ring that holds a whole call (the slots are then fixed) and not with stage-first.
+        self.ce_stage = (_env_int("MOK_DISPATCH_CE_STAGE", 1) != 0 and not self.stage_first
+                         and bool(self.lib.mok_dispatch_ce_stage_supported(self.ctx)))
+        self._check_ranks_agree(dev)
         self._own_side = None
         if self.mem.loopback:       # never the stream of another rank (loopback.OwnStream)
             from ..loopback import OwnStream
@@ -155,6 +162,24 @@ class CudaBackend:
         self._layout_read = torch.cuda.Event()
         self._layout_done = torch.cuda.Event()
         self._staged = torch.cuda.Event()
+        # Full dispatches run the copy-engine staging on the side stream, beside the layout
+        # kernels (NOTES #35; MOK_DISPATCH_CE_OVERLAP=0 queues it on the dispatch's stream).
+        self.ce_overlap = self.ce_stage and buf.world_size > 1 and _env_int("MOK_DISPATCH_CE_OVERLAP", 1) != 0
+        self._ce_fork = torch.cuda.Event()
+        self._ce_done = torch.cuda.Event()
+
+    def _check_ranks_agree(self, dev) -> None:
+        """Settings that fix where a rank's peers read its tokens (chunk size, staging mode,
+        stage-first halves) come from each rank's environment: a mismatch would read the wrong
+        bytes, so it is an error here, naming the ranks."""
+        mine = [self.chunk_tokens, int(self.ce_stage), int(self.stage_first)]
+        every = all_gather_ints(mine, self.buf.group, self.buf.world_size, dev).view(self.buf.world_size, -1)
+        for r, theirs in enumerate(every.tolist()):
+            if theirs != mine:
+                raise ValueError(
+                    f"megatron_mok: rank {self.buf.rank} and rank {r} disagree on the dispatch "
+                    f"staging settings (MOK_CHUNK_TOKENS, MOK_DISPATCH_CE_STAGE, MOK_EAGER_STAGE_FIRST "
+                    f"and a ring that holds a call): {mine} vs {theirs}; set the same on every rank")
 
     # ----------------------------------------------------------------------------- helpers
     def _check(self, rc: int) -> None:
@@ -226,6 +251,10 @@ class CudaBackend:
         layout_cap = b.max_recv_tokens if static else (1 << 62)
         if self.speculative and not static:
             return self._dispatch_speculative(x, T, idx, w, scratch, totals, tpe, stream)
+        main = torch.cuda.current_stream(self.device)
+        ce_side = self.ce_overlap and not self.speculative
+        if ce_side:
+            self._stage_copy_beside(x, T, main)
         self._check(self.lib.mok_dispatch_layout(
             self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
             self._ptr(w), T, b.num_experts, self._ptr(tpe), layout_cap, -1))
@@ -239,10 +268,11 @@ class CudaBackend:
             # The one host read of an eager dispatch: R (and the error report with it). The
             # host waits for the layout kernels only: the fill (fill-first) or the staging
             # (stage-first) queued behind them keeps the GPU busy meanwhile.
-            main = torch.cuda.current_stream(self.device)
             if self.stage_first:
                 staged = self._launch_staging(x, T, scratch, main)
             self._queue_host_report(totals, main)
+            if self.ce_stage and not ce_side:  # after the read's event: copies during the read
+                self._stage_copy(x, T, stream)
             if fill_first:
                 self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)
             self._layout_read.synchronize()
@@ -260,7 +290,9 @@ class CudaBackend:
             self._fill(stream, scratch, probs_all, src_all, cap, pad=True)
             probs, src_rank, src_token = probs_all, src_all[0], src_all[1]
         if staged is None:
-            self._transfer(x, T, scratch, tokens, cap)
+            if ce_side:
+                main.wait_event(self._ce_done)
+            self._transfer(x, T, scratch, tokens, cap, staged=ce_side or (self.ce_stage and not static))
         else:
             self._check(self.lib.mok_dispatch_transfer(
                 self.ctx, stream, self._ptr(scratch), self._ptr(x), T, self._ptr(tokens), cap,
@@ -347,12 +379,40 @@ class CudaBackend:
             self.ctx, stream, self._ptr(scratch), self._ptr(src[0]), self._ptr(src[1]),
             self._ptr(probs), cap, int(pad)))
 
-    def _transfer(self, x, T, scratch, out, cap, pad: bool = True):
+    def _transfer(self, x, T, scratch, out, cap, pad: bool = True, staged: bool = False):
         """Both halves of the transfer as one kernel (cached and static-shape dispatches).
-        ``pad=False``: rows [R, cap) are left unwritten (mode flag 4)."""
+        ``pad=False``: rows [R, cap) are left unwritten (mode flag 4). With copy-engine staging
+        the copy goes first on the stream (mode flag 8), unless the caller queued it already
+        (``staged``)."""
+        stream = self._stream()
+        mode = 0 if pad else 4
+        if self.ce_stage:
+            if not staged:
+                self._stage_copy(x, T, stream)
+            mode |= 8
         self._check(self.lib.mok_dispatch_transfer(
-            self.ctx, self._stream(), self._ptr(scratch), self._ptr(x), T,
-            self._ptr(out), cap, self.num_blocks, self.dispatch_producers, 0 if pad else 4))
+            self.ctx, stream, self._ptr(scratch), self._ptr(x), T,
+            self._ptr(out), cap, self.num_blocks, self.dispatch_producers, mode))
+
+    def _stage_copy(self, x, T, stream) -> None:
+        """Copy-engine staging: a one-block kernel checks my ring slots are free, then the copy
+        engine copies x into them (no SM time); the transfer kernel after it publishes them.
+        A world of one rank has no readers: nothing to copy (every block still pulls)."""
+        if self.buf.world_size == 1:
+            return
+        self._check(self.lib.mok_dispatch_stage_copy(self.ctx, stream, self._ptr(x), T))
+
+    def _stage_copy_beside(self, x, T, main) -> None:
+        """The copy-engine staging on the side stream, forked from ``main`` where the dispatch
+        starts, so the copy (and its slot check) runs beside the layout kernels; the transfer
+        waits for ``_ce_done``. Capturable: a fork and a join of the capturing stream."""
+        side = self.side_stream
+        self._ce_fork.record(main)
+        side.wait_event(self._ce_fork)
+        self._stage_copy(x, T, self._side_raw)
+        if not torch.cuda.is_current_stream_capturing():
+            x.record_stream(side)  # the allocator must not reuse x before the copy is done
+        self._ce_done.record(side)
 
     def _launch_staging(self, x, T, scratch, main) -> torch.cuda.Event:
         """The staging half of an eager dispatch on the side stream, after the layout kernels

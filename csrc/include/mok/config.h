@@ -8,6 +8,8 @@ namespace mok {
 
 // Threads of a layout block (count/fill kernels) and of the one-block scan kernels.
 constexpr int kLayoutThreads = 256;
+// The copy-engine staging's slot check (one small block, so it fits beside any other kernel).
+constexpr int kStageAcquireThreads = 128;
 constexpr int kScanThreads = 1024;
 // Threads of a combine block: 16 warps at up to 128 registers per lane (fp32 accumulators
 // plus 2-4 rows x 2 groups of loads in flight); the SM-ceiling microbenchmark's reduction
@@ -15,7 +17,12 @@ constexpr int kScanThreads = 1024;
 constexpr int kCombineThreads = 512;
 constexpr int kWarpSize = 32;
 // 16-byte vectors per lane in flight in the copy loops (MOK_BRIEF: >= 4 independent loads).
-constexpr int kCopyUnroll = 6;
+// Experiment builds may set MOK_COPY_UNROLL (benchmarks/NOTES.md, next experiments after
+// session 8, item 1: is the 2-GPU pull bound by its loads in flight?).
+#ifndef MOK_COPY_UNROLL
+#define MOK_COPY_UNROLL 6
+#endif
+constexpr int kCopyUnroll = MOK_COPY_UNROLL;
 // Elements per lane per step in the combine loops: one 16-byte bf16 vector.
 constexpr int kCombineVec = 8;
 // 8-element groups per lane in flight in the combine loops (one step of a task or token).
@@ -28,7 +35,26 @@ constexpr int kCombineUnroll = 2;
 #endif
 constexpr int kConsumeUnroll = MOK_CONSUME_UNROLL;
 // Threads of a dispatch block: 32 warps, 4 loads in flight each (MOK_BRIEF section 3).
-constexpr int kDispatchThreads = 1024;
+// Experiment builds may set MOK_DISPATCH_THREADS (with MOK_COPY_UNROLL: fewer, fuller warps).
+#ifndef MOK_DISPATCH_THREADS
+#define MOK_DISPATCH_THREADS 1024
+#endif
+constexpr int kDispatchThreads = MOK_DISPATCH_THREADS;
+// Diagnostic builds may set MOK_DISPATCH_CLOCKS=1: the dispatch transfer's pulling warps sum
+// their cycles by kind (task setup, waiting for local / NVLink loads, issuing stores) into the
+// last rows of the trace region (benchmarks/NOTES.md, next experiments after session 8, item 1).
+// Off (0) in every normal build: the code is compiled out.
+#ifndef MOK_DISPATCH_CLOCKS
+#define MOK_DISPATCH_CLOCKS 0
+#endif
+constexpr bool kDispatchClocks = MOK_DISPATCH_CLOCKS != 0;
+// Diagnostic builds only, never for results: MOK_DISPATCH_DIAG_LOCAL_SRC=1 makes the dispatch
+// pull read remote tasks' rows from the same slot of the local ring (wrong data, same protocol)
+// to time the pull without NVLink (benchmarks/NOTES.md, next experiments after session 8).
+#ifndef MOK_DISPATCH_DIAG_LOCAL_SRC
+#define MOK_DISPATCH_DIAG_LOCAL_SRC 0
+#endif
+constexpr bool kDispatchDiagLocalSrc = MOK_DISPATCH_DIAG_LOCAL_SRC != 0;
 // Dynamic shared memory a block may ask for on Hopper (227 KB), less 1 KB for static use.
 constexpr size_t kMaxDynamicSmem = 226 * 1024;
 // Largest world size: reader sets are 64-bit masks.

@@ -25,7 +25,7 @@ struct CommContext {
   int32_t world;
   uint64_t timeout_ns;
 
-  __device__ char* local() const { return peers.base[rank]; }
+  __host__ __device__ char* local() const { return peers.base[rank]; }
   __device__ ErrorReport* error() const { return ws.error_at(local()); }
   __device__ SeqCounters* counters() const { return ws.counters_at(local()); }
 };
@@ -59,11 +59,34 @@ __device__ inline void trace_phase_end(const CommContext& c) {
   atomicMax(&tr[1], globaltimer_ns());
 }
 
+// Diagnostics (MOK_DISPATCH_CLOCKS builds): what a pulling warp's cycles went to. Trace row
+// kTraceBlocks - kDClockKinds + kind holds {sum of cycles, number of warps}; those rows are free
+// when the grid has at most kTraceBlocks / 2 - kDClockKinds blocks (phase ends use rows
+// kTraceBlocks / 2 + b).
+enum DispatchClock {
+  kDClockSetupLocal = 0,   // task lookup of a local task (index loads)
+  kDClockSetupRemote = 1,  // the same for a remote task, its chunk's ready flag included
+  kDClockLoadLocal = 2,    // from issuing a round's loads to their arrival, local source
+  kDClockLoadRemote = 3,   // the same over NVLink
+  kDClockStore = 4,        // issuing a round's stores
+  kDClockTotal = 5,
+  kDClockKinds = 6
+};
+__device__ inline void dispatch_clock_add(const CommContext& c, int kind, long long cycles) {
+  if (threadIdx.x % kWarpSize != 0 || gridDim.x > kTraceBlocks / 2 - kDClockKinds) return;
+  unsigned long long* row =
+      reinterpret_cast<unsigned long long*>(c.local() + c.ws.trace) + 2 * (kTraceBlocks - kDClockKinds + kind);
+  atomicAdd(&row[0], static_cast<unsigned long long>(cycles));
+  atomicAdd(&row[1], 1ull);
+}
+
 // Called once per warp when it has finished its share of a kernel: the last warp of the grid
 // advances the call number `seq`. No block barrier, so warps that stopped early on an error
 // simply never count (the Buffer is unusable after an error anyway).
-__device__ inline void warp_done_advance(uint32_t* warps_done, uint64_t* seq, uint64_t* seq2 = nullptr) {
+// Returns true, in every lane, in the grid's last warp.
+__device__ inline bool warp_done_advance(uint32_t* warps_done, uint64_t* seq, uint64_t* seq2 = nullptr) {
   __syncwarp();
+  int last = 0;
   if (threadIdx.x % kWarpSize == 0) {
     const uint32_t total = gridDim.x * gridDim.y * (blockDim.x / kWarpSize);
     __threadfence();
@@ -72,8 +95,10 @@ __device__ inline void warp_done_advance(uint32_t* warps_done, uint64_t* seq, ui
       *seq += 1;
       if (seq2 != nullptr) *seq2 += 1;
       __threadfence();
+      last = 1;
     }
   }
+  return __shfl_sync(0xffffffffu, last, 0) != 0;
 }
 
 // Diagnostics: true for the first wait of kind `what` on this rank to time out (printed) or to

@@ -4,11 +4,20 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+
 #include "device.h"
 #include "handle_arrays.h"
 #include "ring.h"
 
 namespace mok {
+
+// True when environment variable `name` is set to a value starting with '0': how the launchers
+// read their schedule switches (MOK_COMBINE_PHASED=0, MOK_DISPATCH_RELEASE_AT_END=0, ...).
+inline bool env_off(const char* name) {
+  const char* v = getenv(name);
+  return v != nullptr && v[0] == '0';
+}
 
 // Routing of one full dispatch (all pointers device, `T` rows).
 struct RoutingArgs {
@@ -54,12 +63,23 @@ enum TransferMode : int32_t {
   // Flag or'ed into the mode: rows [R, row_cap) are left alone instead of zeroed (the
   // speculative eager dispatch, whose rows are shrunk to R on the host).
   kTransferNoPad = 4,
+  // Flag or'ed into kTransferBoth: the copy engine already staged my tokens into slots
+  // [0, chunks) of my dispatch ring (launch_dispatch_stage_copy, earlier on the stream), so
+  // every block pulls and block 0 only publishes those slots (benchmarks/NOTES.md #31).
+  kTransferCeStaged = 8,
 };
 
 // Stage x into my dispatch ring and pull every task's token into its expert-major rows.
 cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h,
                                      const TransferArgs& t, const void* x, void* out_rows,
                                      int elem_bytes, cudaStream_t s);
+
+// Copy-engine staging of a dispatch (kTransferCeStaged): a one-block kernel waits until the
+// readers of slots [0, chunks) released their previous generation, then the copy engine copies
+// x into those slots (no SM moves these bytes). Only when a call fits in the ring.
+cudaError_t launch_dispatch_stage_copy(const CommContext& c, const void* x, int num_tokens,
+                                       int elem_bytes, cudaStream_t s);
+bool dispatch_call_fits_ring(const Workspace& ws);
 
 // Reduce my rows per task into partials (staged), pull every rank's partials for my tokens.
 cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
