@@ -260,8 +260,8 @@ def test_cuda_ring_wraps_1000_calls(world_size):
 # call fits in the ring, MOK_DISPATCH_RELEASE_AT_END=0; SM staging blocks instead of the copy
 # engine, MOK_DISPATCH_CE_STAGE=0; phased combine consumers taking every n-th token instead of
 # runs of consecutive ones, MOK_COMBINE_TOKEN_RUNS=0; the same for the dispatch's pulling warps,
-# MOK_DISPATCH_TASK_RUNS=0; the copy-engine staging queued on the dispatch's own stream instead of
-# beside the layout, MOK_DISPATCH_CE_OVERLAP=0; phased combine consumers releasing the peers'
+# MOK_DISPATCH_TASK_RUNS=0; the copy-engine staging forked onto a side stream beside the layout
+# instead of queued on the dispatch's own stream, MOK_DISPATCH_CE_OVERLAP=1 (opt-in); phased combine consumers releasing the peers'
 # partial chunks per token instead of once per call, MOK_COMBINE_RELEASE_AT_END=0). Each must
 # give the reference's bits; the ring test also runs the eager staging through a wrapping ring.
 ALT_SCHEDULES = [
@@ -275,7 +275,7 @@ ALT_SCHEDULES = [
     pytest.param({"MOK_DISPATCH_CE_STAGE": "0"}, id="dispatch_sm_staging"),
     pytest.param({"MOK_COMBINE_TOKEN_RUNS": "0"}, id="combine_strided_tokens"),
     pytest.param({"MOK_DISPATCH_TASK_RUNS": "0"}, id="dispatch_strided_tasks"),
-    pytest.param({"MOK_DISPATCH_CE_OVERLAP": "0"}, id="dispatch_ce_copy_in_line"),
+    pytest.param({"MOK_DISPATCH_CE_OVERLAP": "1"}, id="dispatch_ce_copy_beside_layout"),
     pytest.param({"MOK_COMBINE_RELEASE_AT_END": "0"}, id="combine_release_per_token"),
     # 7-token chunks of 32-wide bf16 rows are 448 bytes in 512-byte ring slots: the copy engine
     # copies them with a pitch, then the partial last chunk.

@@ -162,9 +162,10 @@ class CudaBackend:
         self._layout_read = torch.cuda.Event()
         self._layout_done = torch.cuda.Event()
         self._staged = torch.cuda.Event()
-        # Full dispatches run the copy-engine staging on the side stream, beside the layout
-        # kernels (NOTES #35; MOK_DISPATCH_CE_OVERLAP=0 queues it on the dispatch's stream).
-        self.ce_overlap = self.ce_stage and buf.world_size > 1 and _env_int("MOK_DISPATCH_CE_OVERLAP", 1) != 0
+        # MOK_DISPATCH_CE_OVERLAP=1 (opt-in): full dispatches run the copy-engine staging on the
+        # side stream, beside the layout kernels (NOTES #35). Off by default: not yet measured on
+        # 2 GPUs, and a one-GPU loopback benchmark hung once with it (NOTES #35, s9-9).
+        self.ce_overlap = self.ce_stage and buf.world_size > 1 and _env_int("MOK_DISPATCH_CE_OVERLAP", 0) != 0
         self._ce_fork = torch.cuda.Event()
         self._ce_done = torch.cuda.Event()
 
