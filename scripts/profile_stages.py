@@ -119,6 +119,16 @@ def main():
                 print(f"[trace] rank {rank} sms={sms} {name} (phased, all {be.num_blocks} blocks): "
                       f"produce phase ends {min(pend):.1f}..{max(pend):.1f} us; consume phase ends "
                       f"{min(ends):.1f}..{max(ends):.1f} us", flush=True)
+            # MOK_CONSUME_CLOCKS builds: the combine's consume warps' cycles by kind in the last 8 rows.
+            cclocks = tr[-8:].cpu().tolist()
+            if name == "combine" and cclocks[7][1] > 0:
+                total = cclocks[7][0]
+                kinds = ("token setup", "partial wait", "issue", "copy wait", "own sums", "rank sum + y",
+                         "token tail")
+                parts = ", ".join(f"{what} {100.0 * cclocks[i][0] / total:.1f}%" for i, what in enumerate(kinds))
+                parts += f", rest {100.0 * (total - sum(r[0] for r in cclocks[:7])) / total:.1f}%"
+                print(f"[cclocks] rank {rank} sms={sms} combine consume ({cclocks[7][1]} warps, "
+                      f"{total / cclocks[7][1] / 1e3:.1f} k cycles per warp): {parts}", flush=True)
             # MOK_DISPATCH_CLOCKS builds: the pulling warps' cycles by kind in the last 6 rows.
             clocks = tr[-6:].cpu().tolist()
             if name == "dispatch_transfer" and clocks[5][1] > 0:

@@ -470,6 +470,16 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
                         const CombineShape& sh, const Role& role, const T* expert_out,
                         const float* grad_probs, T* y, float* grad_w, int4* smem) {
   using RS = RowStream<T, P>;
+  // MOK_CONSUME_CLOCKS builds: this warp's cycles by kind (ConsumeClock; compiled out otherwise).
+  [[maybe_unused]] long long clk[kCClockKinds] = {}, clk0 = 0, clk_t = 0;
+  [[maybe_unused]] auto tick = [&](int kind) {
+    if constexpr (kConsumeClocks) {
+      const long long now = clock64();
+      clk[kind] += now - clk_t;
+      clk_t = now;
+    }
+  };
+  if constexpr (kConsumeClocks) clk0 = clock64();
   constexpr int Uc = kConsumeUnroll;  // groups per piece (NOTES next experiment (A))
   constexpr int R = RS::kSlots;
   constexpr int kStepElems = kWarpSize * kCombineVec * Uc;
@@ -580,6 +590,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   // ---- consume side
   unsigned caddr = ring.begin;  // the next piece's first slot
   for (int k = 0; k < n_tok; ++k) {
+    if constexpr (kConsumeClocks) clk_t = clock64();
     ck = k;
     const int t = token_of(k);
     // q of t for rank d (index among my tokens sent to d), or -1: read where needed (L1 hits).
@@ -592,7 +603,9 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     const int n_own = sh.stream_own ? stream_rows<RS::kMaxOwn>(my_rows, sh.K, a.row_cap, lane_row)
                                     : (my_rows != nullptr ? -1 : 0);
     const int own_slots = n_own < 0 ? 0 : n_own;
+    tick(kCClockTokenSetup);
     if (!wait_token_partials(c, h, sh, seen, t)) { cp_async_wait<0>(); return; }
+    tick(kCClockPartialWait);
     // The streamed rank, or -1 when t's first remote partial was not ready in time (then it is
     // loaded like any further rank's).
     const int d0 = (streamed >> (k % 64)) & 1 ? first_remote(c, h, t) : -1;
@@ -611,8 +624,11 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     const unsigned holders = __ballot_sync(0xffffffffu, lane_q >= 0);
     for (int st = first_step; st < first_step + n_steps; ++st) {
       const int v0 = st * kStepElems + lane * kCombineVec;
+      tick(kCClockTokenSetup);                  // the lane cache above / the loop (first piece)
       try_issue();                              // this piece is issued (the ring is free by now)
+      tick(kCClockIssue);
       cp_async_wait_at_most(ahead - 1);         // it has landed; later ones may be in flight
+      tick(kCClockCopyWait);
       --ahead;
       // My own partial: my rows summed here (same rows, order and rounding as a producer).
       float part[Uc][kCombineVec], acc[Uc][kCombineVec];
@@ -629,6 +645,13 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
 #pragma unroll
           for (int e = 0; e < kCombineVec; ++e) part[u][e] = round_to<P>(part[u][e]);
       }
+      if constexpr (kConsumeClocks) {  // the sums have landed once a register of each is read
+        float sink = 0.f;
+#pragma unroll
+        for (int u = 0; u < Uc; ++u) sink += part[u][0];
+        asm volatile("" ::"f"(sink));
+      }
+      tick(kCClockOwnSum);
       // Sum in rank order.
       zero(acc);
       auto add_rank = [&](int d) {
@@ -669,6 +692,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       // The piece's slots were read above: hand them to the pieces ahead.
       caddr = ring.next(caddr, need);
       free_slots += need;
+      tick(kCClockRankSum);
     }
     if (grad_w != nullptr && first_step == 0 && lane < sh.K) {  // part 0 writes the prob gradients
       float val = 0.f;
@@ -713,8 +737,14 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         }
       }
     }
+    if constexpr (kConsumeClocks) __syncwarp();
+    tick(kCClockTokenTail);
   }
   cp_async_wait<0>();
+  if constexpr (kConsumeClocks) {
+    clk[kCClockTotal] = clock64() - clk0;
+    for (int kind = 0; kind < kCClockKinds; ++kind) clock_row_add(c, kCClockKinds, kind, clk[kind]);
+  }
 }
 
 // The split variant is a separate instance so that the usual path (at least one token per

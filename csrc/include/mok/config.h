@@ -48,6 +48,13 @@ constexpr int kDispatchThreads = MOK_DISPATCH_THREADS;
 #define MOK_DISPATCH_CLOCKS 0
 #endif
 constexpr bool kDispatchClocks = MOK_DISPATCH_CLOCKS != 0;
+// Diagnostic builds may set MOK_CONSUME_CLOCKS=1: the combine's consume loop sums, per warp, its
+// cycles by kind (ConsumeClock in device.h) into the last rows of the trace region
+// (benchmarks/NOTES.md, next experiments after session 9, item 3). Compiled out otherwise.
+#ifndef MOK_CONSUME_CLOCKS
+#define MOK_CONSUME_CLOCKS 0
+#endif
+constexpr bool kConsumeClocks = MOK_CONSUME_CLOCKS != 0;
 // Diagnostic builds only, never for results: MOK_DISPATCH_DIAG_LOCAL_SRC=1 makes the dispatch
 // pull read remote tasks' rows from the same slot of the local ring (wrong data, same protocol)
 // to time the pull without NVLink (benchmarks/NOTES.md, next experiments after session 8).

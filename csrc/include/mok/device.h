@@ -72,13 +72,32 @@ enum DispatchClock {
   kDClockTotal = 5,
   kDClockKinds = 6
 };
-__device__ inline void dispatch_clock_add(const CommContext& c, int kind, long long cycles) {
-  if (threadIdx.x % kWarpSize != 0 || gridDim.x > kTraceBlocks / 2 - kDClockKinds) return;
+// Lane 0 of a warp adds `cycles` to trace row kTraceBlocks - n_kinds + kind ({sum of cycles,
+// number of warps}); only for grids that leave those rows free (phase ends use rows
+// kTraceBlocks / 2 + b).
+__device__ inline void clock_row_add(const CommContext& c, int n_kinds, int kind, long long cycles) {
+  if (threadIdx.x % kWarpSize != 0 || static_cast<int>(gridDim.x) > kTraceBlocks / 2 - n_kinds) return;
   unsigned long long* row =
-      reinterpret_cast<unsigned long long*>(c.local() + c.ws.trace) + 2 * (kTraceBlocks - kDClockKinds + kind);
+      reinterpret_cast<unsigned long long*>(c.local() + c.ws.trace) + 2 * (kTraceBlocks - n_kinds + kind);
   atomicAdd(&row[0], static_cast<unsigned long long>(cycles));
   atomicAdd(&row[1], 1ull);
 }
+__device__ inline void dispatch_clock_add(const CommContext& c, int kind, long long cycles) {
+  clock_row_add(c, kDClockKinds, kind, cycles);
+}
+
+// Diagnostics (MOK_CONSUME_CLOCKS builds): what a combine consume warp's cycles went to.
+enum ConsumeClock {
+  kCClockTokenSetup = 0,   // a token's rows, positions and lane cache (its partial wait excluded)
+  kCClockPartialWait = 1,  // waiting until the token's remote partials are staged
+  kCClockIssue = 2,        // try_issue: planning tokens ahead and issuing their pieces' copies
+  kCClockCopyWait = 3,     // cp.async.wait_group for the piece about to be summed
+  kCClockOwnSum = 4,       // summing the own rows from shared memory and rounding the partial
+  kCClockRankSum = 5,      // the rank-order sum, y stores, handing the slots back
+  kCClockTokenTail = 6,    // prob gradients and the per-token release (when not at the end)
+  kCClockTotal = 7,
+  kCClockKinds = 8
+};
 
 // Called once per warp when it has finished its share of a kernel: the last warp of the grid
 // advances the call number `seq`. No block barrier, so warps that stopped early on an error
