@@ -768,9 +768,7 @@ __device__ __forceinline__ void consume_any(const CommContext& c, const HandleAr
 // token and remote rank on the consume loop's path (NOTES #36; #30 did the same for the
 // dispatch). A peer's next call may then stage into those slots.
 __device__ void release_partial_chunks(const CommContext& c, const HandleArrays& h, const CombineShape& sh) {
-  if (__shfl_sync(0xffffffffu, aborted(c) ? 1 : 0, 0)) return;  // after an error: release nothing
-  __syncwarp();
-  __threadfence_system();
+  if (!begin_call_release(c)) return;
   const int me = c.rank;
   for (int d = 0; d < c.world; ++d) {
     if (d == me) continue;

@@ -233,12 +233,7 @@ __device__ void publish_ce_staged(const CommContext& c, const HandleArrays& h, c
 // (NOTES #30). Only when the call fits in the ring: a slot is then written once per call, and
 // the source's next staging of it comes with a later call.
 __device__ void release_call_chunks(const CommContext& c, const HandleArrays& h, const DispatchShape& sh) {
-  // After an error some pulls never ran: release nothing (the Buffer is unusable anyway).
-  if (__shfl_sync(0xffffffffu, aborted(c) ? 1 : 0, 0)) return;  // one answer for the warp
-  // Every lane's stores below come after lane 0 saw the grid's last count (the warp barrier
-  // orders them), and after the other warps' fences that preceded their counts.
-  __syncwarp();
-  __threadfence_system();
+  if (!begin_call_release(c)) return;
   for (int idx = threadIdx.x % kWarpSize; idx < c.world * sh.cpc; idx += kWarpSize) {
     const int s = idx / sh.cpc, j = idx - s * sh.cpc;
     if (s == c.rank || h.chunk_tasks[idx] == 0) continue;  // not a reader of that chunk

@@ -403,34 +403,37 @@ class CudaBackend:
             return
         self._check(self.lib.mok_dispatch_stage_copy(self.ctx, stream, self._ptr(x), T))
 
+    def _on_side_stream(self, main, fork, done, launch, *tensors) -> torch.cuda.Event:
+        """Run ``launch()`` on the side stream after the work queued on ``main`` so far (event
+        ``fork``); return ``done``, recorded on the side stream after it, for ``main`` to wait on.
+        The caching allocator must not hand ``tensors`` to other work before the side stream is
+        done with them (not needed, nor allowed, while a CUDA graph is captured: a fork and a
+        join of the capturing stream)."""
+        side = self.side_stream
+        fork.record(main)
+        side.wait_event(fork)
+        launch()
+        if not torch.cuda.is_current_stream_capturing():
+            for t in tensors:
+                t.record_stream(side)
+        done.record(side)
+        return done
+
     def _stage_copy_beside(self, x, T, main) -> None:
         """The copy-engine staging on the side stream, forked from ``main`` where the dispatch
         starts, so the copy (and its slot check) runs beside the layout kernels; the transfer
-        waits for ``_ce_done``. Capturable: a fork and a join of the capturing stream."""
-        side = self.side_stream
-        self._ce_fork.record(main)
-        side.wait_event(self._ce_fork)
-        self._stage_copy(x, T, self._side_raw)
-        if not torch.cuda.is_current_stream_capturing():
-            x.record_stream(side)  # the allocator must not reuse x before the copy is done
-        self._ce_done.record(side)
+        waits for ``_ce_done``."""
+        self._on_side_stream(main, self._ce_fork, self._ce_done,
+                             lambda: self._stage_copy(x, T, self._side_raw), x)
 
     def _launch_staging(self, x, T, scratch, main) -> torch.cuda.Event:
         """The staging half of an eager dispatch on the side stream, after the layout kernels
         queued on ``main``; returns the event that marks its end. Its blocks and the pulling
         kernel's add up to ``num_sms``."""
-        side = self.side_stream
-        self._layout_done.record(main)
-        side.wait_event(self._layout_done)
-        self._check(self.lib.mok_dispatch_transfer(
-            self.ctx, self._side_raw, self._ptr(scratch), self._ptr(x), T,
-            ctypes.c_void_p(0), 0, self.dispatch_producers, 0, 1))
-        # The caching allocator must not hand x or the layout arrays to other work before
-        # the staging kernel is done with them.
-        x.record_stream(side)
-        scratch.record_stream(side)
-        self._staged.record(side)
-        return self._staged
+        return self._on_side_stream(main, self._layout_done, self._staged, lambda: self._check(
+            self.lib.mok_dispatch_transfer(self.ctx, self._side_raw, self._ptr(scratch), self._ptr(x), T,
+                                           ctypes.c_void_p(0), 0, self.dispatch_producers, 0, 1)),
+            x, scratch)
 
     def dispatch_cached(self, x, handle: DispatchHandle):
         self._alive()

@@ -59,6 +59,18 @@ __device__ inline bool ring_slot_acquire(const CommContext& c, const RingView& r
   return res;
 }
 
+// The grid's last warp, before it releases every chunk its call read (calls that fit in the
+// ring release once per call): false after an error (some reads never ran, so nothing is
+// released; the Buffer is unusable anyway). Otherwise every lane's release stores after it come
+// after lane 0 saw the grid's last count (the warp barrier orders them) and after the other
+// warps' fences that preceded their counts.
+__device__ inline bool begin_call_release(const CommContext& c) {
+  if (__shfl_sync(0xffffffffu, aborted(c) ? 1 : 0, 0)) return false;  // one answer for the warp
+  __syncwarp();
+  __threadfence_system();
+  return true;
+}
+
 // One thread, after the block's writes to the slot (and a __syncthreads): record generation g
 // and its readers (for the next reuse check), then publish the slot with one release store.
 __device__ inline void ring_slot_publish(const RingView& r, int64_t slot, uint64_t g, uint64_t readers) {
