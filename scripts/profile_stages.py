@@ -25,6 +25,18 @@ for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     os.environ.setdefault(k, v)
 
 
+def _print_clocks(tr, tag, what, kinds, rest):
+    """A clock build's per-warp cycles by kind: the trace's last len(kinds) + 1 rows hold
+    {sum of cycles, warps} per kind, then the total. Prints nothing for a normal build."""
+    rows = tr[-(len(kinds) + 1):].cpu().tolist()
+    total, warps = rows[-1]
+    if warps <= 0:
+        return
+    parts = ", ".join(f"{k} {100.0 * rows[i][0] / total:.1f}%" for i, k in enumerate(kinds))
+    parts += f", {rest} {100.0 * (total - sum(r[0] for r in rows[:-1])) / total:.1f}%"
+    print(f"[{tag}] {what} ({warps} warps, {total / warps / 1e3:.1f} k cycles per warp): {parts}", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4096)
@@ -119,26 +131,15 @@ def main():
                 print(f"[trace] rank {rank} sms={sms} {name} (phased, all {be.num_blocks} blocks): "
                       f"produce phase ends {min(pend):.1f}..{max(pend):.1f} us; consume phase ends "
                       f"{min(ends):.1f}..{max(ends):.1f} us", flush=True)
-            # MOK_CONSUME_CLOCKS builds: the combine's consume warps' cycles by kind in the last 8 rows.
-            cclocks = tr[-8:].cpu().tolist()
-            if name == "combine" and cclocks[7][1] > 0:
-                total = cclocks[7][0]
-                kinds = ("token setup", "partial wait", "issue", "copy wait", "own sums", "rank sum + y",
-                         "token tail")
-                parts = ", ".join(f"{what} {100.0 * cclocks[i][0] / total:.1f}%" for i, what in enumerate(kinds))
-                parts += f", rest {100.0 * (total - sum(r[0] for r in cclocks[:7])) / total:.1f}%"
-                print(f"[cclocks] rank {rank} sms={sms} combine consume ({cclocks[7][1]} warps, "
-                      f"{total / cclocks[7][1] / 1e3:.1f} k cycles per warp): {parts}", flush=True)
-            # MOK_DISPATCH_CLOCKS builds: the pulling warps' cycles by kind in the last 6 rows.
-            clocks = tr[-6:].cpu().tolist()
-            if name == "dispatch_transfer" and clocks[5][1] > 0:
-                total = clocks[5][0]
-                parts = ", ".join(f"{what} {100.0 * clocks[i][0] / total:.1f}%" for i, what in enumerate(
-                    ("setup local", "setup remote (flag waits incl.)", "load wait local",
-                     "load wait NVLink", "store issue")))
-                parts += f", rest (chunk release accounting, loop) {100.0 * (total - sum(r[0] for r in clocks[:5])) / total:.1f}%"
-                print(f"[dclocks] rank {rank} sms={sms} dispatch pull ({clocks[5][1]} warps, "
-                      f"{total / clocks[5][1] / 1e3:.1f} k cycles per warp): {parts}", flush=True)
+            # Clock builds (MOK_CONSUME_CLOCKS, MOK_DISPATCH_CLOCKS): cycles by kind in the last rows.
+            if name == "combine":
+                _print_clocks(tr, "cclocks", f"rank {rank} sms={sms} combine consume",
+                              ("token setup", "partial wait", "issue", "copy wait", "own sums",
+                               "rank sum + y", "token tail"), "rest")
+            else:
+                _print_clocks(tr, "dclocks", f"rank {rank} sms={sms} dispatch pull",
+                              ("setup local", "setup remote (flag waits incl.)", "load wait local",
+                               "load wait NVLink", "store issue"), "rest (chunk release accounting, loop)")
         if args.kernels and rank == 0 and sms == 24:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:

@@ -155,8 +155,7 @@ def _ring_reused_every_call(rank, world_size, calls, backend="cuda"):
     (the combine ring, W x 3 chunks per call, takes the role split)."""
     from megatron_mok.cuda.backend import DEFAULT_CHUNK_TOKENS as C
     assert C == 64, C
-    rows, ring = _ring_wrap(rank, world_size, calls, backend, 3, 3 * C, require_big=False)
-    return rows, ring
+    return _ring_wrap(rank, world_size, calls, backend, 3, 3 * C, require_big=False)
 
 
 def _device_error(buf) -> str:
@@ -261,8 +260,9 @@ def test_cuda_ring_wraps_1000_calls(world_size):
 # engine, MOK_DISPATCH_CE_STAGE=0; phased combine consumers taking every n-th token instead of
 # runs of consecutive ones, MOK_COMBINE_TOKEN_RUNS=0; the same for the dispatch's pulling warps,
 # MOK_DISPATCH_TASK_RUNS=0; the copy-engine staging forked onto a side stream beside the layout
-# instead of queued on the dispatch's own stream, MOK_DISPATCH_CE_OVERLAP=1 (opt-in); phased combine consumers releasing the peers'
-# partial chunks per token instead of once per call, MOK_COMBINE_RELEASE_AT_END=0). Each must
+# instead of queued on the dispatch's own stream, MOK_DISPATCH_CE_OVERLAP=1 (opt-in); phased
+# combine consumers releasing the peers' partial chunks per token instead of once per call,
+# MOK_COMBINE_RELEASE_AT_END=0). Each must
 # give the reference's bits; the ring test also runs the eager staging through a wrapping ring.
 ALT_SCHEDULES = [
     pytest.param({"MOK_EAGER_STAGE_FIRST": "1"}, id="eager_stage_first"),
