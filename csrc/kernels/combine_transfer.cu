@@ -776,10 +776,11 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
 // 2, so ~7 pieces in flight per warp instead of ~2 with ~4 own rows + 1 partial per piece), and
 // every piece costs one copy and one sum per slot. Bitwise the same as consume: each partial is
 // the same rows in the same order rounded once to P, and the sum runs from +0.0 in rank order.
+// Only for calls with at least one token per warp (the kernel decides: combine_transfer_kernel).
 // The issue side may wait for a partial to be staged: in a phased call every producer writes a
 // slot of this call at most once and waits only for earlier calls' readers, which have all
 // finished (their kernels came first on every rank), so waiting here cannot block a producer.
-template <typename T, typename P, bool kSplit>
+template <typename T, typename P>
 __device__ void consume_staged(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
                                const CombineShape& sh, const Role& role, T* y, float* grad_w, int4* smem) {
   constexpr int Uc = kConsumeUnroll;
@@ -790,20 +791,16 @@ __device__ void consume_staged(const CommContext& c, const HandleArrays& h, cons
   const int warp = static_cast<int>(threadIdx.x / kWarpSize) * role.count + role.index();
   const int W = c.world, me = c.rank;
   const int S = (sh.H + kStepElems - 1) / kStepElems;
-  const int n_my = a.num_tokens;
-  // Fewer tokens than warps: a token's steps are dealt to Pc warps, as in consume.
-  const int Pc = kSplit ? split_factor(sh, n_warps, n_my, S) : 1;
-  int first_step = 0, n_steps = S;
-  if (Pc > 1) part_steps(S, Pc, warp / n_my, first_step, n_steps);
-  int n_tok = Pc > 1 ? (warp < n_my * Pc ? 1 : 0) : (n_my > warp ? (n_my - warp + n_warps - 1) / n_warps : 0);
+  const int n_my = a.num_tokens;  // at least one per warp: calls split over warps keep consume
+  int n_tok = n_my > warp ? (n_my - warp + n_warps - 1) / n_warps : 0;
   int first_tok = warp, tok_stride = n_warps;
-  if (Pc == 1 && sh.token_runs) {  // runs of consecutive tokens, as in consume (NOTES #33)
+  if (sh.token_runs) {  // runs of consecutive tokens, as in consume (NOTES #33)
     const int base = n_my / n_warps, extra = n_my % n_warps;
     n_tok = base + (warp < extra ? 1 : 0);
     first_tok = warp * base + min(warp, extra);
     tok_stride = 1;
   }
-  auto token_of = [&](int k) { return Pc > 1 ? warp % n_my : first_tok + k * tok_stride; };
+  auto token_of = [&](int k) { return first_tok + k * tok_stride; };
   // Lane d < W: q of token t for rank d (its index among my tokens sent to d), or -1.
   auto lane_pos = [&](int t) { return lane < W ? h.send_index(c.ws.cfg, t, lane) : -1; };
   const WarpRing<T, P> ring(smem);
@@ -834,12 +831,12 @@ __device__ void consume_staged(const CommContext& c, const HandleArrays& h, cons
   };
 
   // ---- issue side: token iss_k's step iss_st is next; the ring's free slots start at iaddr.
-  int ahead = 0, iss_k = 0, iss_st = first_step, free_slots = R, ik = -1, in_n = 0, ck = 0;
+  int ahead = 0, iss_k = 0, iss_st = 0, free_slots = R, ik = -1, in_n = 0, ck = 0;
   bool failed = false;
   unsigned iaddr = ring.begin;
   unsigned long long ibase = 0;  // lane j: token ik's j-th partial
   auto try_issue = [&]() {
-    while (n_steps > 0 && iss_k < n_tok) {
+    while (iss_k < n_tok) {
       if (iss_k - ck >= 32) return;  // tokens with no holders take no slot: bound the look-ahead
       if (iss_k != ik) {
         ik = iss_k;
@@ -854,8 +851,8 @@ __device__ void consume_staged(const CommContext& c, const HandleArrays& h, cons
       cp_async_commit();
       free_slots -= in_n;
       ++ahead;
-      if (++iss_st == first_step + n_steps) {
-        iss_st = first_step;
+      if (++iss_st == S) {
+        iss_st = 0;
         ++iss_k;
       }
     }
@@ -870,7 +867,7 @@ __device__ void consume_staged(const CommContext& c, const HandleArrays& h, cons
     const int q = lane_pos(t);
     const unsigned holders = __ballot_sync(0xffffffffu, q >= 0);
     const int n = __popc(holders);
-    for (int st = first_step; st < first_step + n_steps; ++st) {
+    for (int st = 0; st < S; ++st) {
       const int v0 = st * kStepElems + lane * kCombineVec;
       try_issue();  // this piece is issued (the ring is free by now), unless a wait failed
       if (failed) break;
@@ -886,7 +883,7 @@ __device__ void consume_staged(const CommContext& c, const HandleArrays& h, cons
           Vec8<T>::store(y + static_cast<size_t>(t) * sh.H + v0 + u * kWarpSize * kCombineVec, acc[u]);
     }
     if (failed) break;
-    if (grad_w != nullptr && first_step == 0 && lane < sh.K) {  // part 0: the prob gradients, rank order
+    if (grad_w != nullptr && lane < sh.K) {  // the prob gradients, in rank order
       float val = 0.f;
       for (unsigned m = holders; m != 0; m &= m - 1) {
         const int d = __ffs(m) - 1;
@@ -907,7 +904,7 @@ __device__ void consume_staged(const CommContext& c, const HandleArrays& h, cons
         const int d = __ffs(m) - 1;
         const int j = h.send_index(c.ws.cfg, t, d) / sh.C;
         const int64_t slot = sh.slot(me, j);
-        const int expected = min(sh.C, h.send_count[d] - j * sh.C) * Pc;  // every part reads it
+        const int expected = min(sh.C, h.send_count[d] - j * sh.C);
         int32_t* done = RingView::combine(c.ws, c.local()).done + static_cast<size_t>(d) * N + slot;
         if (atomicAdd(done, 1) + 1 == expected) {
           *done = 0;
@@ -919,18 +916,6 @@ __device__ void consume_staged(const CommContext& c, const HandleArrays& h, cons
     }
   }
   cp_async_wait<0>();
-}
-
-template <typename T, typename P>
-__device__ __forceinline__ void consume_staged_any(const CommContext& c, const HandleArrays& h,
-                                                   const TransferArgs& a, const CombineShape& sh,
-                                                   const Role& role, T* y, float* grad_w, int4* smem) {
-  constexpr int kStepElems = kWarpSize * kCombineVec * kConsumeUnroll;
-  const int n_warps = role.count * static_cast<int>(blockDim.x / kWarpSize);
-  if (split_factor(sh, n_warps, a.num_tokens, (sh.H + kStepElems - 1) / kStepElems) > 1)
-    consume_staged<T, P, true>(c, h, a, sh, role, y, grad_w, smem);
-  else
-    consume_staged<T, P, false>(c, h, a, sh, role, y, grad_w, smem);
 }
 
 // The split variant is a separate instance so that the usual path (at least one token per
@@ -976,9 +961,15 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   sh.start(c.counters()->comb_seq);
   trace_warp(c, true);
   int4* stream = smem;
-  // A token's holders take one slot each per piece: at most the ring's slots (world <= 14, or
-  // 7 with fp32 partials); wider worlds keep the own rows in the consume loop.
-  const bool own_staged = sh.phased && sh.own_staged && c.world <= RowStream<T, P>::kSlots;
+  // Own partials staged (a choice each rank makes for itself: only it reads them) when a token's
+  // holders fit in the ring, one slot each per piece (world <= 14, or 7 with fp32 partials), and
+  // the call has at least one token per warp: a call split over warps (128 tokens) would give
+  // each warp a whole task of twice the produce phase's tasks instead of part of one, and
+  // measured slower (NOTES #38).
+  constexpr int kStepElems = kWarpSize * kCombineVec * kConsumeUnroll;
+  const bool own_staged = sh.phased && sh.own_staged && c.world <= RowStream<T, P>::kSlots &&
+                          split_factor(sh, static_cast<int>(gridDim.x * (blockDim.x / kWarpSize)), a.num_tokens,
+                                       (sh.H + kStepElems - 1) / kStepElems) == 1;
   if (sh.phased) {
     // The whole call fits in the ring, so producing never waits for this call's consumers:
     // every block reduces its share of the remote tasks first, then sums its share of my
@@ -988,7 +979,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
     produce_rows_streamed<T, P, kOwnRows>(c, h, a, sh, expert_out, grad_probs, stream, own_staged);
     trace_phase_end(c);
     if (own_staged)
-      consume_staged_any<T, P>(c, h, a, sh, all, y, grad_w, stream);
+      consume_staged<T, P>(c, h, a, sh, all, y, grad_w, stream);
     else
       consume_any<T, P, kOwnRows>(c, h, a, sh, all, expert_out, grad_probs, y, grad_w, stream);
   } else if (static_cast<int>(blockIdx.x) < a.num_producers) {
