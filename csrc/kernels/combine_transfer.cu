@@ -31,6 +31,8 @@ struct CombineShape {
                      // call has fewer of them than the grid has warps (MOK_COMBINE_SPLIT=0: never)
   int token_runs;    // phased consumers take runs of consecutive tokens (else every n_warps-th)
   int release_at_end; // phased calls: the grid's last warp releases the partial chunks read
+  int produce_runs;  // the phased produce phase gives each warp a run of consecutive tasks
+                     // (else every n_warps-th; MOK_COMBINE_PRODUCE_RUNS=0)
   int own_staged;    // phased calls, world > 1: my own partials are produced into my ring too and
                      // consumers only sum partials (consume_staged; MOK_COMBINE_OWN_STAGED=0: off)
 
@@ -385,7 +387,18 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
   RingView mine = RingView::combine(c.ws, c.local());
   int32_t* arrived = reinterpret_cast<int32_t*>(c.local() + c.ws.comb_arrived);
   const WarpRing<T, P> ring(smem);
-  const int n_mine = total > warp ? (total - warp + n_warps - 1) / n_warps : 0;
+  int n_mine = total > warp ? (total - warp + n_warps - 1) / n_warps : 0;
+  int first_task = warp, task_stride = n_warps;
+  if (sh.produce_runs) {
+    // A run of consecutive tasks per warp (the first total % n_warps warps one more): they share
+    // ring chunks, so the slot check, the fence and the arrival count are paid once per chunk
+    // of the run instead of once per task (NOTES #39).
+    const int base = total / n_warps, extra = total % n_warps;
+    n_mine = base + (warp < extra ? 1 : 0);
+    first_task = warp * base + min(warp, extra);
+    task_stride = 1;
+  }
+  auto virtual_task = [&](int k) { return first_task + k * task_stride; };
   auto task_rows = [&](int task) { return h.task_rows + static_cast<size_t>(task) * sh.K; };
 
   // ---- issue side: piece iss_st of my task iss_k is next; the ring's free slots start at iaddr.
@@ -401,7 +414,7 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
       if (iss_k != ik) {  // plan the task once, when its first piece comes up
         ik = iss_k;
         int s, q, irow;
-        icur.seek(c, h, warp + iss_k * n_warps, s, q);
+        icur.seek(c, h, virtual_task(iss_k), s, q);
         const int n = stream_rows<RS::kMaxOwn>(task_rows(h.task_off[s] + q), sh.K, a.row_cap, irow);
         ibase = irow >= 0 ? reinterpret_cast<unsigned long long>(expert_out + static_cast<size_t>(irow) * sh.H) : 0;
         in_rows = n < 0 ? 0 : n;  // n < 0: too many rows for the ring, summed from global memory
@@ -423,10 +436,11 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
   TaskCursor ccur;
   int64_t acquired = -1;  // the last slot this warp checked (its tasks ascend, so chunks do)
   unsigned caddr = ring.begin;
+  int arrivals = 0;       // tasks of the current chunk staged by this warp and not yet counted
   for (int k = 0; k < n_mine; ++k) {
     int s, q;
-    ccur.seek(c, h, warp + k * n_warps, s, q);
-    const int task = h.task_off[s] + q, j = q / sh.C;
+    ccur.seek(c, h, virtual_task(k), s, q);
+    const int task = h.task_off[s] + q, j = q / sh.C, n_s = h.task_off[s + 1] - h.task_off[s];
     const uint64_t g = sh.gen(s, j);
     const int64_t slot = sh.slot(s, j);
     if (slot != acquired) {
@@ -464,14 +478,20 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
       }
       reinterpret_cast<float*>(chunk + c.ws.comb_side_offset)[(q % sh.C) * sh.K + lane] = val;
     }
-    __syncwarp();
-    if (lane == 0) {
-      __threadfence();
-      const int rows_here = min(sh.C, (h.task_off[s + 1] - h.task_off[s]) - j * sh.C);
-      if (atomicAdd(arrived + slot, 1) + 1 == rows_here) {
-        arrived[slot] = 0;  // the slot's next generation counts from zero
-        ring_slot_publish(mine, slot, g, 1ull << s);
+    // Count this warp's tasks of the chunk once it moves on to another chunk (or ends): in a
+    // run that is once per chunk, in the strided order after every task.
+    ++arrivals;
+    if (!sh.produce_runs || k + 1 == n_mine || (q + 1) % sh.C == 0 || q + 1 == n_s) {
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence();
+        const int rows_here = min(sh.C, n_s - j * sh.C);
+        if (atomicAdd(arrived + slot, arrivals) + arrivals == rows_here) {
+          arrived[slot] = 0;  // the slot's next generation counts from zero
+          ring_slot_publish(mine, slot, g, 1ull << s);
+        }
       }
+      arrivals = 0;
     }
   }
   cp_async_wait<0>();  // the consume phase reuses the ring
@@ -1043,6 +1063,8 @@ cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
   sh.token_runs = sh.phased && !env_off("MOK_COMBINE_TOKEN_RUNS");
   // MOK_COMBINE_RELEASE_AT_END=0: phased consumers release chunks per token (NOTES #36).
   sh.release_at_end = sh.phased && !env_off("MOK_COMBINE_RELEASE_AT_END");
+  // MOK_COMBINE_PRODUCE_RUNS=0: the streamed produce phase takes every n_warps-th task (NOTES #39).
+  sh.produce_runs = sh.phased && !env_off("MOK_COMBINE_PRODUCE_RUNS");
   // MOK_COMBINE_OWN_STAGED=0: phased consumers sum their own rows in the consume loop (NOTES #38).
   sh.own_staged = sh.phased && c.world > 1 && !env_off("MOK_COMBINE_OWN_STAGED");
   switch (dtype_code) {
