@@ -388,17 +388,29 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
   int32_t* arrived = reinterpret_cast<int32_t*>(c.local() + c.ws.comb_arrived);
   const WarpRing<T, P> ring(smem);
   int n_mine = total > warp ? (total - warp + n_warps - 1) / n_warps : 0;
-  int first_task = warp, task_stride = n_warps;
+  int first_task = warp, task_stride = n_warps, n_first = n_mine, second_task = 0;
   if (sh.produce_runs) {
-    // A run of consecutive tasks per warp (the first total % n_warps warps one more): they share
-    // ring chunks, so the slot check, the fence and the arrival count are paid once per chunk
-    // of the run instead of once per task (NOTES #39).
-    const int base = total / n_warps, extra = total % n_warps;
-    n_mine = base + (warp < extra ? 1 : 0);
-    first_task = warp * base + min(warp, extra);
+    // Runs of consecutive tasks per warp: they share ring chunks, so the slot check, the fence
+    // and the arrival count are paid once per chunk of the run instead of once per task (NOTES
+    // #39). Two runs: one of the remote tasks, then one of my own (own_staged), so the peers'
+    // chunks are complete halfway through the phase; one run of all tasks left a 4-rank
+    // loopback group's consumers waiting for peers' chunks that completed only at their end.
+    auto run = [&](int n, int& first, int& len) {  // the first n % n_warps warps one more
+      const int base = n / n_warps, extra = n % n_warps;
+      len = base + (warp < extra ? 1 : 0);
+      first = warp * base + min(warp, extra);
+    };
+    const int n_remote = remote_tasks(c, h);
+    int n_second;
+    run(n_remote, first_task, n_first);
+    run(total - n_remote, second_task, n_second);
+    second_task += n_remote;
+    n_mine = n_first + n_second;
     task_stride = 1;
   }
-  auto virtual_task = [&](int k) { return first_task + k * task_stride; };
+  auto virtual_task = [&](int k) {
+    return k < n_first ? first_task + k * task_stride : second_task + (k - n_first);
+  };
   auto task_rows = [&](int task) { return h.task_rows + static_cast<size_t>(task) * sh.K; };
 
   // ---- issue side: piece iss_st of my task iss_k is next; the ring's free slots start at iaddr.
@@ -481,7 +493,7 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
     // Count this warp's tasks of the chunk once it moves on to another chunk (or ends): in a
     // run that is once per chunk, in the strided order after every task.
     ++arrivals;
-    if (!sh.produce_runs || k + 1 == n_mine || (q + 1) % sh.C == 0 || q + 1 == n_s) {
+    if (!sh.produce_runs || k + 1 == n_mine || k + 1 == n_first || (q + 1) % sh.C == 0 || q + 1 == n_s) {
       __syncwarp();
       if (lane == 0) {
         __threadfence();
