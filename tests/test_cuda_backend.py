@@ -262,7 +262,10 @@ def test_cuda_ring_wraps_1000_calls(world_size):
 # MOK_DISPATCH_TASK_RUNS=0; the copy-engine staging forked onto a side stream beside the layout
 # instead of queued on the dispatch's own stream, MOK_DISPATCH_CE_OVERLAP=1 (opt-in); phased
 # combine consumers releasing the peers' partial chunks per token instead of once per call,
-# MOK_COMBINE_RELEASE_AT_END=0). Each must
+# MOK_COMBINE_RELEASE_AT_END=0; phased combine consumers summing their own expert rows in the
+# consume loop instead of reading their own partials staged by the produce phase,
+# MOK_COMBINE_OWN_STAGED=0; the phased produce phase taking every n-th task instead of runs of
+# consecutive ones, MOK_COMBINE_PRODUCE_RUNS=0). Each must
 # give the reference's bits; the ring test also runs the eager staging through a wrapping ring.
 ALT_SCHEDULES = [
     pytest.param({"MOK_EAGER_STAGE_FIRST": "1"}, id="eager_stage_first"),
@@ -277,6 +280,10 @@ ALT_SCHEDULES = [
     pytest.param({"MOK_DISPATCH_TASK_RUNS": "0"}, id="dispatch_strided_tasks"),
     pytest.param({"MOK_DISPATCH_CE_OVERLAP": "1"}, id="dispatch_ce_copy_beside_layout"),
     pytest.param({"MOK_COMBINE_RELEASE_AT_END": "0"}, id="combine_release_per_token"),
+    pytest.param({"MOK_COMBINE_OWN_STAGED": "0"}, id="combine_own_rows_in_consume"),
+    pytest.param({"MOK_COMBINE_OWN_STAGED": "0", "MOK_COMBINE_RELEASE_AT_END": "0"},
+                 id="combine_own_rows_in_consume_release_per_token"),
+    pytest.param({"MOK_COMBINE_PRODUCE_RUNS": "0"}, id="combine_strided_produce"),
     # 7-token chunks of 32-wide bf16 rows are 448 bytes in 512-byte ring slots: the copy engine
     # copies them with a pitch, then the partial last chunk.
     pytest.param({"MOK_CHUNK_TOKENS": "7"}, id="chunk7_padded_slots"),

@@ -31,6 +31,10 @@ struct CombineShape {
                      // call has fewer of them than the grid has warps (MOK_COMBINE_SPLIT=0: never)
   int token_runs;    // phased consumers take runs of consecutive tokens (else every n_warps-th)
   int release_at_end; // phased calls: the grid's last warp releases the partial chunks read
+  int produce_runs;  // the phased produce phase gives each warp a run of consecutive tasks
+                     // (else every n_warps-th; MOK_COMBINE_PRODUCE_RUNS=0)
+  int own_staged;    // phased calls, world > 1: my own partials are produced into my ring too and
+                     // consumers only sum partials (consume_staged; MOK_COMBINE_OWN_STAGED=0: off)
 
   CallSlots slots;   // this call's ring slots (N set by the host, the rest at kernel start)
 
@@ -124,6 +128,38 @@ __device__ void produce_chunks(const CommContext& c, const HandleArrays& h, cons
   }
 }
 
+// My tasks of every source but me: the produce phase's work unless my own partials are staged
+// too (then my own tasks follow them: produce_tasks).
+__device__ __forceinline__ int remote_tasks(const CommContext& c, const HandleArrays& h) {
+  return h.task_off[c.world] - (h.task_off[c.rank + 1] - h.task_off[c.rank]);
+}
+
+// The produce phase's tasks: the remote ones, then (own_staged) my own tokens' tasks.
+__device__ __forceinline__ int produce_tasks(const CommContext& c, const HandleArrays& h, bool own_staged) {
+  return own_staged ? h.task_off[c.world] : remote_tasks(c, h);
+}
+
+// Virtual task i (the tasks of every source but me, back to back, then my own: produce_tasks)
+// -> its source and its index among that source's tasks. Calls must come with ascending i.
+// The peers' partials come first because the peers wait for them; my own wait only for me.
+struct TaskCursor {
+  int s = 0, s_first = 0;  // current source, and the virtual index of its first task
+  __device__ void seek(const CommContext& c, const HandleArrays& h, int i, int& src, int& q) {
+    const int own_first = remote_tasks(c, h);
+    if (i >= own_first) {  // only when my own partials are staged (produce_tasks)
+      src = c.rank;
+      q = i - own_first;
+      return;
+    }
+    while (s == c.rank || i >= s_first + (h.task_off[s + 1] - h.task_off[s])) {
+      if (s != c.rank) s_first += h.task_off[s + 1] - h.task_off[s];
+      ++s;
+    }
+    src = s;
+    q = i - s_first;
+  }
+};
+
 // Phased schedule (the call fits in the ring, so every slot is written at most once per call):
 // the remote tasks are spread over every warp of the grid, numbered across blocks first, so a
 // small call's few chunks still use every SM (one block per chunk left a 128-token call's
@@ -131,15 +167,16 @@ __device__ void produce_chunks(const CommContext& c, const HandleArrays& h, cons
 // its first write there; the warp that stages a chunk's last row publishes it.
 template <typename T, typename P>
 __device__ void produce_rows(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
-                             const CombineShape& sh, const T* expert_out, const float* grad_probs) {
+                             const CombineShape& sh, const T* expert_out, const float* grad_probs,
+                             bool own_staged) {
   const int lane = threadIdx.x % kWarpSize;
   const int n_warps = gridDim.x * (blockDim.x / kWarpSize);
   const int warp = static_cast<int>(threadIdx.x / kWarpSize) * gridDim.x + blockIdx.x;
   RingView mine = RingView::combine(c.ws, c.local());
   int32_t* arrived = reinterpret_cast<int32_t*>(c.local() + c.ws.comb_arrived);
   int64_t acquired = -1;  // the last slot this warp checked (its tasks ascend, so chunks do)
-  int s = 0, s_first = 0;  // source of the current task, and its index of s's first task
-  const int total = h.task_off[c.world] - (h.task_off[c.rank + 1] - h.task_off[c.rank]);
+  TaskCursor cur;
+  const int total = produce_tasks(c, h, own_staged);
   constexpr int kStepElems = kWarpSize * kCombineVec * U;
   const int S = (sh.H + kStepElems - 1) / kStepElems;
   // Few tasks (a small call): warp w takes steps of part w / total of task w % total, so
@@ -149,13 +186,11 @@ __device__ void produce_rows(const CommContext& c, const HandleArrays& h, const 
   if (Ps > 1) part_steps(S, Ps, warp / max(total, 1), first_step, n_steps);
   const int n_items = Ps > 1 ? total * Ps : total;
   for (int item = warp; item < n_items; item += n_warps) {
+    // Ps > 1: at most one item per warp (items < n_warps), so i ascends either way.
     const int i = Ps > 1 ? item % total : item;
-    // Virtual task i -> (source s != me, task q of s): the sources' tasks back to back.
-    while (s == c.rank || i >= s_first + (h.task_off[s + 1] - h.task_off[s])) {
-      if (s != c.rank) s_first += h.task_off[s + 1] - h.task_off[s];
-      ++s;
-    }
-    const int q = i - s_first, j = q / sh.C;
+    int s, q;
+    cur.seek(c, h, i, s, q);
+    const int j = q / sh.C;
     const int n = h.task_off[s + 1] - h.task_off[s];
     const uint64_t g = sh.gen(s, j);
     const int64_t slot = sh.slot(s, j);
@@ -273,10 +308,12 @@ struct WarpRing {
   // Copies one piece (kConsumeUnroll groups at element v0 of this lane) of each of n rows into
   // the n slots from `dst`: lane r's `lane_base` is row r's address, so a row's copies are a
   // shuffle, one 64-bit add and unpredicated cp.asyncs with immediate offsets (dead groups are
-  // zero-filled). Returns the slot after them.
+  // zero-filled). E: the rows' element type (T for expert rows, P for staged partials). Returns
+  // the slot after them.
+  template <typename E = T>
   __device__ unsigned copy_rows(unsigned dst, unsigned long long lane_base, int n, int v0, int H) const {
     constexpr int Uc = kConsumeUnroll;
-    const unsigned voff = static_cast<unsigned>(v0) * sizeof(T);  // a row is far shorter than 4 GiB
+    const unsigned voff = static_cast<unsigned>(v0) * sizeof(E);  // a row is far shorter than 4 GiB
     bool live[Uc];
 #pragma unroll
     for (int u = 0; u < Uc; ++u) live[u] = group_live(v0, u, H);
@@ -284,9 +321,9 @@ struct WarpRing {
       const char* row = reinterpret_cast<const char*>(__shfl_sync(0xffffffffu, lane_base, j)) + voff;
 #pragma unroll
       for (int u = 0; u < Uc; ++u) {
-        const int4* src = reinterpret_cast<const int4*>(row + u * kWarpSize * kCombineVec * sizeof(T));
+        const int4* src = reinterpret_cast<const int4*>(row + u * kWarpSize * kCombineVec * sizeof(E));
 #pragma unroll
-        for (int w = 0; w < Raw8<T>::kVecs; ++w) cp_async_16_shared_if(dst + u * kGroupBytes + 16 * w, src + w, live[u]);
+        for (int w = 0; w < Raw8<E>::kVecs; ++w) cp_async_16_shared_if(dst + u * kGroupBytes + 16 * w, src + w, live[u]);
       }
       dst = next(dst, 1);
     }
@@ -294,14 +331,15 @@ struct WarpRing {
   }
   // acc += the n rows' piece in the n slots from `src` (row order). Every group is summed, live
   // or not: a dead group's words were zero-filled by its copy and its sums are never stored, so
-  // the loop needs no branch per group. Returns the slot after them.
+  // the loop needs no branch per group. E as in copy_rows. Returns the slot after them.
+  template <typename E = T>
   __device__ unsigned sum_rows(float (&acc)[kConsumeUnroll][kCombineVec], unsigned src, int n) const {
     for (int j = 0; j < n; ++j) {
 #pragma unroll
       for (int u = 0; u < kConsumeUnroll; ++u) {
-        Raw8<T> r;
+        Raw8<E> r;
         load_raw_shared(r, src + u * kGroupBytes);
-        add_raw<T>(acc[u], r);
+        add_raw<E>(acc[u], r);
       }
       src = next(src, 1);
     }
@@ -323,20 +361,6 @@ __device__ __forceinline__ int stream_rows(const int32_t* rows, int K, int64_t r
   return n > kMax ? -1 : n;
 }
 
-// Virtual remote task i (the tasks of every source but me, back to back) -> its source and its
-// index among that source's tasks. Calls must come with ascending i.
-struct RemoteTaskCursor {
-  int s = 0, s_first = 0;  // current source, and the virtual index of its first task
-  __device__ void seek(const CommContext& c, const HandleArrays& h, int i, int& src, int& q) {
-    while (s == c.rank || i >= s_first + (h.task_off[s + 1] - h.task_off[s])) {
-      if (s != c.rank) s_first += h.task_off[s + 1] - h.task_off[s];
-      ++s;
-    }
-    src = s;
-    q = i - s_first;
-  }
-};
-
 // Phased produce phase with the consume loop's row stream (NOTES.md, next experiment (C)): each
 // warp's tasks (i = warp, warp + n_warps, ...) are reduced piece by piece from its ring of
 // shared-memory slots, their rows copied in with cp.async as many pieces ahead as the ring
@@ -347,27 +371,50 @@ struct RemoteTaskCursor {
 template <typename T, typename P, int kOwnRows>
 __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
                                       const CombineShape& sh, const T* expert_out, const float* grad_probs,
-                                      int4* smem) {
+                                      int4* smem, bool own_staged) {
   using RS = RowStream<T, P>;
   constexpr int Uc = kConsumeUnroll;
   constexpr int kStepElems = kWarpSize * kCombineVec * Uc;
   const int lane = threadIdx.x % kWarpSize;
   const int n_warps = gridDim.x * (blockDim.x / kWarpSize);
   const int warp = static_cast<int>(threadIdx.x / kWarpSize) * gridDim.x + blockIdx.x;
-  const int total = h.task_off[c.world] - (h.task_off[c.rank + 1] - h.task_off[c.rank]);
+  const int total = produce_tasks(c, h, own_staged);
   const int S = (sh.H + kStepElems - 1) / kStepElems;
   if (split_factor(sh, n_warps, total, (sh.H + kWarpSize * kCombineVec * U - 1) / (kWarpSize * kCombineVec * U)) > 1) {
-    produce_rows<T, P>(c, h, a, sh, expert_out, grad_probs);
+    produce_rows<T, P>(c, h, a, sh, expert_out, grad_probs, own_staged);
     return;
   }
   RingView mine = RingView::combine(c.ws, c.local());
   int32_t* arrived = reinterpret_cast<int32_t*>(c.local() + c.ws.comb_arrived);
   const WarpRing<T, P> ring(smem);
-  const int n_mine = total > warp ? (total - warp + n_warps - 1) / n_warps : 0;
+  int n_mine = total > warp ? (total - warp + n_warps - 1) / n_warps : 0;
+  int first_task = warp, task_stride = n_warps, n_first = n_mine, second_task = 0;
+  if (sh.produce_runs) {
+    // Runs of consecutive tasks per warp: they share ring chunks, so the slot check, the fence
+    // and the arrival count are paid once per chunk of the run instead of once per task (NOTES
+    // #39). Two runs: one of the remote tasks, then one of my own (own_staged), so the peers'
+    // chunks are complete halfway through the phase; one run of all tasks left a 4-rank
+    // loopback group's consumers waiting for peers' chunks that completed only at their end.
+    auto run = [&](int n, int& first, int& len) {  // the first n % n_warps warps one more
+      const int base = n / n_warps, extra = n % n_warps;
+      len = base + (warp < extra ? 1 : 0);
+      first = warp * base + min(warp, extra);
+    };
+    const int n_remote = remote_tasks(c, h);
+    int n_second;
+    run(n_remote, first_task, n_first);
+    run(total - n_remote, second_task, n_second);
+    second_task += n_remote;
+    n_mine = n_first + n_second;
+    task_stride = 1;
+  }
+  auto virtual_task = [&](int k) {
+    return k < n_first ? first_task + k * task_stride : second_task + (k - n_first);
+  };
   auto task_rows = [&](int task) { return h.task_rows + static_cast<size_t>(task) * sh.K; };
 
   // ---- issue side: piece iss_st of my task iss_k is next; the ring's free slots start at iaddr.
-  RemoteTaskCursor icur;
+  TaskCursor icur;
   // ahead: pieces issued and not yet summed (one counter instead of the issued count minus the
   // piece index, whose product spilled in the consume loop's copy: NOTES #37).
   int ahead = 0, iss_k = 0, iss_st = 0, free_slots = RS::kSlots;
@@ -379,7 +426,7 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
       if (iss_k != ik) {  // plan the task once, when its first piece comes up
         ik = iss_k;
         int s, q, irow;
-        icur.seek(c, h, warp + iss_k * n_warps, s, q);
+        icur.seek(c, h, virtual_task(iss_k), s, q);
         const int n = stream_rows<RS::kMaxOwn>(task_rows(h.task_off[s] + q), sh.K, a.row_cap, irow);
         ibase = irow >= 0 ? reinterpret_cast<unsigned long long>(expert_out + static_cast<size_t>(irow) * sh.H) : 0;
         in_rows = n < 0 ? 0 : n;  // n < 0: too many rows for the ring, summed from global memory
@@ -398,13 +445,14 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
   try_issue();
 
   // ---- reduce side
-  RemoteTaskCursor ccur;
+  TaskCursor ccur;
   int64_t acquired = -1;  // the last slot this warp checked (its tasks ascend, so chunks do)
   unsigned caddr = ring.begin;
+  int arrivals = 0;       // tasks of the current chunk staged by this warp and not yet counted
   for (int k = 0; k < n_mine; ++k) {
     int s, q;
-    ccur.seek(c, h, warp + k * n_warps, s, q);
-    const int task = h.task_off[s] + q, j = q / sh.C;
+    ccur.seek(c, h, virtual_task(k), s, q);
+    const int task = h.task_off[s] + q, j = q / sh.C, n_s = h.task_off[s + 1] - h.task_off[s];
     const uint64_t g = sh.gen(s, j);
     const int64_t slot = sh.slot(s, j);
     if (slot != acquired) {
@@ -442,14 +490,20 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
       }
       reinterpret_cast<float*>(chunk + c.ws.comb_side_offset)[(q % sh.C) * sh.K + lane] = val;
     }
-    __syncwarp();
-    if (lane == 0) {
-      __threadfence();
-      const int rows_here = min(sh.C, (h.task_off[s + 1] - h.task_off[s]) - j * sh.C);
-      if (atomicAdd(arrived + slot, 1) + 1 == rows_here) {
-        arrived[slot] = 0;  // the slot's next generation counts from zero
-        ring_slot_publish(mine, slot, g, 1ull << s);
+    // Count this warp's tasks of the chunk once it moves on to another chunk (or ends): in a
+    // run that is once per chunk, in the strided order after every task.
+    ++arrivals;
+    if (!sh.produce_runs || k + 1 == n_mine || k + 1 == n_first || (q + 1) % sh.C == 0 || q + 1 == n_s) {
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence();
+        const int rows_here = min(sh.C, n_s - j * sh.C);
+        if (atomicAdd(arrived + slot, arrivals) + arrivals == rows_here) {
+          arrived[slot] = 0;  // the slot's next generation counts from zero
+          ring_slot_publish(mine, slot, g, 1ull << s);
+        }
       }
+      arrivals = 0;
     }
   }
   cp_async_wait<0>();  // the consume phase reuses the ring
@@ -747,6 +801,155 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   }
 }
 
+// Consumer warps of a phased call whose own partials were staged too (CombineShape::own_staged,
+// benchmarks/NOTES.md #38): the produce phase reduced my own tokens' rows into my ring like the
+// peers reduced theirs, so a token is its holders' partials (ranks in order, mine local, the
+// rest over NVLink) summed, nothing else. A piece is then one slot per holder (2 at world size
+// 2, so ~7 pieces in flight per warp instead of ~2 with ~4 own rows + 1 partial per piece), and
+// every piece costs one copy and one sum per slot. Bitwise the same as consume: each partial is
+// the same rows in the same order rounded once to P, and the sum runs from +0.0 in rank order.
+// Only for calls with at least one token per warp (the kernel decides: combine_transfer_kernel).
+// The issue side may wait for a partial to be staged: in a phased call every producer writes a
+// slot of this call at most once and waits only for earlier calls' readers, which have all
+// finished (their kernels came first on every rank), so waiting here cannot block a producer.
+template <typename T, typename P>
+__device__ void consume_staged(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+                               const CombineShape& sh, const Role& role, T* y, float* grad_w, int4* smem) {
+  constexpr int Uc = kConsumeUnroll;
+  constexpr int R = RowStream<T, P>::kSlots;
+  constexpr int kStepElems = kWarpSize * kCombineVec * Uc;
+  const int lane = threadIdx.x % kWarpSize;
+  const int n_warps = role.count * static_cast<int>(blockDim.x / kWarpSize);
+  const int warp = static_cast<int>(threadIdx.x / kWarpSize) * role.count + role.index();
+  const int W = c.world, me = c.rank;
+  const int S = (sh.H + kStepElems - 1) / kStepElems;
+  const int n_my = a.num_tokens;  // at least one per warp: calls split over warps keep consume
+  int n_tok = n_my > warp ? (n_my - warp + n_warps - 1) / n_warps : 0;
+  int first_tok = warp, tok_stride = n_warps;
+  if (sh.token_runs) {  // runs of consecutive tokens, as in consume (NOTES #33)
+    const int base = n_my / n_warps, extra = n_my % n_warps;
+    n_tok = base + (warp < extra ? 1 : 0);
+    first_tok = warp * base + min(warp, extra);
+    tok_stride = 1;
+  }
+  auto token_of = [&](int k) { return first_tok + k * tok_stride; };
+  // Lane d < W: q of token t for rank d (its index among my tokens sent to d), or -1.
+  auto lane_pos = [&](int t) { return lane < W ? h.send_index(c.ws.cfg, t, lane) : -1; };
+  const WarpRing<T, P> ring(smem);
+  SeenGens seen;
+
+  // Plans token t for the stream: lane j < n gets the address of its j-th holder's partial
+  // (ranks ascending), once each of those is staged (every lane acquires the flag itself before
+  // copying what it guards; the warp's cache skips chunks it already saw, in token order).
+  // Returns n, or -1 after a timeout or an abort.
+  auto plan = [&](int t, unsigned long long& lane_src) -> int {
+    const int q = lane_pos(t);
+    const unsigned holders = __ballot_sync(0xffffffffu, q >= 0);
+    for (unsigned m = holders; m != 0; m &= m - 1) {
+      const int d = __ffs(m) - 1;
+      const int qd = __shfl_sync(0xffffffffu, q, d);
+      const uint64_t g = sh.gen(me, qd / sh.C);
+      if (!seen.has(d, g)) {
+        const uint64_t* flag = RingView::combine(c.ws, c.peers.base[d]).ready + sh.slot(me, qd / sh.C);
+        if (!wait_geq(c, flag, g + 1, d, kWaitCombineReady, static_cast<int64_t>(g))) return -1;
+        seen.set(d, g);
+      }
+    }
+    const int n = __popc(holders);
+    const int d = lane < n ? __fns(holders, 0, lane + 1) : 0;
+    const int qd = __shfl_sync(0xffffffffu, q, d);
+    lane_src = lane < n ? reinterpret_cast<unsigned long long>(remote_partial<P>(c, sh, d, qd)) : 0;
+    return n;
+  };
+
+  // ---- issue side: token iss_k's step iss_st is next; the ring's free slots start at iaddr.
+  int ahead = 0, iss_k = 0, iss_st = 0, free_slots = R, ik = -1, in_n = 0, ck = 0;
+  bool failed = false;
+  unsigned iaddr = ring.begin;
+  unsigned long long ibase = 0;  // lane j: token ik's j-th partial
+  auto try_issue = [&]() {
+    while (iss_k < n_tok) {
+      if (iss_k - ck >= 32) return;  // tokens with no holders take no slot: bound the look-ahead
+      if (iss_k != ik) {
+        ik = iss_k;
+        in_n = plan(token_of(iss_k), ibase);
+        if (in_n < 0) {
+          failed = true;
+          return;
+        }
+      }
+      if (in_n > free_slots) return;
+      iaddr = ring.template copy_rows<P>(iaddr, ibase, in_n, iss_st * kStepElems + lane * kCombineVec, sh.H);
+      cp_async_commit();
+      free_slots -= in_n;
+      ++ahead;
+      if (++iss_st == S) {
+        iss_st = 0;
+        ++iss_k;
+      }
+    }
+  };
+  try_issue();
+
+  // ---- consume side
+  unsigned caddr = ring.begin;
+  for (int k = 0; k < n_tok && !failed; ++k) {
+    ck = k;
+    const int t = token_of(k);
+    const int q = lane_pos(t);
+    const unsigned holders = __ballot_sync(0xffffffffu, q >= 0);
+    const int n = __popc(holders);
+    for (int st = 0; st < S; ++st) {
+      const int v0 = st * kStepElems + lane * kCombineVec;
+      try_issue();  // this piece is issued (the ring is free by now), unless a wait failed
+      if (failed) break;
+      cp_async_wait_at_most(ahead - 1);
+      --ahead;
+      float acc[Uc][kCombineVec];
+      zero(acc);
+      caddr = ring.template sum_rows<P>(acc, caddr, n);  // rank order, from +0.0
+      free_slots += n;
+#pragma unroll
+      for (int u = 0; u < Uc; ++u)
+        if (group_live(v0, u, sh.H))
+          Vec8<T>::store(y + static_cast<size_t>(t) * sh.H + v0 + u * kWarpSize * kCombineVec, acc[u]);
+    }
+    if (failed) break;
+    if (grad_w != nullptr && lane < sh.K) {  // the prob gradients, in rank order
+      float val = 0.f;
+      for (unsigned m = holders; m != 0; m &= m - 1) {
+        const int d = __ffs(m) - 1;
+        const int qd = h.send_index(c.ws.cfg, t, d);
+        const char* chunk = c.peers.base[d] + c.ws.comb_ring +
+                            static_cast<int64_t>(sh.slot(me, qd / sh.C)) * c.ws.comb_chunk_bytes;
+        val += reinterpret_cast<const volatile float*>(chunk + c.ws.comb_side_offset)[(qd % sh.C) * sh.K + lane];
+      }
+      grad_w[static_cast<size_t>(t) * sh.K + lane] = val;
+    }
+    // MOK_COMBINE_RELEASE_AT_END=0: the last of my tokens in a (rank, chunk) frees that chunk of
+    // d's ring, my own included (otherwise the grid's last warp releases them all at the end).
+    __syncwarp();
+    if (!sh.release_at_end && lane == 0) {
+      const int64_t N = RingView::combine(c.ws, c.local()).num_chunks;
+      __threadfence();
+      for (unsigned m = holders; m != 0; m &= m - 1) {
+        const int d = __ffs(m) - 1;
+        const int j = h.send_index(c.ws.cfg, t, d) / sh.C;
+        const int64_t slot = sh.slot(me, j);
+        const int expected = min(sh.C, h.send_count[d] - j * sh.C);
+        int32_t* done = RingView::combine(c.ws, c.local()).done + static_cast<size_t>(d) * N + slot;
+        if (atomicAdd(done, 1) + 1 == expected) {
+          *done = 0;
+          __threadfence_system();
+          RingView theirs = RingView::combine(c.ws, c.peers.base[d]);
+          st_release_sys(theirs.released + static_cast<size_t>(me) * N + slot, sh.gen(me, j) + 1);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
 // The split variant is a separate instance so that the usual path (at least one token per
 // warp) keeps its registers: the split's extra live values cost the big calls spills.
 template <typename T, typename P, int kOwnRows>
@@ -767,11 +970,12 @@ __device__ __forceinline__ void consume_any(const CommContext& c, const HandleAr
 // once, instead of a fence (waiting for the token's y stores) and an atomic round trip per
 // token and remote rank on the consume loop's path (NOTES #36; #30 did the same for the
 // dispatch). A peer's next call may then stage into those slots.
-__device__ void release_partial_chunks(const CommContext& c, const HandleArrays& h, const CombineShape& sh) {
+__device__ void release_partial_chunks(const CommContext& c, const HandleArrays& h, const CombineShape& sh,
+                                       bool own_staged) {
   if (!begin_call_release(c)) return;
   const int me = c.rank;
   for (int d = 0; d < c.world; ++d) {
-    if (d == me) continue;
+    if (d == me && !own_staged) continue;  // my own partials, when staged, are in my ring
     const int n_chunks = (h.send_count[d] + sh.C - 1) / sh.C;  // chunks of my partials in d's ring
     RingView theirs = RingView::combine(c.ws, c.peers.base[d]);
     for (int j = threadIdx.x % kWarpSize; j < n_chunks; j += kWarpSize)
@@ -789,15 +993,27 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   sh.start(c.counters()->comb_seq);
   trace_warp(c, true);
   int4* stream = smem;
+  // Own partials staged (a choice each rank makes for itself: only it reads them) when a token's
+  // holders fit in the ring, one slot each per piece (world <= 14, or 7 with fp32 partials), and
+  // the call has at least one token per warp: a call split over warps (128 tokens) would give
+  // each warp a whole task of twice the produce phase's tasks instead of part of one, and
+  // measured slower (NOTES #38).
+  constexpr int kStepElems = kWarpSize * kCombineVec * kConsumeUnroll;
+  const bool own_staged = sh.phased && sh.own_staged && c.world <= RowStream<T, P>::kSlots &&
+                          split_factor(sh, static_cast<int>(gridDim.x * (blockDim.x / kWarpSize)), a.num_tokens,
+                                       (sh.H + kStepElems - 1) / kStepElems) == 1;
   if (sh.phased) {
     // The whole call fits in the ring, so producing never waits for this call's consumers:
     // every block reduces its share of the remote tasks first, then sums its share of my
     // tokens, by which time the peers' partials are (mostly) staged. No block idles while
     // the other role is the bottleneck, and the partial stream rarely finds a chunk unready.
     const Role all{0, static_cast<int>(gridDim.x)};
-    produce_rows_streamed<T, P, kOwnRows>(c, h, a, sh, expert_out, grad_probs, stream);
+    produce_rows_streamed<T, P, kOwnRows>(c, h, a, sh, expert_out, grad_probs, stream, own_staged);
     trace_phase_end(c);
-    consume_any<T, P, kOwnRows>(c, h, a, sh, all, expert_out, grad_probs, y, grad_w, stream);
+    if (own_staged)
+      consume_staged<T, P>(c, h, a, sh, all, y, grad_w, stream);
+    else
+      consume_any<T, P, kOwnRows>(c, h, a, sh, all, expert_out, grad_probs, y, grad_w, stream);
   } else if (static_cast<int>(blockIdx.x) < a.num_producers) {
     // A call larger than the ring: producers must run alongside the consumers that free slots.
     produce_chunks<T, P>(c, h, a, sh, Role{0, a.num_producers}, expert_out, grad_probs);
@@ -807,7 +1023,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   }
   trace_warp(c, false);
   if (warp_done_advance(&c.counters()->comb_warps_done, &c.counters()->comb_seq) && sh.release_at_end)
-    release_partial_chunks(c, h, sh);
+    release_partial_chunks(c, h, sh, own_staged);
 }
 
 template <typename T, typename P>
@@ -859,6 +1075,10 @@ cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
   sh.token_runs = sh.phased && !env_off("MOK_COMBINE_TOKEN_RUNS");
   // MOK_COMBINE_RELEASE_AT_END=0: phased consumers release chunks per token (NOTES #36).
   sh.release_at_end = sh.phased && !env_off("MOK_COMBINE_RELEASE_AT_END");
+  // MOK_COMBINE_PRODUCE_RUNS=0: the streamed produce phase takes every n_warps-th task (NOTES #39).
+  sh.produce_runs = sh.phased && !env_off("MOK_COMBINE_PRODUCE_RUNS");
+  // MOK_COMBINE_OWN_STAGED=0: phased consumers sum their own rows in the consume loop (NOTES #38).
+  sh.own_staged = sh.phased && c.world > 1 && !env_off("MOK_COMBINE_OWN_STAGED");
   switch (dtype_code) {
     case kBF16:
       return launch_partial<__nv_bfloat16>(partial_code, c, h, t, sh, expert_out, grad_probs, y, grad_w, s);
