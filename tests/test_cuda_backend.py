@@ -578,7 +578,9 @@ def _streamed_produce_calls(rank, world_size, backend="cuda", num_sms=2):
     rather than splitting them: H = 1288 (3 pieces per task, the last one partial, so dead
     groups are zero-filled), tasks with 0..K rows, K = 16 with duplicates (tasks with more rows
     than the ring streams, summed from global memory in the same loop), a rank with no tokens,
-    token-dtype and fp32 partials; forward and backward against the reference, bitwise."""
+    token-dtype and fp32 partials; forward and backward against the reference, bitwise. A rank
+    with more tokens than warps also stages its own partials in the produce phase (NOTES #38),
+    so the same calls cover the consume loop that only sums partials (prob gradients too)."""
     dev = _device_for(rank)
     warps = num_sms * 16                        # kCombineThreads / 32 warps per block
     H, dtype = 1288, torch.bfloat16
@@ -602,6 +604,9 @@ def _streamed_produce_calls(rank, world_size, backend="cuda", num_sms=2):
             tasks = [sum(int((hits[d][s] > 0).sum()) for s in range(world_size) if s != d) for d in range(world_size)]
             if t > 0:
                 assert max(tasks) > warps, f"call {i}: remote tasks per rank {tasks}, not more than {warps} warps"
+                # At least one token per warp on a rank: its own partials are staged by the
+                # produce phase and its consumers only sum partials (NOTES #38, on by default).
+                assert max(T_all) > warps, f"call {i}: tokens {T_all}, no rank with more than {warps}"
             if K == 16:
                 assert max(int(h.max()) for d in range(world_size) for s, h in enumerate(hits[d])
                            if s != d and h.numel()) > 8, f"call {i}: no task with more than 8 rows"
