@@ -347,6 +347,29 @@ struct WarpRing {
   }
 };
 
+// The issue side of a warp's stream: the next piece is step `st` of item `k` (a task or a token of
+// S steps), `ahead` pieces are issued and not yet summed, the ring's free slots start at `addr`.
+struct StreamIssue {
+  int k = 0, st = 0, ahead = 0, free_slots;
+  unsigned addr;
+  template <typename Ring>
+  __device__ explicit StreamIssue(const Ring& ring) : free_slots(Ring::kSlots), addr(ring.begin) {}
+  // Copies the next piece of n rows (lane j: row j's address) of element type E, commits it as
+  // one group and moves on to the following piece.
+  template <typename E, typename Ring>
+  __device__ __forceinline__ void piece(const Ring& ring, unsigned long long lane_base, int n, int S, int H) {
+    addr = ring.template copy_rows<E>(addr, lane_base, n, st * kWarpSize * kCombineVec * kConsumeUnroll +
+                                                               static_cast<int>(threadIdx.x % kWarpSize) * kCombineVec, H);
+    cp_async_commit();
+    free_slots -= n;
+    ++ahead;
+    if (++st == S) {
+      st = 0;
+      ++k;
+    }
+  }
+};
+
 // The own rows of one of my tokens as the stream takes them, read by the whole warp at once:
 // lane r gets row r in `lane_row`. The live rows (0 <= row < row_cap) are a prefix (rows are
 // packed first and ascend), so these are the rows sum_rows adds, in its order. Returns their
@@ -413,33 +436,23 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
   };
   auto task_rows = [&](int task) { return h.task_rows + static_cast<size_t>(task) * sh.K; };
 
-  // ---- issue side: piece iss_st of my task iss_k is next; the ring's free slots start at iaddr.
+  // ---- issue side (StreamIssue: piece is.st of my task is.k is next)
   TaskCursor icur;
-  // ahead: pieces issued and not yet summed (one counter instead of the issued count minus the
-  // piece index, whose product spilled in the consume loop's copy: NOTES #37).
-  int ahead = 0, iss_k = 0, iss_st = 0, free_slots = RS::kSlots;
-  unsigned iaddr = ring.begin;
+  StreamIssue is(ring);
   int ik = -1, in_rows = 0;    // task whose plan is below, and its rows streamed
   unsigned long long ibase = 0; // lane r: the address of that task's row r
   auto try_issue = [&]() {
-    while (iss_k < n_mine) {
-      if (iss_k != ik) {  // plan the task once, when its first piece comes up
-        ik = iss_k;
+    while (is.k < n_mine) {
+      if (is.k != ik) {  // plan the task once, when its first piece comes up
+        ik = is.k;
         int s, q, irow;
-        icur.seek(c, h, virtual_task(iss_k), s, q);
+        icur.seek(c, h, virtual_task(is.k), s, q);
         const int n = stream_rows<RS::kMaxOwn>(task_rows(h.task_off[s] + q), sh.K, a.row_cap, irow);
         ibase = irow >= 0 ? reinterpret_cast<unsigned long long>(expert_out + static_cast<size_t>(irow) * sh.H) : 0;
         in_rows = n < 0 ? 0 : n;  // n < 0: too many rows for the ring, summed from global memory
       }
-      if (in_rows > free_slots) return;
-      iaddr = ring.copy_rows(iaddr, ibase, in_rows, iss_st * kStepElems + lane * kCombineVec, sh.H);
-      cp_async_commit();
-      free_slots -= in_rows;
-      ++ahead;
-      if (++iss_st == S) {
-        iss_st = 0;
-        ++iss_k;
-      }
+      if (in_rows > is.free_slots) return;
+      is.piece<T>(ring, ibase, in_rows, S, sh.H);
     }
   };
   try_issue();
@@ -467,13 +480,13 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
     for (int st = 0; st < S; ++st) {
       const int v0 = st * kStepElems + lane * kCombineVec;
       try_issue();  // this piece is issued (the ring is free by now)
-      cp_async_wait_at_most(ahead - 1);  // it has landed; the ahead - 1 after it may be in flight
-      --ahead;
+      cp_async_wait_at_most(is.ahead - 1);  // it has landed; the ahead - 1 after it may be in flight
+      --is.ahead;
       float acc[Uc][kCombineVec];
       zero(acc);
       if (n_rows >= 0) {
         caddr = ring.sum_rows(acc, caddr, n_rows);
-        free_slots += n_rows;
+        is.free_slots += n_rows;
       } else {
         sum_rows<T, kOwnRows>(acc, expert_out, rows, sh.K, a.row_cap, v0, sh.H);
       }
@@ -816,7 +829,6 @@ template <typename T, typename P>
 __device__ void consume_staged(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
                                const CombineShape& sh, const Role& role, T* y, float* grad_w, int4* smem) {
   constexpr int Uc = kConsumeUnroll;
-  constexpr int R = RowStream<T, P>::kSlots;
   constexpr int kStepElems = kWarpSize * kCombineVec * Uc;
   const int lane = threadIdx.x % kWarpSize;
   const int n_warps = role.count * static_cast<int>(blockDim.x / kWarpSize);
@@ -862,31 +874,24 @@ __device__ void consume_staged(const CommContext& c, const HandleArrays& h, cons
     return n;
   };
 
-  // ---- issue side: token iss_k's step iss_st is next; the ring's free slots start at iaddr.
-  int ahead = 0, iss_k = 0, iss_st = 0, free_slots = R, ik = -1, in_n = 0, ck = 0;
+  // ---- issue side (StreamIssue: piece is.st of token is.k is next)
+  StreamIssue is(ring);
+  int ik = -1, in_n = 0, ck = 0;
   bool failed = false;
-  unsigned iaddr = ring.begin;
   unsigned long long ibase = 0;  // lane j: token ik's j-th partial
   auto try_issue = [&]() {
-    while (iss_k < n_tok) {
-      if (iss_k - ck >= 32) return;  // tokens with no holders take no slot: bound the look-ahead
-      if (iss_k != ik) {
-        ik = iss_k;
-        in_n = plan(token_of(iss_k), ibase);
+    while (is.k < n_tok) {
+      if (is.k - ck >= 32) return;  // tokens with no holders take no slot: bound the look-ahead
+      if (is.k != ik) {
+        ik = is.k;
+        in_n = plan(token_of(is.k), ibase);
         if (in_n < 0) {
           failed = true;
           return;
         }
       }
-      if (in_n > free_slots) return;
-      iaddr = ring.template copy_rows<P>(iaddr, ibase, in_n, iss_st * kStepElems + lane * kCombineVec, sh.H);
-      cp_async_commit();
-      free_slots -= in_n;
-      ++ahead;
-      if (++iss_st == S) {
-        iss_st = 0;
-        ++iss_k;
-      }
+      if (in_n > is.free_slots) return;
+      is.piece<P>(ring, ibase, in_n, S, sh.H);
     }
   };
   try_issue();
@@ -903,12 +908,12 @@ __device__ void consume_staged(const CommContext& c, const HandleArrays& h, cons
       const int v0 = st * kStepElems + lane * kCombineVec;
       try_issue();  // this piece is issued (the ring is free by now), unless a wait failed
       if (failed) break;
-      cp_async_wait_at_most(ahead - 1);
-      --ahead;
+      cp_async_wait_at_most(is.ahead - 1);
+      --is.ahead;
       float acc[Uc][kCombineVec];
       zero(acc);
       caddr = ring.template sum_rows<P>(acc, caddr, n);  // rank order, from +0.0
-      free_slots += n;
+      is.free_slots += n;
 #pragma unroll
       for (int u = 0; u < Uc; ++u)
         if (group_live(v0, u, sh.H))
