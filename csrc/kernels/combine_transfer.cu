@@ -4,10 +4,11 @@
 //            (fp32 from +0.0), round once to the partial dtype, and stage the partial in my
 //            combine ring, in s's region, at the token's index among s's tokens that come
 //            here (s knows that index: send_pos). Optional side values carry the prob
-//            gradients of the task's slots.
+//            gradients of the task's slots. Phased calls with a token per warp (own_staged)
+//            stage my own tokens' partials the same way, in my region.
 //   consume  one of my tokens at a time: for every rank d holding rows of it, in rank order,
-//            add d's partial (pulled over NVLink, or reduced right here when d is me) in fp32;
-//            round once to the output dtype.
+//            add d's partial (pulled over NVLink, read from my ring when d is me and it was
+//            staged, or else reduced right here) in fp32; round once to the output dtype.
 // Schedule: when the call fits in the ring, every block produces, then consumes ("phased");
 // otherwise producer and consumer blocks run side by side (docs/DESIGN.md, "One combine").
 // No floating-point atomics: every sum has one fixed order, so results are bitwise stable.
