@@ -63,8 +63,9 @@ __global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, 
   const int t_end = min(T, (j + 1) * C);
   for (int i = threadIdx.x; i < C; i += blockDim.x) token_ranks[i] = 0;
   __syncthreads();
-  const int64_t s0 = static_cast<int64_t>(j) * C * K, n_slots = static_cast<int64_t>(max(0, t_end - j * C)) * K;
-  for (int64_t i = threadIdx.x; i < n_slots; i += blockDim.x) {
+  const int64_t s0 = static_cast<int64_t>(j) * C * K;  // the chunk's first slot
+  const int n_slots = max(0, t_end - j * C) * K;        // 32-bit: i / K below is no subroutine
+  for (int i = threadIdx.x; i < n_slots; i += blockDim.x) {
     int64_t e = read_expert(r, s0 + i);
     const float wt = r.topk_weights[s0 + i];
     if (e < -1 || e >= r.num_experts) {
