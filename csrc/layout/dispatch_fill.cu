@@ -7,6 +7,11 @@
 namespace mok {
 namespace {
 
+// Shared-memory stride between the k-columns of the fill's slot arrays: the chunk's tokens
+// rounded up to an odd count, so phase 1's writes (consecutive slots = K columns x a few
+// tokens) spread over the banks too.
+__host__ __device__ inline int fill_slot_stride(int C) { return C | 1; }
+
 __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleArrays h,
                                                           RoutingArgs r, RowOutputs out) {
   extern __shared__ int smem[];
@@ -16,11 +21,15 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
   const int cpc = HandleArrays::chunks_per_call(ws.cfg);
   const uint64_t meta_seq = c.counters()->meta_seq;
   const int slot = static_cast<int>(meta_seq % ws.cfg.meta_slots);
+  // Slot (token j, k) of the chunk's rows and local experts is at k * Cs + j (slot-major, odd
+  // stride): phase 2's lanes are tokens, so a warp reading one k reads 32 consecutive words (the
+  // token-major j * K + k had 8 lanes per bank at K = 8, and phase 2 reads K^2 of them per lane).
+  const int Cs = fill_slot_stride(C);
   int* next_row = smem;              // [E_local] rows handed out so far per expert
   int* first_row = smem + E_local;   // [E_local] first row of (expert, s, chunk)
-  int* slot_row = first_row + E_local;  // [C*K]
-  int* slot_e = slot_row + C * K;    // [C*K]
-  int* chunk_idx = slot_e + C * K;   // [C*K] this chunk's routing, copied once from the peer
+  int* slot_row = first_row + E_local;  // [K * Cs]
+  int* slot_e = slot_row + K * Cs;   // [K * Cs]
+  int* chunk_idx = slot_e + K * Cs;  // [C*K] this chunk's routing, copied once from the peer
   float* chunk_w = reinterpret_cast<float*>(chunk_idx + C * K);  // [C*K]
   if (aborted(c)) return;
 
@@ -66,8 +75,8 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
     }
     __syncwarp();
     if (valid) {
-      slot_row[i] = row;
-      slot_e[i] = e;
+      slot_row[(i % K) * Cs + i / K] = row;
+      slot_e[(i % K) * Cs + i / K] = e;
     }
     if (row >= 0 && row < out.row_cap) {
       out.src_rank[row] = s;
@@ -84,20 +93,20 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
     const int j = base + lane;
     bool has = false;
     if (j < n_tok)
-      for (int k = 0; k < K; ++k) has |= slot_e[j * K + k] >= 0;
+      for (int k = 0; k < K; ++k) has |= slot_e[k * Cs + j] >= 0;
     const unsigned ballot = __ballot_sync(0xffffffffu, has);
     if (has) {
       const int my_task = task + __popc(ballot & lanemask_lt());
       int n = 0;
       for (int k = 0; k < K; ++k) {
-        const int e = slot_e[j * K + k];
+        const int e = slot_e[k * Cs + j];
         if (e < 0) continue;
         int pos = 0;  // stable rank by expert: K is small, so O(K^2) beats a sort
         for (int k2 = 0; k2 < K; ++k2) {
-          const int e2 = slot_e[j * K + k2];
+          const int e2 = slot_e[k2 * Cs + j];
           pos += (e2 >= 0) && (e2 < e || (e2 == e && k2 < k));
         }
-        h.task_rows[static_cast<size_t>(my_task) * K + pos] = slot_row[j * K + k];
+        h.task_rows[static_cast<size_t>(my_task) * K + pos] = slot_row[k * Cs + j];
         h.task_k[static_cast<size_t>(my_task) * K + pos] = k;
         ++n;
       }
@@ -140,7 +149,8 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
 cudaError_t launch_dispatch_fill(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
                                  const RowOutputs& out, cudaStream_t s) {
   const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
-  const size_t smem = (2 * c.ws.cfg.num_local_experts + 4 * c.ws.cfg.chunk_tokens * c.ws.cfg.topk) * sizeof(int);
+  const int C = c.ws.cfg.chunk_tokens, K = c.ws.cfg.topk;
+  const size_t smem = (2 * c.ws.cfg.num_local_experts + 2 * fill_slot_stride(C) * K + 2 * C * K) * sizeof(int);
   fill_kernel<<<dim3(cpc, c.world), kWarpSize, smem, s>>>(c, h, r, out);
   return cudaGetLastError();
 }

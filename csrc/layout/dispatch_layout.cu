@@ -24,6 +24,7 @@ __global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, 
                                                                   RoutingArgs r) {
   using Scan = cub::BlockScan<int, kLayoutThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
+  extern __shared__ unsigned long long token_ranks[];  // [C] ranks holding rows of each token
   __shared__ unsigned long long readers;
   __shared__ int chunk_count[kMaxRanks];
   __shared__ bool ok, last;
@@ -54,23 +55,33 @@ __global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, 
 
   // Phase 2: copy this chunk's routing into the slot (ids checked), and its send-side layout:
   // for each destination d, the index of each token among this chunk's tokens that go to d.
+  // The copy goes one (token, k) slot per thread, so every thread's loads are independent and
+  // coalesced (a thread per token walked its K slots one dependent load after another: NOTES
+  // #41); each slot marks its rank in the token's mask in shared memory.
   int32_t* m_idx = ws.meta_idx_at(me, slot);
   float* m_w = ws.meta_weights_at(me, slot);
   const int t_end = min(T, (j + 1) * C);
+  for (int i = threadIdx.x; i < C; i += blockDim.x) token_ranks[i] = 0;
+  __syncthreads();
+  const int64_t s0 = static_cast<int64_t>(j) * C * K;  // the chunk's first slot
+  const int n_slots = max(0, t_end - j * C) * K;        // 32-bit: i / K below is no subroutine
+  for (int i = threadIdx.x; i < n_slots; i += blockDim.x) {
+    int64_t e = read_expert(r, s0 + i);
+    const float wt = r.topk_weights[s0 + i];
+    if (e < -1 || e >= r.num_experts) {
+      report_error(c, kBadExpert, -1, kWaitNone, s0 + i);
+      e = -1;
+    }
+    m_idx[s0 + i] = static_cast<int32_t>(e);
+    m_w[s0 + i] = wt;
+    if (e >= 0) atomicOr(&token_ranks[i / K], 1ull << (e / E_local));
+  }
+  __syncthreads();
   for (int base = j * C; base < (j + 1) * C; base += blockDim.x) {
     const int t = base + threadIdx.x;
     uint64_t mask = 0;
     if (t < t_end) {
-      for (int k = 0; k < K; ++k) {
-        int64_t e = read_expert(r, static_cast<int64_t>(t) * K + k);
-        if (e < -1 || e >= r.num_experts) {
-          report_error(c, kBadExpert, -1, kWaitNone, static_cast<int64_t>(t) * K + k);
-          e = -1;
-        }
-        m_idx[t * K + k] = static_cast<int32_t>(e);
-        m_w[t * K + k] = r.topk_weights[t * K + k];
-        if (e >= 0) mask |= 1ull << (e / E_local);
-      }
+      mask = token_ranks[t - j * C];
       const uint64_t remote = mask & ~(1ull << c.rank);
       if (remote) atomicOr(&readers, static_cast<unsigned long long>(remote));
     }
@@ -98,15 +109,20 @@ __global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, 
   __syncthreads();
   if (!last) return;
   __threadfence();
-  if (threadIdx.x < W) {
-    const int d = threadIdx.x;
-    int run = 0;
-    for (int jj = 0; jj < static_cast<int>(gridDim.x); ++jj) {
-      const int n = h.send_base[jj * W + d];
-      h.send_base[jj * W + d] = run;
-      run += n;
+  // Exclusive prefix over the chunks, per destination: a block scan per tile of chunks (one
+  // thread walking all chunks was a chain of dependent loads and stores, ~6 us at 64 chunks).
+  for (int d = 0; d < W; ++d) {
+    int carry = 0;  // the same value in every thread
+    for (int base = 0; base < static_cast<int>(gridDim.x); base += blockDim.x) {
+      const int jj = base + threadIdx.x;
+      const int n = jj < static_cast<int>(gridDim.x) ? h.send_base[jj * W + d] : 0;
+      int pos, total;
+      Scan(scan_tmp).ExclusiveSum(n, pos, total);
+      if (jj < static_cast<int>(gridDim.x)) h.send_base[jj * W + d] = carry + pos;
+      carry += total;
+      __syncthreads();  // scan_tmp is reused
     }
-    h.send_count[d] = run;
+    if (threadIdx.x == 0) h.send_count[d] = carry;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -269,7 +285,7 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, Handl
 cudaError_t launch_dispatch_layout(const CommContext& c, const HandleArrays& h,
                                    const RoutingArgs& r, const RowOutputs& out, cudaStream_t s) {
   const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
-  publish_kernel<<<cpc, kLayoutThreads, 0, s>>>(c, h, r);
+  publish_kernel<<<cpc, kLayoutThreads, c.ws.cfg.chunk_tokens * sizeof(unsigned long long), s>>>(c, h, r);
   const size_t count_smem = (c.ws.cfg.num_local_experts + c.ws.cfg.chunk_tokens * c.ws.cfg.topk) * sizeof(int);
   count_kernel<<<dim3(cpc, c.world), kLayoutThreads, count_smem, s>>>(c, h, r);
   scan_kernel<<<1, kScanThreads, 0, s>>>(c, h, out, r.spec_cap >= 0 ? 1 : 0);
