@@ -641,9 +641,51 @@ def _scan_tiles_calls(rank, world_size, backend="cuda"):
     return True
 
 
+# Threads of a fill block (csrc/include/mok/config.h kFillThreads): a chunk with more
+# (token, k) slots than this takes several passes of the fill's row and task phases.
+FILL_THREADS = 512
+# (top-k, MOK_CHUNK_TOKENS) whose full chunks need several fill passes: 64 x 16 = 1024 and
+# 64 x 32 = 2048 slots (2 and 4 passes of each phase), 100 x 8 = 800 slots (2 of each).
+FILL_PASS_CONFIGS = [(16, None), (32, None), (8, "100")]
+
+
+def _fill_passes_calls(rank, world_size, K, chunk_tokens, backend="cuda"):
+    """Chunks with more (token, k) slots than a fill block has threads, so the fill hands out
+    rows and writes tasks in several passes (the running row of each expert and the task
+    number carried between them): full and partial chunks, tokens per rank not multiples of
+    anything, a token's slots on one expert, skewed, unrouted and all-to-one routing, one
+    rank nearly empty; forward and backward against the reference, bitwise."""
+    if chunk_tokens is not None:
+        os.environ["MOK_CHUNK_TOKENS"] = chunk_tokens
+    C = int(chunk_tokens or 64)
+    assert C * K > FILL_THREADS and (FILL_THREADS // K) < C, (C, K)
+    dev = _device_for(rank)
+    H, dtype, E_local, T_max = 16, torch.bfloat16, 40, 3 * C + 17
+    E = E_local * world_size
+    buf = mok_buffer(E, H, K, T_max, dtype, backend, dev, timeout_s=30)
+    ref = mok_buffer(E, H, K, T_max, dtype, "reference", dev)
+    calls = [([T_max] + [T_max - 29] * (world_size - 1), "duplicate"),
+             ([1] + [2 * C + 5] * (world_size - 1), "skewed"),
+             ([T_max - 11 * r - 3 for r in range(world_size)], "unrouted"),
+             ([C + 1 + r for r in range(world_size)], "one_expert")]
+    for i, (T_all, case) in enumerate(calls):
+        assert max(T_all) >= C, T_all  # at least one full chunk somewhere
+        inputs = make_inputs(700 + i, world_size, T_all, E, H, K, dtype, case=case, device=dev)
+        assert_same_results(full_pass(buf, *inputs[rank], i), full_pass(ref, *inputs[rank], i),
+                            f"fill passes call {i} K={K} C={C} T={T_all} {case} rank {rank}")
+    _check_and_destroy(buf, ref)
+    return True
+
+
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
 def test_cuda_layout_scan_over_tiles_matches_reference(world_size):
     run_distributed(_scan_tiles_calls, world_size, backend="nccl", timeout=300)
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+@pytest.mark.parametrize("K,chunk_tokens", FILL_PASS_CONFIGS)
+def test_cuda_layout_fill_in_passes_matches_reference(K, chunk_tokens, world_size):
+    run_distributed(_fill_passes_calls, world_size, K, chunk_tokens, backend="nccl", timeout=300)
 
 
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness import run_loopback
-from test_cuda_backend import (ALT_SCHEDULES, CASE_NAMES, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
+from test_cuda_backend import (ALT_SCHEDULES, CASE_NAMES, FILL_PASS_CONFIGS, _fill_passes_calls, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
                                _missing_peer, _overflow_cuda, _repeats_and_sms, _ring_wrap,
                                _ring_reused_every_call, _scan_tiles_calls, _speculative_calls, _speculative_mismatch,
                                _split_calls, _static_cuda, _streamed_produce_calls)
@@ -115,6 +115,15 @@ def test_loopback_streamed_produce_matches_reference(world_size):
 @pytest.mark.parametrize("world_size", (3, 4))
 def test_loopback_layout_scan_over_tiles_matches_reference(world_size):
     run_loopback(_scan_tiles_calls, world_size, timeout=300)
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("K,chunk_tokens", FILL_PASS_CONFIGS)
+def test_loopback_layout_fill_in_passes_matches_reference(K, chunk_tokens, world_size, monkeypatch):
+    if chunk_tokens is not None:  # every loopback rank is a thread of this process
+        monkeypatch.setenv("MOK_CHUNK_TOKENS", chunk_tokens)
+    run_loopback(_fill_passes_calls, world_size, K, chunk_tokens, timeout=300)
 
 
 @gpu

@@ -1,128 +1,151 @@
-// Fill step of the dispatch layout: one warp per (source, chunk) walks the chunk's slots in
-// (token, k) order, so rows get their contract order without any sort, then writes the
-// chunk's tasks (one per token with rows here). The last chunk of a source releases that
-// source's routing slot (a remote store: "done reading your routing").
+// Fill step of the dispatch layout: one block per (source, chunk), one (token, k) slot per
+// thread. Rows get their contract order ((token, k) within the chunk, per local expert) from
+// ranks, not a walk: a slot's row is its expert's first row in the chunk + the slots of that
+// expert in earlier warps (a per-expert prefix over the block's warps) + the slots of that
+// expert before it in its warp (__match_any_sync). Then the chunk's tasks (one per token with
+// rows here), one slot per thread again. The last block of a source releases that source's
+// routing slot (a remote store: "done reading your routing").
+//
+// Why not one warp walking the chunk (the version before #42): that walk was a chain of
+// dependent shared-memory steps (16 for 512 slots, then K^2 reads per token), ~14-16 us per
+// chunk at every call size, the largest layout kernel (NOTES (U), (W)).
+#include <cub/block/block_scan.cuh>
+
 #include "mok/launch.h"
 
 namespace mok {
 namespace {
 
-// Shared-memory stride between the k-columns of the fill's slot arrays: the chunk's tokens
-// rounded up to an odd count, so phase 1's writes (consecutive slots = K columns x a few
-// tokens) spread over the banks too.
-__host__ __device__ inline int fill_slot_stride(int C) { return C | 1; }
+constexpr int kFillWarps = kFillThreads / kWarpSize;
 
-__global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleArrays h,
-                                                          RoutingArgs r, RowOutputs out) {
+// Dynamic shared memory of a fill block, in ints: the experts' running rows, the per-warp
+// expert counts (then their prefixes) and the chunk's slot arrays.
+__host__ __device__ inline size_t fill_smem_ints(int E_local, int C, int K) {
+  return static_cast<size_t>(E_local) * (1 + kFillWarps) + 2 * static_cast<size_t>(C) * K;
+}
+
+__global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, HandleArrays h,
+                                                             RoutingArgs r, RowOutputs out) {
+  using Scan = cub::BlockScan<int, kFillThreads>;
   extern __shared__ int smem[];
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int token_task[kFillThreads];  // a tile's tokens: task index within the tile
+  __shared__ bool stop;
   const Workspace& ws = c.ws;
-  const int chunk = blockIdx.x, s = blockIdx.y, lane = threadIdx.x;
+  const int chunk = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, warp = tid / kWarpSize;
   const int K = ws.cfg.topk, C = ws.cfg.chunk_tokens, E_local = ws.cfg.num_local_experts;
   const int cpc = HandleArrays::chunks_per_call(ws.cfg);
   const uint64_t meta_seq = c.counters()->meta_seq;
   const int slot = static_cast<int>(meta_seq % ws.cfg.meta_slots);
-  // Slot (token j, k) of the chunk's rows and local experts is at k * Cs + j (slot-major, odd
-  // stride): phase 2's lanes are tokens, so a warp reading one k reads 32 consecutive words (the
-  // token-major j * K + k had 8 lanes per bank at K = 8, and phase 2 reads K^2 of them per lane).
-  const int Cs = fill_slot_stride(C);
-  int* next_row = smem;              // [E_local] rows handed out so far per expert
-  int* first_row = smem + E_local;   // [E_local] first row of (expert, s, chunk)
-  int* slot_row = first_row + E_local;  // [K * Cs]
-  int* slot_e = slot_row + K * Cs;   // [K * Cs]
-  int* chunk_idx = slot_e + K * Cs;  // [C*K] this chunk's routing, copied once from the peer
-  float* chunk_w = reinterpret_cast<float*>(chunk_idx + C * K);  // [C*K]
-  if (aborted(c)) return;
+  int* expert_row = smem;                          // [E_local] next row of each local expert
+  int* warp_row = expert_row + E_local;            // [kFillWarps][E_local] counts, then first rows
+  int* slot_e = warp_row + kFillWarps * E_local;   // [C * K] local expert of slot (j, k), or -1
+  int* slot_row = slot_e + C * K;                  // [C * K] its row, or -1
+  if (tid == 0) stop = aborted(c);
 
   char* peer = c.peers.base[s];
   const int32_t* idx = ws.meta_idx_at(peer, slot);
   const float* w = ws.meta_weights_at(peer, slot);
   const int lo = c.rank * E_local;
   const int t0 = chunk * C;
-  const int t1 = min(h.src_count[s], t0 + C);
-  const int n_tok = max(0, t1 - t0);
+  const int n_tok = max(0, min(h.src_count[s], t0 + C) - t0);
   const int n_slots = n_tok * K;
-  // The chunk's first rows, loaded once with all loads in flight (looked up per slot below,
-  // they were a dependent global load in every step of the walk).
-  for (int e = lane; e < E_local; e += kWarpSize) {
-    next_row[e] = 0;
-    first_row[e] = h.chunk_rows[HandleArrays::group(ws.cfg, e, s, chunk)];
-  }
-  // One coalesced pass over the peer's routing (all loads in flight at once).
-  for (int i = lane; i < n_slots; i += kWarpSize) {
-    chunk_idx[i] = idx[static_cast<size_t>(t0) * K + i];
-    chunk_w[i] = w[static_cast<size_t>(t0) * K + i];
-  }
-  __syncwarp();
+  for (int e = tid; e < E_local; e += kFillThreads)
+    expert_row[e] = h.chunk_rows[HandleArrays::group(ws.cfg, e, s, chunk)];
+  for (int i = tid; i < kFillWarps * E_local; i += kFillThreads) warp_row[i] = 0;
+  __syncthreads();
+  if (stop) return;
 
-  // Phase 1: rows. Slots sharing an expert in one 32-slot step are ranked by __match_any.
-  for (int base = 0; base < n_slots; base += kWarpSize) {
-    const int i = base + lane;
+  // Phase 1: rows, kFillThreads slots per pass (one pass at the default 64 tokens x top-8).
+  for (int base = 0; base < n_slots; base += kFillThreads) {
+    const int i = base + tid;
     const bool valid = i < n_slots;
-    const int t = t0 + i / K;
     int e = -1;
+    float wt = 0.f;
     if (valid) {
-      e = chunk_idx[i] - lo;
+      e = idx[static_cast<size_t>(t0) * K + i] - lo;
       if (e < 0 || e >= E_local) e = -1;
+      wt = w[static_cast<size_t>(t0) * K + i];
     }
     const unsigned same = __match_any_sync(0xffffffffu, e);
-    const int before = e >= 0 ? next_row[e] : 0;
     const int rank_in = __popc(same & lanemask_lt());
-    __syncwarp();
-    int row = -1;
-    if (e >= 0) {
-      row = first_row[e] + before + rank_in;
-      if (rank_in == 0) next_row[e] = before + __popc(same);
+    if (e >= 0 && rank_in == 0) warp_row[warp * E_local + e] = __popc(same);
+    __syncthreads();
+    // Per expert, an exclusive prefix over the warps (slot order = warp order), on top of the
+    // rows earlier passes handed out.
+    for (int x = tid; x < E_local; x += kFillThreads) {
+      int run = expert_row[x];
+      for (int v = 0; v < kFillWarps; ++v) {
+        const int n = warp_row[v * E_local + x];
+        warp_row[v * E_local + x] = run;
+        run += n;
+      }
+      expert_row[x] = run;
     }
-    __syncwarp();
+    __syncthreads();
+    const int row = e >= 0 ? warp_row[warp * E_local + e] + rank_in : -1;
     if (valid) {
-      slot_row[(i % K) * Cs + i / K] = row;
-      slot_e[(i % K) * Cs + i / K] = e;
+      slot_e[i] = e;
+      slot_row[i] = row;
     }
     if (row >= 0 && row < out.row_cap) {
       out.src_rank[row] = s;
-      out.src_token[row] = t;
-      out.probs[row] = chunk_w[i];
+      out.src_token[row] = t0 + i / K;
+      out.probs[row] = wt;
     }
+    if (base + kFillThreads < n_slots) {  // another pass: its counts start from zero
+      __syncthreads();
+      for (int x = tid; x < kFillWarps * E_local; x += kFillThreads) warp_row[x] = 0;
+    }
+    __syncthreads();
   }
-  __syncwarp();
 
-  // Phase 2: tasks, in token order. A task lists its rows by (expert, k): the order in which
-  // combine sums them.
+  // Phase 2: tasks, in token order, one slot per thread (kFillThreads / K tokens per pass). A
+  // task lists its rows by (expert, k): the order in which combine sums them; -1 after them.
   int task = h.task_base[s * cpc + chunk];
-  for (int base = 0; base < n_tok; base += kWarpSize) {
-    const int j = base + lane;
-    bool has = false;
-    if (j < n_tok)
-      for (int k = 0; k < K; ++k) has |= slot_e[k * Cs + j] >= 0;
-    const unsigned ballot = __ballot_sync(0xffffffffu, has);
-    if (has) {
-      const int my_task = task + __popc(ballot & lanemask_lt());
-      int n = 0;
-      for (int k = 0; k < K; ++k) {
-        const int e = slot_e[k * Cs + j];
-        if (e < 0) continue;
-        int pos = 0;  // stable rank by expert: K is small, so O(K^2) beats a sort
-        for (int k2 = 0; k2 < K; ++k2) {
-          const int e2 = slot_e[k2 * Cs + j];
-          pos += (e2 >= 0) && (e2 < e || (e2 == e && k2 < k));
+  const int tokens_per_pass = kFillThreads / K;
+  for (int jb = 0; jb < n_tok; jb += tokens_per_pass) {
+    const int jj = tid / K, k = tid % K, j = jb + jj;
+    const bool active = jj < tokens_per_pass && j < n_tok;
+    int e = -1, pos = 0, n = 0;
+    if (active) {
+      e = slot_e[j * K + k];
+      for (int k2 = 0; k2 < K; ++k2) {  // stable rank by expert: K is small, O(K^2) beats a sort
+        const int e2 = slot_e[j * K + k2];
+        if (e2 >= 0) {
+          ++n;
+          pos += e2 < e || (e2 == e && k2 < k);
         }
-        h.task_rows[static_cast<size_t>(my_task) * K + pos] = slot_row[k * Cs + j];
-        h.task_k[static_cast<size_t>(my_task) * K + pos] = k;
-        ++n;
       }
-      for (int p = n; p < K; ++p) {
-        h.task_rows[static_cast<size_t>(my_task) * K + p] = -1;
-        h.task_k[static_cast<size_t>(my_task) * K + p] = -1;
-      }
-      h.task_src[my_task] = s;
-      h.task_token[my_task] = t0 + j;
     }
-    task += __popc(ballot);
+    const int opens = active && k == 0 && n > 0;  // one per token with rows here
+    int before, pass_tasks;
+    Scan(scan_tmp).ExclusiveSum(opens, before, pass_tasks);
+    if (opens) token_task[jj] = before;
+    __syncthreads();
+    if (active && n > 0) {
+      const int my_task = task + token_task[jj];
+      const size_t at = static_cast<size_t>(my_task) * K;
+      if (e >= 0) {
+        h.task_rows[at + pos] = slot_row[j * K + k];
+        h.task_k[at + pos] = k;
+      }
+      if (k >= n) {  // positions n..K-1 hold no row
+        h.task_rows[at + k] = -1;
+        h.task_k[at + k] = -1;
+      }
+      if (k == 0) {
+        h.task_src[my_task] = s;
+        h.task_token[my_task] = t0 + j;
+      }
+    }
+    task += pass_tasks;
+    __syncthreads();  // token_task and scan_tmp are reused
   }
 
-  // Phase 3: the last chunk of source s done -> tell s its routing slot is free.
-  __syncwarp();
-  if (lane == 0) {
+  // Phase 3: the last chunk of source s done -> tell s its routing slot is free (every read of
+  // it is behind the barriers above).
+  if (tid == 0) {
     __threadfence();
     const int done = atomicAdd(&h.fill_done[s], 1) + 1;
     if (done == cpc) {
@@ -133,15 +156,16 @@ __global__ void __launch_bounds__(kWarpSize) fill_kernel(CommContext c, HandleAr
   // Padding rows (static-shape mode) say "no source": every fill block takes a share. An eager
   // dispatch's row outputs are a bound on R, sliced to R on the host: nothing to pad there.
   const int64_t n_rows = out.pad ? min(static_cast<int64_t>(h.totals[0]), out.row_cap) : out.row_cap;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * gridDim.y * kWarpSize;
-  for (int64_t row = n_rows + (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kWarpSize + lane;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * gridDim.y * kFillThreads;
+  for (int64_t row = n_rows + (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kFillThreads + tid;
        row < out.row_cap; row += stride) {
     out.src_rank[row] = -1;
     out.src_token[row] = -1;
     out.probs[row] = 0.f;
   }
-  // The fill is the routing call's last reader of meta_seq: its last warp advances it.
-  warp_done_advance(&c.counters()->meta_warps_done, &c.counters()->meta_seq);
+  // The fill is the routing call's last reader of meta_seq: its last block advances it.
+  __syncthreads();
+  block_done_advance(&c.counters()->meta_blocks_done, &c.counters()->meta_seq);
 }
 
 }  // namespace
@@ -150,8 +174,13 @@ cudaError_t launch_dispatch_fill(const CommContext& c, const HandleArrays& h, co
                                  const RowOutputs& out, cudaStream_t s) {
   const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
   const int C = c.ws.cfg.chunk_tokens, K = c.ws.cfg.topk;
-  const size_t smem = (2 * c.ws.cfg.num_local_experts + 2 * fill_slot_stride(C) * K + 2 * C * K) * sizeof(int);
-  fill_kernel<<<dim3(cpc, c.world), kWarpSize, smem, s>>>(c, h, r, out);
+  const size_t smem = fill_smem_ints(c.ws.cfg.num_local_experts, C, K) * sizeof(int);
+  if (smem > kMaxDynamicSmem) return cudaErrorInvalidConfiguration;  // ~3.3 K experts per rank
+  if (smem > 48 * 1024)
+    if (cudaError_t e = cudaFuncSetAttribute(fill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(smem)))
+      return e;
+  fill_kernel<<<dim3(cpc, c.world), kFillThreads, smem, s>>>(c, h, r, out);
   return cudaGetLastError();
 }
 

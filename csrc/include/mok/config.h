@@ -11,6 +11,9 @@ constexpr int kLayoutThreads = 256;
 // The copy-engine staging's slot check (one small block, so it fits beside any other kernel).
 constexpr int kStageAcquireThreads = 128;
 constexpr int kScanThreads = 1024;
+// Threads of a fill block: one (token, k) slot per thread, so the default chunk (64 tokens x
+// top-8) is one pass; larger chunks take several.
+constexpr int kFillThreads = 512;
 // Threads of a combine block: 16 warps at up to 128 registers per lane (fp32 accumulators
 // plus 2-4 rows x 2 groups of loads in flight); the SM-ceiling microbenchmark's reduction
 // reached ~73 GB/s per SM with this shape (benchmarks/NOTES.md #8).

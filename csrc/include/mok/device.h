@@ -120,6 +120,18 @@ __device__ inline bool warp_done_advance(uint32_t* warps_done, uint64_t* seq, ui
   return __shfl_sync(0xffffffffu, last, 0) != 0;
 }
 
+// The same for a kernel whose blocks finish as a whole: called by every thread after a block
+// barrier, one arrival per block. Returns true, in thread 0 only, in the grid's last block.
+__device__ inline bool block_done_advance(uint32_t* blocks_done, uint64_t* seq) {
+  if (threadIdx.x != 0) return false;
+  __threadfence();
+  if (atomicAdd(blocks_done, 1u) + 1 != gridDim.x * gridDim.y) return false;
+  *blocks_done = 0;
+  *seq += 1;
+  __threadfence();
+  return true;
+}
+
 // Diagnostics: true for the first wait of kind `what` on this rank to time out (printed) or to
 // be given up after another error (recorded in ErrorReport::abandoned).
 __device__ inline bool note_wait(ErrorReport* e, int32_t what) {

@@ -67,7 +67,7 @@ struct SeqCounters {
   uint64_t disp_seq;       // dispatch transfers, staging side (full and cached)
   uint64_t disp_pull_seq;  // dispatch transfers, pulling side
   uint64_t comb_seq;       // combines
-  uint32_t meta_warps_done, disp_warps_done, disp_pull_warps_done, comb_warps_done;
+  uint32_t meta_blocks_done, disp_warps_done, disp_pull_warps_done, comb_warps_done;
   uint32_t publish_blocks_done, pad;
 };
 
