@@ -217,12 +217,38 @@ __device__ void produce_rows(const CommContext& c, const HandleArrays& h, const 
   }
 }
 
-// Where rank d staged the partial of my token whose index among my tokens sent to d is q.
+// The chunk of rank d's combine ring that holds the partial of my token whose index among my
+// tokens sent to d is q (row q % C of it).
+__device__ __forceinline__ const char* partial_chunk(const CommContext& c, const CombineShape& sh, int d, int q) {
+  return c.peers.base[d] + c.ws.comb_ring + static_cast<int64_t>(sh.slot(c.rank, q / sh.C)) * c.ws.comb_chunk_bytes;
+}
+
+// Where rank d staged that partial.
 template <typename P>
 __device__ __forceinline__ const P* remote_partial(const CommContext& c, const CombineShape& sh, int d, int q) {
-  const char* chunk = c.peers.base[d] + c.ws.comb_ring +
-                      static_cast<int64_t>(sh.slot(c.rank, q / sh.C)) * c.ws.comb_chunk_bytes;
-  return reinterpret_cast<const P*>(chunk) + static_cast<size_t>(q % sh.C) * sh.H;
+  return reinterpret_cast<const P*>(partial_chunk(c, sh, d, q)) + static_cast<size_t>(q % sh.C) * sh.H;
+}
+
+// The prob-gradient side value of slot `lane` staged with that partial.
+__device__ __forceinline__ float partial_side_value(const CommContext& c, const CombineShape& sh, int d, int q, int lane) {
+  return reinterpret_cast<const volatile float*>(partial_chunk(c, sh, d, q) + c.ws.comb_side_offset)[(q % sh.C) * sh.K + lane];
+}
+
+// Lane 0, per-token release (MOK_COMBINE_RELEASE_AT_END=0): one more of my tokens (counted Pc
+// times when split over warps) was read from chunk q / C of rank d's ring; the last frees it.
+__device__ __forceinline__ void release_token_chunk(const CommContext& c, const HandleArrays& h,
+                                                    const CombineShape& sh, int d, int q, int Pc) {
+  const int64_t N = RingView::combine(c.ws, c.local()).num_chunks;
+  const int j = q / sh.C;
+  const int64_t slot = sh.slot(c.rank, j);
+  const int expected = min(sh.C, h.send_count[d] - j * sh.C) * Pc;  // every part reads it
+  int32_t* done = RingView::combine(c.ws, c.local()).done + static_cast<size_t>(d) * N + slot;
+  if (atomicAdd(done, 1) + 1 == expected) {
+    *done = 0;
+    __threadfence_system();
+    RingView theirs = RingView::combine(c.ws, c.peers.base[d]);
+    st_release_sys(theirs.released + static_cast<size_t>(c.rank) * N + slot, sh.gen(c.rank, j) + 1);
+  }
 }
 
 // Waits until every remote partial of token t is staged (the warp's cache of ready chunks
@@ -558,7 +584,6 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   // fewer tokens than warps still spreads over every SM of the role.
   const int warp = static_cast<int>(threadIdx.x / kWarpSize) * role.count + role.index();
   const int W = c.world, me = c.rank;
-  const int64_t N = RingView::combine(c.ws, c.local()).num_chunks;
   const int my_first_task = h.task_off[me];
   const int S = (sh.H + kStepElems - 1) / kStepElems;
   // Fewer tokens than warps: a token's S steps are dealt to P warps (warp w: part w / n_my
@@ -776,9 +801,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
               part = grad_probs[row];
           }
         } else {
-          const char* chunk = c.peers.base[d] + c.ws.comb_ring +
-                              static_cast<int64_t>(sh.slot(me, q / sh.C)) * c.ws.comb_chunk_bytes;
-          part = reinterpret_cast<const volatile float*>(chunk + c.ws.comb_side_offset)[(q % sh.C) * sh.K + lane];
+          part = partial_side_value(c, sh, d, q, lane);
         }
         val += part;
       }
@@ -791,18 +814,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       __threadfence();
       for (int d = 0; d < W; ++d) {
         const int q = pos(d);
-        if (q < 0 || d == me) continue;
-        const int j = q / sh.C;
-        const uint64_t g = sh.gen(me, j);
-        const int64_t slot = sh.slot(me, j);
-        const int expected = min(sh.C, h.send_count[d] - j * sh.C) * Pc;  // every part reads it
-        int32_t* done = RingView::combine(c.ws, c.local()).done + static_cast<size_t>(d) * N + slot;
-        if (atomicAdd(done, 1) + 1 == expected) {
-          *done = 0;
-          __threadfence_system();
-          RingView theirs = RingView::combine(c.ws, c.peers.base[d]);
-          st_release_sys(theirs.released + static_cast<size_t>(me) * N + slot, g + 1);
-        }
+        if (q >= 0 && d != me) release_token_chunk(c, h, sh, d, q, Pc);
       }
     }
     if constexpr (kConsumeClocks) __syncwarp();
@@ -925,10 +937,7 @@ __device__ void consume_staged(const CommContext& c, const HandleArrays& h, cons
       float val = 0.f;
       for (unsigned m = holders; m != 0; m &= m - 1) {
         const int d = __ffs(m) - 1;
-        const int qd = h.send_index(c.ws.cfg, t, d);
-        const char* chunk = c.peers.base[d] + c.ws.comb_ring +
-                            static_cast<int64_t>(sh.slot(me, qd / sh.C)) * c.ws.comb_chunk_bytes;
-        val += reinterpret_cast<const volatile float*>(chunk + c.ws.comb_side_offset)[(qd % sh.C) * sh.K + lane];
+        val += partial_side_value(c, sh, d, h.send_index(c.ws.cfg, t, d), lane);
       }
       grad_w[static_cast<size_t>(t) * sh.K + lane] = val;
     }
@@ -936,20 +945,10 @@ __device__ void consume_staged(const CommContext& c, const HandleArrays& h, cons
     // d's ring, my own included (otherwise the grid's last warp releases them all at the end).
     __syncwarp();
     if (!sh.release_at_end && lane == 0) {
-      const int64_t N = RingView::combine(c.ws, c.local()).num_chunks;
       __threadfence();
       for (unsigned m = holders; m != 0; m &= m - 1) {
         const int d = __ffs(m) - 1;
-        const int j = h.send_index(c.ws.cfg, t, d) / sh.C;
-        const int64_t slot = sh.slot(me, j);
-        const int expected = min(sh.C, h.send_count[d] - j * sh.C);
-        int32_t* done = RingView::combine(c.ws, c.local()).done + static_cast<size_t>(d) * N + slot;
-        if (atomicAdd(done, 1) + 1 == expected) {
-          *done = 0;
-          __threadfence_system();
-          RingView theirs = RingView::combine(c.ws, c.peers.base[d]);
-          st_release_sys(theirs.released + static_cast<size_t>(me) * N + slot, sh.gen(me, j) + 1);
-        }
+        release_token_chunk(c, h, sh, d, h.send_index(c.ws.cfg, t, d), 1);
       }
     }
   }
