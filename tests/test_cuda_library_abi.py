@@ -76,6 +76,23 @@ def test_calls_before_peers_are_set_fail_cleanly():
         lib.mok_destroy(ctx)
 
 
+def test_host_report_must_be_mapped_pinned_memory():
+    """The eager dispatch's host report: a null or pageable pointer is refused with a message
+    (the scan kernel would otherwise write to an address the device cannot reach)."""
+    import ctypes
+
+    lib = library.get()
+    ctx = _create(lib)
+    try:
+        assert lib.mok_set_host_report(ctx, None) != 0
+        assert "null pointer" in lib.mok_last_error().decode()
+        pageable = (ctypes.c_int32 * 12)()
+        assert lib.mok_set_host_report(ctx, ctypes.addressof(pageable)) != 0
+        assert "not mapped, pinned host memory" in lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(ctx)
+
+
 @pytest.mark.parametrize("blocks, producers, mode, message", [
     (24, 4, 3, "mode must be 0 (both roles), 1 (stage) or 2 (pull)"),
     (24, 4, 7, "mode must be 0 (both roles), 1 (stage) or 2 (pull)"),

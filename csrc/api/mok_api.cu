@@ -10,6 +10,7 @@ using namespace mok;
 struct MokContext {
   CommContext comm;
   bool peers_set = false;
+  int32_t* host_report_dev = nullptr;  // the device's address of the host report (mok_set_host_report)
 };
 
 namespace {
@@ -69,6 +70,16 @@ MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int part
 
 void mok_destroy(MokContext* ctx) { delete ctx; }
 
+int mok_set_host_report(MokContext* ctx, void* host_report) {
+  if (ctx == nullptr) return fail("null MokContext");
+  void* d = nullptr;
+  if (host_report == nullptr) return fail("mok_set_host_report: null pointer");
+  if (cudaError_t e = cudaHostGetDevicePointer(&d, host_report, 0))
+    return fail(std::string("mok_set_host_report: not mapped, pinned host memory: ") + cudaGetErrorString(e));
+  ctx->host_report_dev = static_cast<int32_t*>(d);
+  return 0;
+}
+
 size_t mok_workspace_bytes(const MokContext* ctx) { return ctx->comm.ws.total_bytes; }
 
 size_t mok_handle_scratch_bytes(const MokContext* ctx) {
@@ -98,13 +109,17 @@ int mok_set_peers(MokContext* ctx, const uint64_t* peer_bases, int n, double tim
 
 int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
                         int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
-                        int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap) {
+                        int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap,
+                        int write_report) {
   if (int e = check_ready(ctx)) return e;
   if (num_tokens < 0 || num_tokens > ctx->comm.ws.cfg.max_tokens)
     return fail("num_tokens outside [0, max_tokens]");
+  if (write_report && ctx->host_report_dev == nullptr)
+    return fail("mok_dispatch_layout: write_report needs mok_set_host_report first");
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
   RoutingArgs r{topk_idx, idx_is_64, topk_weights, num_tokens, num_experts, spec_cap};
-  RowOutputs out{nullptr, nullptr, nullptr, tokens_per_expert, row_cap, 0};
+  RowOutputs out{nullptr, nullptr, nullptr, tokens_per_expert, row_cap, 0,
+                 write_report ? ctx->host_report_dev : nullptr};
   return check_launch(launch_dispatch_layout(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
                       "dispatch layout launch");
 }

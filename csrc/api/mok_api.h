@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 4
+#define MOK_ABI_VERSION 5
 int mok_abi_version(void);
 
 MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int partial_bytes, int topk,
@@ -27,13 +27,21 @@ size_t mok_error_offset(const MokContext* ctx);
 size_t mok_handle_totals_offset(const MokContext* ctx);
 size_t mok_trace_offset(const MokContext* ctx);
 int mok_set_peers(MokContext* ctx, const uint64_t* peer_bases, int n, double timeout_s);
+/* The eager dispatch's host report: kHostReportWords (12) int32 of pinned host memory that the
+ * caller owns and keeps alive (the device must be able to map it: cudaHostAlloc'd memory is,
+ * under unified addressing). A mok_dispatch_layout with write_report = 1 makes its scan kernel
+ * write there, at its end: R, tasks, the speculative verdict, 0, then the first 8 int32 of this
+ * rank's error report. The host reads it after an event recorded behind the layout: no copy
+ * is queued. */
+int mok_set_host_report(MokContext* ctx, void* host_report);
 
 /* spec_cap >= 0: a speculative eager dispatch allocated spec_cap rows before reading R; it is
  * published with the routing, and the scan sets totals[2] when ANY rank's rows exceed its
  * capacity (the same verdict on every rank). -1: not speculative. */
 int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
                         int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
-                        int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap);
+                        int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap,
+                        int write_report);
 /* Per-row outputs [row_cap]. pad 1: rows [R, row_cap) are written as "no source" (static
  * shape); pad 0: only rows < R are written (an eager dispatch passes a bound on R, so that
  * the fill can run before the host has read R). */

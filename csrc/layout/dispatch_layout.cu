@@ -226,58 +226,81 @@ __device__ int block_exclusive_scan(int32_t* a, int n) {
   return carry;
 }
 
+// The host report (RowOutputs::host_report): totals, then the error words as they stand now.
+// Called by one thread after a block barrier, so every report_error of this kernel is in.
+__device__ void write_host_report(const CommContext& c, int32_t* report, const int32_t* totals) {
+  const volatile int32_t* err = reinterpret_cast<const volatile int32_t*>(c.error());
+  volatile int32_t* out = report;
+  for (int i = 0; i < 4; ++i) out[i] = totals[i];
+  for (int i = 0; i < 8; ++i) out[4 + i] = err[i];
+  __threadfence_system();
+}
+
 __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, HandleArrays h,
                                                              RowOutputs out, int spec) {
-  if (aborted(c)) return;
-  const int W = c.world, E = c.ws.cfg.num_local_experts;
-  const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
-  // Rows in contract order: expert, then source, then chunk (then token, then k: fill).
-  const int rows = block_exclusive_scan(h.chunk_rows, E * W * cpc);
-  // tokens_per_expert: the distance between consecutive experts' first rows.
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    const int first = h.chunk_rows[HandleArrays::group(c.ws.cfg, e, 0, 0)];
-    const int next = e + 1 < E ? h.chunk_rows[HandleArrays::group(c.ws.cfg, e + 1, 0, 0)] : rows;
-    out.tokens_per_expert[e] = next - first;
-  }
-  // Tasks in (source, chunk) order.
-  for (int i = threadIdx.x; i < W * cpc; i += blockDim.x) h.task_base[i] = h.chunk_tasks[i];
-  __syncthreads();
-  const int tasks = block_exclusive_scan(h.task_base, W * cpc);
-  for (int s = threadIdx.x; s < W; s += blockDim.x) {
-    h.task_off[s] = h.task_base[s * cpc];
-    h.fill_done[s] = 0;
-  }
-  // Speculative eager dispatch: every rank sums every rank's rows from the same published
-  // routing and reads every rank's published capacity, so every rank reaches the same verdict
-  // on whether ANY rank's rows overflowed its capacity (then all redo the transfer together).
-  // Every rank checks that all ranks made the same choice: a speculative rank may make two
-  // transfers per dispatch, and the rings pair calls by number, so a mix would pair a rank's
-  // transfer with another call's staged tokens. A mismatch stops every rank's kernels.
+  // Every exit goes through the host report at the end (an eager dispatch's host reads it
+  // instead of a copy): an aborted call must report its error, not the last call's R.
+  __shared__ bool stop;
   __shared__ int over;
-  if (threadIdx.x == 0) over = 0;
+  __shared__ int32_t totals[4];
+  if (threadIdx.x == 0) {
+    stop = aborted(c);
+    over = 0;
+    for (int i = 0; i < 4; ++i) totals[i] = 0;
+  }
   __syncthreads();
-  {
-    const uint64_t meta_seq = c.counters()->meta_seq;
-    const int slot = static_cast<int>(meta_seq % c.ws.cfg.meta_slots);
-    for (int d = threadIdx.x; d < W; d += blockDim.x) {
-      const int64_t cap_d = *reinterpret_cast<volatile int64_t*>(c.ws.meta_spec_cap_at(c.peers.base[d], slot));
-      if ((cap_d >= 0) != (spec != 0)) {
-        report_error(c, kConfigMismatch, d, kWaitNone, cap_d);
-        continue;
+  if (!stop) {
+    const int W = c.world, E = c.ws.cfg.num_local_experts;
+    const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
+    // Rows in contract order: expert, then source, then chunk (then token, then k: fill).
+    const int rows = block_exclusive_scan(h.chunk_rows, E * W * cpc);
+    // tokens_per_expert: the distance between consecutive experts' first rows.
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      const int first = h.chunk_rows[HandleArrays::group(c.ws.cfg, e, 0, 0)];
+      const int next = e + 1 < E ? h.chunk_rows[HandleArrays::group(c.ws.cfg, e + 1, 0, 0)] : rows;
+      out.tokens_per_expert[e] = next - first;
+    }
+    // Tasks in (source, chunk) order.
+    for (int i = threadIdx.x; i < W * cpc; i += blockDim.x) h.task_base[i] = h.chunk_tasks[i];
+    __syncthreads();
+    const int tasks = block_exclusive_scan(h.task_base, W * cpc);
+    for (int s = threadIdx.x; s < W; s += blockDim.x) {
+      h.task_off[s] = h.task_base[s * cpc];
+      h.fill_done[s] = 0;
+    }
+    // Speculative eager dispatch: every rank sums every rank's rows from the same published
+    // routing and reads every rank's published capacity, so every rank reaches the same verdict
+    // on whether ANY rank's rows overflowed its capacity (then all redo the transfer together).
+    // Every rank checks that all ranks made the same choice: a speculative rank may make two
+    // transfers per dispatch, and the rings pair calls by number, so a mix would pair a rank's
+    // transfer with another call's staged tokens. A mismatch stops every rank's kernels.
+    {
+      const uint64_t meta_seq = c.counters()->meta_seq;
+      const int slot = static_cast<int>(meta_seq % c.ws.cfg.meta_slots);
+      for (int d = threadIdx.x; d < W; d += blockDim.x) {
+        const int64_t cap_d = *reinterpret_cast<volatile int64_t*>(c.ws.meta_spec_cap_at(c.peers.base[d], slot));
+        if ((cap_d >= 0) != (spec != 0)) {
+          report_error(c, kConfigMismatch, d, kWaitNone, cap_d);
+          continue;
+        }
+        if (spec && h.dest_total[d] > cap_d) atomicOr(&over, 1);
       }
-      if (spec && h.dest_total[d] > cap_d) atomicOr(&over, 1);
+    }
+    __syncthreads();
+    // A mismatch (here or on a peer): the fill and the transfers must not run either.
+    if (threadIdx.x == 0 && !aborted(c)) {
+      h.task_off[W] = tasks;
+      h.totals[0] = rows;
+      h.totals[1] = tasks;
+      h.totals[2] = over;
+      out.tokens_per_expert[E] = rows;  // R on the device, int64, after the E_local counts
+      if (rows > out.row_cap) report_error(c, kRecvOverflow, -1, kWaitNone, rows);
+      totals[0] = rows;
+      totals[1] = tasks;
+      totals[2] = over;
     }
   }
-  __syncthreads();
-  if (aborted(c)) return;  // a mismatch: the fill and the transfers must not run either
-  if (threadIdx.x == 0) {
-    h.task_off[W] = tasks;
-    h.totals[0] = rows;
-    h.totals[1] = tasks;
-    h.totals[2] = over;
-    out.tokens_per_expert[E] = rows;  // R on the device, int64, after the E_local counts
-    if (rows > out.row_cap) report_error(c, kRecvOverflow, -1, kWaitNone, rows);
-  }
+  if (out.host_report != nullptr && threadIdx.x == 0) write_host_report(c, out.host_report, totals);
 }
 
 }  // namespace

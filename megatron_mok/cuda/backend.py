@@ -50,7 +50,6 @@ class CudaLayout:
     """Backend-private part of a handle: the device layout arrays (``csrc`` HandleArrays)."""
 
     scratch: torch.Tensor   # uint8, carved by HandleArrays::make
-    totals: torch.Tensor    # int32 [4] view into scratch: R, tasks
 
 
 def _env_int(name: str, default: int) -> int:
@@ -95,15 +94,20 @@ class CudaBackend:
         self.timeout_s = (buf.timeout_s if buf.timeout_s is not None
                           else float(os.environ.get("MOK_TIMEOUT_S") or DEFAULT_TIMEOUT_S))
         nbytes = self.lib.mok_workspace_bytes(self.ctx)
-        # Pinned before the workspace exists: on a loopback group (ranks as threads of one
-        # device) peers may already run kernels once it does.
-        self.host_report = torch.zeros(12, dtype=torch.int32, pin_memory=True)
+        # The eager dispatch's host report (R, tasks, the speculative verdict, 0, then 8 error
+        # words), written by the layout's scan kernel straight into mapped pinned memory: the
+        # host reads plain ints after an event, no copy is queued. Pinned before the workspace
+        # exists: on a loopback group (ranks as threads of one device) peers may already run
+        # kernels once it does.
+        self._host_report_t = torch.zeros(12, dtype=torch.int32, pin_memory=True)
+        with torch.cuda.device(dev):
+            self._check(self.lib.mok_set_host_report(self.ctx, self._host_report_t.data_ptr()))
+        self.host_report = (ctypes.c_int32 * 12).from_address(self._host_report_t.data_ptr())
         with torch.cuda.device(dev):
             self.mem = PeerMemory(nbytes, buf.group, buf.rank, buf.world_size, dev)
         ptrs = (ctypes.c_uint64 * buf.world_size)(*self.mem.peer_ptrs)
         self._check(self.lib.mok_set_peers(self.ctx, ptrs, buf.world_size, float(self.timeout_s)))
         self.scratch_bytes = self.lib.mok_handle_scratch_bytes(self.ctx)
-        self.totals_offset = self.lib.mok_handle_totals_offset(self.ctx)
         err = self.lib.mok_error_offset(self.ctx)
         self.error_words = self.mem.tensor[err: err + 32].view(torch.int32)
         # Read only to describe a timeout: the other waits this rank's kernels gave up.
@@ -202,16 +206,19 @@ class CudaBackend:
         if self.broken:
             raise MokDeviceError(self.broken)
 
-    def _raise_if_error(self, words: torch.Tensor) -> None:
-        if int(words[0]) != 0:
+    def _raise_if_error(self, words) -> None:
+        """Raise :class:`MokDeviceError` if ``words`` (the error report's first 8 int32, a list
+        or a ctypes array) hold an error."""
+        words = list(words)
+        if words[0] != 0:
             abandoned = ()
-            if int(words[0]) == TIMEOUT:
+            if words[0] == TIMEOUT:
                 # Let this rank's kernels finish aborting (they record the waits they give up),
                 # then name those waits too: a stall report should show every stuck party.
                 self._sync()
                 abandoned = abandoned_waits(self.error_words.cpu().tolist(),
                                             self.abandoned_words.cpu().tolist())
-            self.broken = describe(words.tolist(), self.timeout_s, self.buf.max_recv_tokens, abandoned)
+            self.broken = describe(words, self.timeout_s, self.buf.max_recv_tokens, abandoned)
             raise MokDeviceError(self.broken)
 
     def trace_view(self) -> torch.Tensor:
@@ -235,7 +242,7 @@ class CudaBackend:
         """Synchronise this device and raise if any kernel reported an error."""
         self._alive()
         self._sync()
-        self._raise_if_error(self.error_words.cpu())
+        self._raise_if_error(self.error_words.cpu().tolist())
 
     # ---------------------------------------------------------------------------- dispatch
     def dispatch(self, x, topk_idx, topk_weights):
@@ -244,21 +251,20 @@ class CudaBackend:
         T = x.shape[0]
         stream = self._stream()
         scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=x.device)
-        totals = scratch[self.totals_offset: self.totals_offset + 16].view(torch.int32)
         tpe = torch.empty(b.num_local_experts + 1, dtype=torch.int64, device=x.device)  # counts, R
         idx = topk_idx.contiguous()
         w = topk_weights.contiguous()
         static = b.max_recv_tokens is not None
         layout_cap = b.max_recv_tokens if static else (1 << 62)
         if self.speculative and not static:
-            return self._dispatch_speculative(x, T, idx, w, scratch, totals, tpe, stream)
+            return self._dispatch_speculative(x, T, idx, w, scratch, tpe, stream)
         main = torch.cuda.current_stream(self.device)
         ce_side = self.ce_overlap and not self.speculative
         if ce_side:
             self._stage_copy_beside(x, T, main)
         self._check(self.lib.mok_dispatch_layout(
             self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
-            self._ptr(w), T, b.num_experts, self._ptr(tpe), layout_cap, -1))
+            self._ptr(w), T, b.num_experts, self._ptr(tpe), layout_cap, -1, int(not static)))
         staged = None
         fill_first = self.fill_first and not static
         if fill_first:
@@ -271,15 +277,16 @@ class CudaBackend:
             # (stage-first) queued behind them keeps the GPU busy meanwhile.
             if self.stage_first:
                 staged = self._launch_staging(x, T, scratch, main)
-            self._queue_host_report(totals, main)
+            self._layout_read.record(main)  # the host report is written by the layout's last kernel
             if self.ce_stage and not ce_side:  # after the read's event: copies during the read
                 self._stage_copy(x, T, stream)
             if fill_first:
                 self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)
             self._layout_read.synchronize()
-            if int(self.host_report[4]) != BAD_EXPERT:  # protocol errors: nothing more to launch
-                self._raise_if_error(self.host_report[4:])
-            R = cap = int(self.host_report[0])
+            report = self.host_report
+            if report[4] != BAD_EXPERT:  # protocol errors: nothing more to launch
+                self._raise_if_error(report[4:])
+            R = cap = report[0]
         tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
         if fill_first:
             # probs shrunk in place, not sliced: an output that is a view would forbid in-place
@@ -301,7 +308,7 @@ class CudaBackend:
             # Later work on this stream (an in-place update of x, the next call) comes after
             # the staging.
             main.wait_event(staged)
-        if not static and int(self.host_report[4]) == BAD_EXPERT:
+        if not static and self.host_report[4] == BAD_EXPERT:
             # A bad expert id (dropped like -1) leaves the protocol intact and only this rank
             # knows: its transfer is launched like its peers' (they wait for its staged tokens),
             # then it raises. Raising before the launch would leave the peers to time out.
@@ -309,10 +316,10 @@ class CudaBackend:
         handle = DispatchHandle(
             buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=cap, src_rank=src_rank,
             src_token=src_token, tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
-            state=CudaLayout(scratch=scratch, totals=totals))
+            state=CudaLayout(scratch=scratch))
         return tokens, probs, handle
 
-    def _dispatch_speculative(self, x, T, idx, w, scratch, totals, tpe, stream):
+    def _dispatch_speculative(self, x, T, idx, w, scratch, tpe, stream):
         """Eager dispatch in the issue's order: allocate, launch, then read R.
 
         The token rows are allocated for a capacity guessed from this rank's recent R (published
@@ -329,16 +336,17 @@ class CudaBackend:
         probs_all, src_all = self._row_outputs(self.rows_bound, x.device)
         self._check(self.lib.mok_dispatch_layout(
             self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
-            self._ptr(w), T, b.num_experts, self._ptr(tpe), 1 << 62, cap))
+            self._ptr(w), T, b.num_experts, self._ptr(tpe), 1 << 62, cap, 1))
         main = torch.cuda.current_stream(self.device)
-        self._queue_host_report(totals, main)
+        self._layout_read.record(main)
         self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)
         self._transfer(x, T, scratch, tokens, cap, pad=False)
         self._layout_read.synchronize()
-        bad_ids = int(self.host_report[4]) == BAD_EXPERT  # only this rank knows: finish the call first
+        report = self.host_report
+        bad_ids = report[4] == BAD_EXPERT  # only this rank knows: finish the call first
         if not bad_ids:
             self._raise_if_error(self.host_report[4:])
-        R, short = int(self.host_report[0]), int(self.host_report[2]) != 0
+        R, short = report[0], report[2] != 0
         self._spec_recent = (self._spec_recent + [R])[-SPEC_HISTORY:]
         if short:
             self.spec_fallbacks += 1
@@ -351,15 +359,8 @@ class CudaBackend:
         handle = DispatchHandle(
             buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=R, src_rank=src_all[0, :R],
             src_token=src_all[1, :R], tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
-            state=CudaLayout(scratch=scratch, totals=totals))
+            state=CudaLayout(scratch=scratch))
         return tokens, probs_all.resize_(R), handle
-
-    def _queue_host_report(self, totals, main) -> None:
-        """Queue the copies of R (totals) and the error report into the pinned ``host_report``
-        and record the event the host read waits on (the layout kernels only)."""
-        self.host_report[:4].copy_(totals, non_blocking=True)
-        self.host_report[4:].copy_(self.error_words, non_blocking=True)
-        self._layout_read.record(main)
 
     def _spec_capacity(self) -> int:
         """Rows to allocate before R is known: SPEC_MARGIN over the largest recent R plus one

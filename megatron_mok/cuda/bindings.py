@@ -6,7 +6,7 @@ import ctypes
 from ctypes import c_double, c_float, c_int, c_int64, c_size_t, c_uint64, c_void_p, POINTER
 
 # The C ABI version this file declares (MOK_ABI_VERSION in csrc/api/mok_api.h).
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _SIGNATURES = {
     "mok_abi_version": (c_int, []),
@@ -18,8 +18,9 @@ _SIGNATURES = {
     "mok_handle_totals_offset": (c_size_t, [c_void_p]),
     "mok_trace_offset": (c_size_t, [c_void_p]),
     "mok_set_peers": (c_int, [c_void_p, POINTER(c_uint64), c_int, c_double]),
+    "mok_set_host_report": (c_int, [c_void_p, c_void_p]),
     "mok_dispatch_layout": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int,
-                                    c_int, c_void_p, c_int64, c_int64]),
+                                    c_int, c_void_p, c_int64, c_int64, c_int]),
     "mok_dispatch_fill": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int]),
     "mok_dispatch_transfer": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int,
                                       c_void_p, c_int64, c_int, c_int, c_int]),

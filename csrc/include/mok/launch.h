@@ -38,6 +38,11 @@ struct RowOutputs {
   int64_t* tokens_per_expert; // [E_local + 1]: the counts, then R
   int64_t row_cap;            // rows allocated (R, a bound on R, or max_recv_tokens)
   int pad;                    // fill: rows [R, row_cap) say "no source" (static shape); 0: untouched
+  // Layout: the host report (pinned, mapped host memory, int32 [12]) the scan kernel writes at
+  // its end: totals[0..3] (R, tasks, speculative verdict, 0), then the first 8 words of this
+  // rank's ErrorReport. An eager dispatch reads it after an event, with no copy queued
+  // (nullptr: static-shape and cached calls, which read nothing).
+  int32_t* host_report = nullptr;
 };
 
 // Publish my routing (send-side layout included) and build the receive layout's counts.
