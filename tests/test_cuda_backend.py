@@ -284,6 +284,11 @@ ALT_SCHEDULES = [
     pytest.param({"MOK_COMBINE_OWN_STAGED": "0", "MOK_COMBINE_RELEASE_AT_END": "0"},
                  id="combine_own_rows_in_consume_release_per_token"),
     pytest.param({"MOK_COMBINE_PRODUCE_RUNS": "0"}, id="combine_strided_produce"),
+    # A separate SM budget for small calls, decided by each rank from its own token count: with
+    # these thresholds some ranks launch 8 blocks while their peers launch num_sms (the
+    # contract cases have 1-16 tokens per rank; the ring-wrap calls 0-300).
+    pytest.param({"MOK_SMALL_CALL_SMS": "8", "MOK_SMALL_CALL_TOKENS": "8"}, id="small_call_sms_mixed_ranks"),
+    pytest.param({"MOK_SMALL_CALL_SMS": "8", "MOK_SMALL_CALL_TOKENS": "150"}, id="small_call_sms_mixed_calls"),
     # 7-token chunks of 32-wide bf16 rows are 448 bytes in 512-byte ring slots: the copy engine
     # copies them with a pitch, then the partial last chunk.
     pytest.param({"MOK_CHUNK_TOKENS": "7"}, id="chunk7_padded_slots"),

@@ -128,6 +128,22 @@ class CudaBackend:
         # consumers the own rows plus the pulled partials and the output.
         self.dispatch_producers = _env_int("MOK_DISPATCH_PRODUCERS", max(1, self.num_blocks // 6))
         self.combine_producers = _env_int("MOK_COMBINE_PRODUCERS", max(1, self.num_blocks * 11 // 24))
+        # MOK_SMALL_CALL_SMS=N (opt-in): calls with at most MOK_SMALL_CALL_TOKENS tokens on this
+        # rank (default 1024) run their transfer kernels on N SMs instead of num_sms. Small calls
+        # are per-warp latency chains, so more warps finish them sooner (run s11-6: 24 -> 48 SMs
+        # took a 128-token combine from 46 to 30 us); large calls keep num_sms's footprint. Each
+        # rank decides from its own token count: no kernel assumes that its peers launch as many
+        # blocks as it does (tested with ranks that choose differently). Not for the eager
+        # stage-first split (MOK_EAGER_STAGE_FIRST), whose two kernels share num_sms.
+        small = _env_int("MOK_SMALL_CALL_SMS", 0)
+        self.small_call_tokens = _env_int("MOK_SMALL_CALL_TOKENS", 1024) if small > 0 else -1
+        self.small_roles = (self.num_blocks, self.dispatch_producers, self.combine_producers)
+        if small > 0:
+            blocks = max(2, min(small, most if self.mem.loopback else sms))
+            self.small_roles = (blocks, _env_int("MOK_DISPATCH_PRODUCERS", max(1, blocks // 6)),
+                                _env_int("MOK_COMBINE_PRODUCERS", max(1, blocks * 11 // 24)))
+            if self.mem.loopback:
+                buf.group.check_layout_fits(sms, blocks, -(-buf.max_tokens_per_rank // C))
         self.broken: Optional[str] = None
         # MOK_EAGER_STAGE_FIRST=1: the eager dispatch's staging kernel runs on the side stream
         # while the host reads R (module docstring). Events are reused: a wait binds to the
@@ -392,9 +408,17 @@ class CudaBackend:
             if not staged:
                 self._stage_copy(x, T, stream)
             mode |= 8
+        blocks, producers, _ = self._roles(T)
         self._check(self.lib.mok_dispatch_transfer(
             self.ctx, stream, self._ptr(scratch), self._ptr(x), T,
-            self._ptr(out), cap, self.num_blocks, self.dispatch_producers, mode))
+            self._ptr(out), cap, blocks, producers, mode))
+
+    def _roles(self, T: int):
+        """(blocks, dispatch producers, combine producers) of a transfer kernel for a call
+        with T tokens on this rank: the small-call SM budget (MOK_SMALL_CALL_SMS) or num_sms."""
+        if T <= self.small_call_tokens:
+            return self.small_roles
+        return self.num_blocks, self.dispatch_producers, self.combine_producers
 
     def _stage_copy(self, x, T, stream) -> None:
         """Copy-engine staging: a one-block kernel checks my ring slots are free, then the copy
@@ -456,7 +480,7 @@ class CudaBackend:
             self.ctx, self._stream(), self._ptr(handle.state.scratch), self._ptr(expert_out),
             self._ptr(grad_probs), T, self._ptr(y), self._ptr(grad_w),
             handle.num_out_rows, DTYPE_CODES[b.dtype], DTYPE_CODES[b.combine_partial_dtype],
-            self.num_blocks, self.combine_producers))
+            *self._roles(T)[::2]))
         return y, grad_w
 
     def destroy(self):
