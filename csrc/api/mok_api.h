@@ -27,7 +27,7 @@ size_t mok_error_offset(const MokContext* ctx);
 size_t mok_handle_totals_offset(const MokContext* ctx);
 size_t mok_trace_offset(const MokContext* ctx);
 int mok_set_peers(MokContext* ctx, const uint64_t* peer_bases, int n, double timeout_s);
-/* The eager dispatch's host report: kHostReportWords (12) int32 of pinned host memory that the
+/* The eager dispatch's host report: 12 int32 of pinned host memory that the
  * caller owns and keeps alive (the device must be able to map it: cudaHostAlloc'd memory is,
  * under unified addressing). A mok_dispatch_layout with write_report = 1 makes its scan kernel
  * write there, at its end: R, tasks, the speculative verdict, 0, then the first 8 int32 of this

@@ -130,8 +130,10 @@ class CudaBackend:
         self.combine_producers = _env_int("MOK_COMBINE_PRODUCERS", max(1, self.num_blocks * 11 // 24))
         # MOK_SMALL_CALL_SMS=N (opt-in): calls with at most MOK_SMALL_CALL_TOKENS tokens on this
         # rank (default 1024) run their transfer kernels on N SMs instead of num_sms. Small calls
-        # are per-warp latency chains, so more warps finish them sooner (run s11-6: 24 -> 48 SMs
-        # took a 128-token combine from 46 to 30 us); large calls keep num_sms's footprint. Each
+        # are per-warp latency chains, so more warps can finish them sooner (run s11-7, one GPU,
+        # 48 SMs: 512-token combines -24..-33%, no gain at 128 tokens, where a call split over
+        # twice the warps pays each piece's setup twice as often); large calls keep num_sms's
+        # footprint. Each
         # rank decides from its own token count: no kernel assumes that its peers launch as many
         # blocks as it does (tested with ranks that choose differently). Not for the eager
         # stage-first split (MOK_EAGER_STAGE_FIRST), whose two kernels share num_sms.

@@ -69,8 +69,6 @@ constexpr bool kDispatchDiagLocalSrc = MOK_DISPATCH_DIAG_LOCAL_SRC != 0;
 constexpr size_t kMaxDynamicSmem = 226 * 1024;
 // Largest world size: reader sets are 64-bit masks.
 constexpr int kMaxRanks = 64;
-// int32 words of the eager dispatch's host report (mok_host_report): 4 totals + 8 error words.
-constexpr int kHostReportWords = 12;
 // Largest topk a task can carry (rows of one token on one rank).
 constexpr int kMaxTopk = 32;
 // Spin loops read the clock only every this many polls.
