@@ -646,6 +646,12 @@ def _scan_tiles_calls(rank, world_size, backend="cuda"):
     return True
 
 
+def _fill_passes_chunk_env(rank, world_size, K, chunk_tokens):
+    """``_fill_passes_calls`` in a process with MOK_CHUNK_TOKENS set to ``chunk_tokens``."""
+    env = {"MOK_CHUNK_TOKENS": chunk_tokens} if chunk_tokens is not None else {}
+    return _with_env(env, _fill_passes_calls, rank, world_size, K, chunk_tokens)
+
+
 # Threads of a fill block (csrc/include/mok/config.h kFillThreads): a chunk with more
 # (token, k) slots than this takes several passes of the fill's row and task phases.
 FILL_THREADS = 512
@@ -659,9 +665,8 @@ def _fill_passes_calls(rank, world_size, K, chunk_tokens, backend="cuda"):
     rows and writes tasks in several passes (the running row of each expert and the task
     number carried between them): full and partial chunks, tokens per rank not multiples of
     anything, a token's slots on one expert, skewed, unrouted and all-to-one routing, one
-    rank nearly empty; forward and backward against the reference, bitwise."""
-    if chunk_tokens is not None:
-        os.environ["MOK_CHUNK_TOKENS"] = chunk_tokens
+    rank nearly empty; forward and backward against the reference, bitwise. The caller sets
+    MOK_CHUNK_TOKENS to ``chunk_tokens`` (None: the default, 64)."""
     C = int(chunk_tokens or 64)
     assert C * K > FILL_THREADS and (FILL_THREADS // K) < C, (C, K)
     dev = _device_for(rank)
@@ -690,7 +695,7 @@ def test_cuda_layout_scan_over_tiles_matches_reference(world_size):
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
 @pytest.mark.parametrize("K,chunk_tokens", FILL_PASS_CONFIGS)
 def test_cuda_layout_fill_in_passes_matches_reference(K, chunk_tokens, world_size):
-    run_distributed(_fill_passes_calls, world_size, K, chunk_tokens, backend="nccl", timeout=300)
+    run_distributed(_fill_passes_chunk_env, world_size, K, chunk_tokens, backend="nccl", timeout=300)
 
 
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)

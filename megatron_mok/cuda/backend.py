@@ -57,6 +57,15 @@ def _env_int(name: str, default: int) -> int:
     return int(v) if v else default
 
 
+def _roles_for(blocks: int):
+    """(blocks, dispatch producers, combine producers) of a transfer kernel of ``blocks``
+    blocks. Role split (benchmarks/NOTES.md #7, #9): dispatch staging needs ~1/6 of the
+    blocks; combine producers reduce the remote tokens' rows (~45% of the combine's local
+    bytes), consumers the own rows plus the pulled partials and the output."""
+    return (blocks, _env_int("MOK_DISPATCH_PRODUCERS", max(1, blocks // 6)),
+            _env_int("MOK_COMBINE_PRODUCERS", max(1, blocks * 11 // 24)))
+
+
 class CudaBackend:
     name = "cuda"
 
@@ -123,27 +132,22 @@ class CudaBackend:
                                  f"num_sms={buf.num_sms} is more than the {most} per rank that fit")
             self.num_blocks = max(2, min(self.num_blocks, most))
             buf.group.check_layout_fits(sms, self.num_blocks, -(-buf.max_tokens_per_rank // C))
-        # Role split (benchmarks/NOTES.md #7, #9): dispatch staging needs ~1/6 of the blocks;
-        # combine producers reduce the remote tokens' rows (~45% of the combine's local bytes),
-        # consumers the own rows plus the pulled partials and the output.
-        self.dispatch_producers = _env_int("MOK_DISPATCH_PRODUCERS", max(1, self.num_blocks // 6))
-        self.combine_producers = _env_int("MOK_COMBINE_PRODUCERS", max(1, self.num_blocks * 11 // 24))
+        _, self.dispatch_producers, self.combine_producers = _roles_for(self.num_blocks)
         # MOK_SMALL_CALL_SMS=N (opt-in): calls with at most MOK_SMALL_CALL_TOKENS tokens on this
         # rank (default 1024) run their transfer kernels on N SMs instead of num_sms. Small calls
         # are per-warp latency chains, so more warps can finish them sooner (run s11-7, one GPU,
         # 48 SMs: 512-token combines -24..-33%, no gain at 128 tokens, where a call split over
         # twice the warps pays each piece's setup twice as often); large calls keep num_sms's
-        # footprint. Each
-        # rank decides from its own token count: no kernel assumes that its peers launch as many
-        # blocks as it does (tested with ranks that choose differently). Not for the eager
-        # stage-first split (MOK_EAGER_STAGE_FIRST), whose two kernels share num_sms.
+        # footprint. Each rank decides from its own token count: no kernel assumes that its
+        # peers launch as many blocks as it does (tested with ranks that choose differently).
+        # Not for the eager stage-first split (MOK_EAGER_STAGE_FIRST), whose two kernels share
+        # num_sms.
         small = _env_int("MOK_SMALL_CALL_SMS", 0)
         self.small_call_tokens = _env_int("MOK_SMALL_CALL_TOKENS", 1024) if small > 0 else -1
         self.small_roles = (self.num_blocks, self.dispatch_producers, self.combine_producers)
         if small > 0:
             blocks = max(2, min(small, most if self.mem.loopback else sms))
-            self.small_roles = (blocks, _env_int("MOK_DISPATCH_PRODUCERS", max(1, blocks // 6)),
-                                _env_int("MOK_COMBINE_PRODUCERS", max(1, blocks * 11 // 24)))
+            self.small_roles = _roles_for(blocks)
             if self.mem.loopback:
                 buf.group.check_layout_fits(sms, blocks, -(-buf.max_tokens_per_rank // C))
         self.broken: Optional[str] = None
