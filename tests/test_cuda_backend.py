@@ -284,6 +284,9 @@ ALT_SCHEDULES = [
     pytest.param({"MOK_COMBINE_OWN_STAGED": "0", "MOK_COMBINE_RELEASE_AT_END": "0"},
                  id="combine_own_rows_in_consume_release_per_token"),
     pytest.param({"MOK_COMBINE_PRODUCE_RUNS": "0"}, id="combine_strided_produce"),
+    # The layout's publish, count and scan as three kernels: the default fuses them into one
+    # launch for layouts of at most 8192 groups, i.e. for every other entry of this list.
+    pytest.param({"MOK_LAYOUT_FUSED": "0"}, id="layout_three_kernels"),
     # A separate SM budget for small calls, decided by each rank from its own token count: with
     # these thresholds some ranks launch 8 blocks while their peers launch num_sms (the
     # contract cases have 1-16 tokens per rank; the ring-wrap calls 0-300).
@@ -623,11 +626,14 @@ def _streamed_produce_calls(rank, world_size, backend="cuda", num_sms=2):
 
 def _scan_tiles_calls(rank, world_size, backend="cuda"):
     """Layouts with more (expert, source, chunk) groups than one tile of the layout scan
-    (1024 threads x 4 = 4096 entries): 65 local experts x W sources x enough 64-token chunks
-    (4290 groups at W=2, 4485 at W=3), so the scan carries a prefix into a partial second
-    tile (few chunks, so that loopback worlds of 3-4 ranks still fit their routing kernels on
-    one GPU); tokens per rank not multiples of anything, one rank nearly empty, skewed and
-    unrouted routing; forward and backward against the reference, bitwise."""
+    (the scan kernel's 1024 threads x 4 = 4096 entries; the fused layout's 256 x 8 = 2048):
+    65 local experts x W sources x enough 64-token chunks (4225 groups at W=1, 4290 at W=2,
+    4485 at W=3), so the scan carries a prefix into a partial last tile (2 tiles of the scan
+    kernel, 3 of the fused layout; few chunks, so that loopback worlds of 3-4 ranks still fit
+    their routing kernels on one GPU); tokens per rank not multiples of anything, one rank
+    nearly empty, skewed and unrouted routing; forward and backward against the reference,
+    bitwise. The fused layout is the default at this size (<= 8192 groups);
+    ``LAYOUT_PATHS`` runs the three-kernel layout too."""
     dev = _device_for(rank)
     H, K, dtype, E_local = 16, 5, torch.bfloat16, 65
     cpc = -(-4100 // (E_local * world_size)) + 1
@@ -687,9 +693,20 @@ def _fill_passes_calls(rank, world_size, K, chunk_tokens, backend="cuda"):
     return True
 
 
+# The layout's two paths: publish + count + scan fused into one launch (the default for
+# layouts of at most 8192 groups) and the three kernels (MOK_LAYOUT_FUSED=0).
+LAYOUT_PATHS = [pytest.param({}, id="fused_layout"),
+                pytest.param({"MOK_LAYOUT_FUSED": "0"}, id="three_kernel_layout")]
+
+
+def _scan_tiles_env(rank, world_size, env):
+    return _with_env(env, _scan_tiles_calls, rank, world_size)
+
+
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
-def test_cuda_layout_scan_over_tiles_matches_reference(world_size):
-    run_distributed(_scan_tiles_calls, world_size, backend="nccl", timeout=300)
+@pytest.mark.parametrize("env", LAYOUT_PATHS)
+def test_cuda_layout_scan_over_tiles_matches_reference(env, world_size):
+    run_distributed(_scan_tiles_env, world_size, env, backend="nccl", timeout=300)
 
 
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)

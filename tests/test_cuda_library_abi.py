@@ -147,6 +147,41 @@ def test_copy_engine_staging_needs_a_ring_that_holds_a_call():
         lib.mok_destroy(short)
 
 
+@pytest.mark.parametrize("over, fused", [
+    (dict(world=1, e_local=256, t_max=128), True),      # 512 groups: a small call's Buffer
+    (dict(world=8, e_local=32, t_max=4096), False),     # 16384 groups (8 x 32 x 64 chunks)
+    (dict(world=2, e_local=128, t_max=4096), False),    # the standard shape: 16384
+    (dict(world=2, e_local=64, t_max=4096), True),      # 8192: the limit itself
+    (dict(world=2, e_local=65, t_max=4096), False),     # 8320
+    (dict(world=3, e_local=65, t_max=64 * 22), True),   # the scan-tiles test: 4290 groups
+])
+def test_layout_fuses_publish_count_and_scan_for_small_layouts_only(over, fused):
+    lib = library.get()
+    ctx = _create(lib, **over)
+    try:
+        assert lib.mok_layout_fused(ctx, 0) == int(fused)
+        assert lib.mok_layout_fused(ctx, 1) == 0        # speculative calls: three kernels
+    finally:
+        lib.mok_destroy(ctx)
+
+
+def test_layout_fusion_follows_the_environment(monkeypatch):
+    lib = library.get()
+    small, big = _create(lib, world=1, e_local=256, t_max=128), _create(lib)
+    try:
+        monkeypatch.setenv("MOK_LAYOUT_FUSED", "0")
+        assert lib.mok_layout_fused(small, 0) == 0
+        monkeypatch.delenv("MOK_LAYOUT_FUSED")
+        monkeypatch.setenv("MOK_LAYOUT_FUSED_MAX_GROUPS", "16384")
+        assert lib.mok_layout_fused(big, 0) == 1
+        monkeypatch.setenv("MOK_LAYOUT_FUSED_MAX_GROUPS", "511")
+        assert lib.mok_layout_fused(small, 0) == 0
+        assert lib.mok_layout_fused(None, 0) == 0
+    finally:
+        lib.mok_destroy(small)
+        lib.mok_destroy(big)
+
+
 def test_library_reports_the_abi_version_this_package_declares():
     from megatron_mok.cuda import bindings
     assert library.get().mok_abi_version() == bindings.ABI_VERSION

@@ -112,8 +112,11 @@ def test_loopback_streamed_produce_matches_reference(world_size):
 
 
 @gpu
-@pytest.mark.parametrize("world_size", (3, 4))
-def test_loopback_layout_scan_over_tiles_matches_reference(world_size):
+@pytest.mark.parametrize("world_size", (1, 3, 4))
+@pytest.mark.parametrize("fused", (True, False), ids=("fused_layout", "three_kernel_layout"))
+def test_loopback_layout_scan_over_tiles_matches_reference(fused, world_size, monkeypatch):
+    if not fused:  # every loopback rank is a thread of this process
+        monkeypatch.setenv("MOK_LAYOUT_FUSED", "0")
     run_loopback(_scan_tiles_calls, world_size, timeout=300)
 
 

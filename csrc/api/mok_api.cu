@@ -190,6 +190,11 @@ int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert
                       "combine launch");
 }
 
+int mok_layout_fused(const MokContext* ctx, int speculative) {
+  if (ctx == nullptr) return 0;
+  return layout_is_fused(ctx->comm.ws.cfg, speculative != 0) ? 1 : 0;
+}
+
 const char* mok_last_error(void) { return g_last_error.c_str(); }
 
 int mok_abi_version(void) { return MOK_ABI_VERSION; }

@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 5
+#define MOK_ABI_VERSION 6
 int mok_abi_version(void);
 
 MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int partial_bytes, int topk,
@@ -63,6 +63,11 @@ int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const vo
  * rank of a group must use it for every dispatch or for none (the slots are fixed with it). */
 int mok_dispatch_stage_copy(MokContext* ctx, void* stream, const void* x, int num_tokens);
 int mok_dispatch_ce_stage_supported(const MokContext* ctx);
+/* 1 when mok_dispatch_layout runs publish, count and scan as one kernel (small layouts: at most
+ * MOK_LAYOUT_FUSED_MAX_GROUPS, default 8192, (local expert, source, chunk) groups; not for
+ * speculative calls, spec_cap >= 0; never with MOK_LAYOUT_FUSED=0), 0 when as three. Reads the
+ * environment now, as the launch does. */
+int mok_layout_fused(const MokContext* ctx, int speculative);
 int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert_out,
                 const float* grad_probs, int num_tokens, void* y, float* grad_w,
                 int64_t row_cap, int dtype_code, int partial_code, int num_blocks,

@@ -5,6 +5,9 @@
 //   scan     (1 block)            first row of every group in contract order, first task of
 //                                 every chunk, tokens_per_expert, R
 //   fill     (chunks x sources)   per-row outputs and task lists (dispatch_fill.cu)
+//
+// Small layouts (at most 8192 groups of (local expert, source, chunk)) run publish, count and
+// scan as one kernel instead (layout_fused_kernel, NOTES #45).
 #include <cub/block/block_load.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cub/block/block_store.cuh>
@@ -19,12 +22,13 @@ __device__ inline int64_t read_expert(const RoutingArgs& r, int64_t i) {
                      : static_cast<int64_t>(static_cast<const int32_t*>(r.topk_idx)[i]);
 }
 
-// One block per chunk of my tokens; the last block to finish publishes the slot.
-__global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, HandleArrays h,
-                                                                  RoutingArgs r) {
+// One block per chunk of my tokens; the last block to finish publishes the slot. Called by
+// kLayoutThreads threads of block j of gridDim.x = chunks per call; token_ranks is [C] of
+// dynamic shared memory. Returns early (every thread alike) when a wait failed.
+__device__ void publish_block(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
+                              unsigned long long* token_ranks /* [C] ranks holding rows of each token */) {
   using Scan = cub::BlockScan<int, kLayoutThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  extern __shared__ unsigned long long token_ranks[];  // [C] ranks holding rows of each token
   __shared__ unsigned long long readers;
   __shared__ int chunk_count[kMaxRanks];
   __shared__ bool ok, last;
@@ -134,15 +138,21 @@ __global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, 
   }
 }
 
-__global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, HandleArrays h,
-                                                                RoutingArgs r) {
-  extern __shared__ int smem[];
+__global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, HandleArrays h,
+                                                                  RoutingArgs r) {
+  extern __shared__ unsigned long long token_ranks[];
+  publish_block(c, h, r, token_ranks);
+}
+
+// Rows per (local expert) of source s's chunk `chunk`, and its tasks. Called by every thread
+// of a block; smem is [E_local + C * K] ints of dynamic shared memory.
+__device__ void count_block(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
+                            int chunk, int s, int* smem) {
   __shared__ int tasks;
   __shared__ int src_tokens;
   __shared__ bool ok;
   __shared__ int dest_hist[kMaxRanks];  // speculative: rows this chunk sends to each rank
   const Workspace& ws = c.ws;
-  const int chunk = blockIdx.x, s = blockIdx.y;
   const int K = ws.cfg.topk, C = ws.cfg.chunk_tokens, E_local = ws.cfg.num_local_experts;
   const uint64_t meta_seq = c.counters()->meta_seq;
   const int slot = static_cast<int>(meta_seq % ws.cfg.meta_slots);
@@ -191,34 +201,42 @@ __global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, Ha
   if (threadIdx.x == 0) h.chunk_tasks[s * HandleArrays::chunks_per_call(ws.cfg) + chunk] = tasks;
 }
 
+__global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, HandleArrays h,
+                                                                RoutingArgs r) {
+  extern __shared__ int smem[];
+  count_block(c, h, r, blockIdx.x, blockIdx.y, smem);
+}
+
 // In-place exclusive scan of a[0..n) by one block of kScanThreads threads, in tiles of
 // kScanThreads x kScanItems: each tile is loaded coalesced (warp-striped, transposed through
 // shared memory), scanned with the carry of the tiles before it, and stored the same way.
 // The thread-contiguous version (each thread summing its own run of n / 1024 entries, then
 // rewriting it) made every warp load 32 scattered words per step, one step after another:
 // 25.7 us for the 16 K entries of the standard shape on 2 GPUs (run s8-1). Returns the total.
+// THREADS is the block size, ITEMS the entries per thread of a tile.
 constexpr int kScanItems = 4;
+template <int THREADS, int ITEMS>
 __device__ int block_exclusive_scan(int32_t* a, int n) {
-  using Load = cub::BlockLoad<int, kScanThreads, kScanItems, cub::BLOCK_LOAD_WARP_TRANSPOSE>;
-  using Store = cub::BlockStore<int, kScanThreads, kScanItems, cub::BLOCK_STORE_WARP_TRANSPOSE>;
-  using Scan = cub::BlockScan<int, kScanThreads>;
+  using Load = cub::BlockLoad<int, THREADS, ITEMS, cub::BLOCK_LOAD_WARP_TRANSPOSE>;
+  using Store = cub::BlockStore<int, THREADS, ITEMS, cub::BLOCK_STORE_WARP_TRANSPOSE>;
+  using Scan = cub::BlockScan<int, THREADS>;
   __shared__ union {
     typename Load::TempStorage load;
     typename Store::TempStorage store;
     typename Scan::TempStorage scan;
   } tmp;
-  constexpr int kTile = kScanThreads * kScanItems;
+  constexpr int kTile = THREADS * ITEMS;
   int carry = 0;
   for (int base = 0; base < n; base += kTile) {
     const int valid = min(kTile, n - base);
-    int v[kScanItems];
+    int v[ITEMS];
     Load(tmp.load).Load(a + base, v, valid, 0);
     __syncthreads();
     int total;  // every thread gets the tile's total
     Scan(tmp.scan).ExclusiveSum(v, v, total);
     __syncthreads();
 #pragma unroll
-    for (int i = 0; i < kScanItems; ++i) v[i] += carry;
+    for (int i = 0; i < ITEMS; ++i) v[i] += carry;
     Store(tmp.store).Store(a + base, v, valid);
     __syncthreads();
     carry += total;
@@ -236,10 +254,11 @@ __device__ void write_host_report(const CommContext& c, int32_t* report, const i
   __threadfence_system();
 }
 
-__global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, HandleArrays h,
-                                                             RowOutputs out, int spec) {
-  // Every exit goes through the host report at the end (an eager dispatch's host reads it
-  // instead of a copy): an aborted call must report its error, not the last call's R.
+// The layout's scan, by one whole block of THREADS threads (ITEMS entries per thread per tile).
+// Every exit goes through the host report at the end (an eager dispatch's host reads it
+// instead of a copy): an aborted call must report its error, not the last call's R.
+template <int THREADS, int ITEMS>
+__device__ void scan_block(const CommContext& c, const HandleArrays& h, const RowOutputs& out, int spec) {
   __shared__ bool stop;
   __shared__ int over;
   __shared__ int32_t totals[4];
@@ -253,7 +272,7 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, Handl
     const int W = c.world, E = c.ws.cfg.num_local_experts;
     const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
     // Rows in contract order: expert, then source, then chunk (then token, then k: fill).
-    const int rows = block_exclusive_scan(h.chunk_rows, E * W * cpc);
+    const int rows = block_exclusive_scan<THREADS, ITEMS>(h.chunk_rows, E * W * cpc);
     // tokens_per_expert: the distance between consecutive experts' first rows.
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
       const int first = h.chunk_rows[HandleArrays::group(c.ws.cfg, e, 0, 0)];
@@ -263,7 +282,7 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, Handl
     // Tasks in (source, chunk) order.
     for (int i = threadIdx.x; i < W * cpc; i += blockDim.x) h.task_base[i] = h.chunk_tasks[i];
     __syncthreads();
-    const int tasks = block_exclusive_scan(h.task_base, W * cpc);
+    const int tasks = block_exclusive_scan<THREADS, ITEMS>(h.task_base, W * cpc);
     for (int s = threadIdx.x; s < W; s += blockDim.x) {
       h.task_off[s] = h.task_base[s * cpc];
       h.fill_done[s] = 0;
@@ -303,13 +322,74 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, Handl
   if (out.host_report != nullptr && threadIdx.x == 0) write_host_report(c, out.host_report, totals);
 }
 
+__global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, HandleArrays h,
+                                                             RowOutputs out, int spec) {
+  scan_block<kScanThreads, kScanItems>(c, h, out, spec);
+}
+
+// Small layouts in one launch (NOTES #45): publish, count and scan of the three kernels above,
+// in a grid of (chunks per call) x W blocks. Blocks (j, 0) first publish my chunk j; every
+// block then counts source blockIdx.y's chunk blockIdx.x (waiting for that source's routing,
+// its own rank's included: published by this grid's row 0, which asks nothing of the other
+// blocks); the last block to finish counting scans (the last-block pattern: no grid barrier,
+// no block waits for another to finish). Saves two kernel boundaries and launches, which is
+// most of what a small call's layout costs (s11-3: publish 6.4, count 3.4, scan 5.5 us of
+// kernel time at 128 tokens, each a short chain of dependent memory steps).
+// Every block reaches the arrival count, also after a failed wait: the scan's block writes
+// the host report on every path (the eager host waits for it).
+constexpr int kFusedScanItems = 8;  // 2048 entries per tile at kLayoutThreads threads
+__global__ void __launch_bounds__(kLayoutThreads) layout_fused_kernel(CommContext c, HandleArrays h,
+                                                                       RoutingArgs r, RowOutputs out) {
+  extern __shared__ unsigned long long dyn[];  // publish's [C] masks, then count's ints
+  __shared__ bool last;
+  if (blockIdx.y == 0) publish_block(c, h, r, dyn);
+  __syncthreads();  // dynamic shared memory changes hands
+  count_block(c, h, r, blockIdx.x, blockIdx.y, reinterpret_cast<int*>(dyn));
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // my counts are visible before my arrival
+    uint32_t* done = &c.counters()->count_blocks_done;
+    last = atomicAdd(done, 1u) + 1 == gridDim.x * gridDim.y;
+    if (last) *done = 0;  // every block has arrived: none reads it again in this launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // every block's counts, before any read of them
+  scan_block<kLayoutThreads, kFusedScanItems>(c, h, out, 0);
+}
+
 }  // namespace
+
+// The fused layout's limits: a scan of at most 8192 (expert, source, chunk) groups by one
+// 256-thread block (4 tiles; the 1024-thread scan kernel does the standard shape's 16 K in 4
+// tiles), and not for speculative calls (publish zeroes the speculative totals that count
+// blocks of other sources add to: ordered only by the kernel boundary). MOK_LAYOUT_FUSED=0
+// keeps the three kernels; MOK_LAYOUT_FUSED_MAX_GROUPS moves the limit (for A/B runs).
+
+bool layout_is_fused(const WorkspaceConfig& cfg, bool speculative) {
+  if (speculative || env_off("MOK_LAYOUT_FUSED")) return false;
+  const char* v = getenv("MOK_LAYOUT_FUSED_MAX_GROUPS");
+  const long long limit = v != nullptr && v[0] != 0 ? atoll(v) : 8192;
+  const long long groups = static_cast<long long>(cfg.num_local_experts) * cfg.world_size *
+                           HandleArrays::chunks_per_call(cfg);
+  return groups <= limit;
+}
 
 cudaError_t launch_dispatch_layout(const CommContext& c, const HandleArrays& h,
                                    const RoutingArgs& r, const RowOutputs& out, cudaStream_t s) {
   const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
-  publish_kernel<<<cpc, kLayoutThreads, c.ws.cfg.chunk_tokens * sizeof(unsigned long long), s>>>(c, h, r);
+  const size_t publish_smem = c.ws.cfg.chunk_tokens * sizeof(unsigned long long);
   const size_t count_smem = (c.ws.cfg.num_local_experts + c.ws.cfg.chunk_tokens * c.ws.cfg.topk) * sizeof(int);
+  if (layout_is_fused(c.ws.cfg, r.spec_cap >= 0)) {
+    const size_t smem = publish_smem > count_smem ? publish_smem : count_smem;
+    if (smem > 48 * 1024)
+      if (cudaError_t e = cudaFuncSetAttribute(layout_fused_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem)))
+        return e;
+    layout_fused_kernel<<<dim3(cpc, c.world), kLayoutThreads, smem, s>>>(c, h, r, out);
+    return cudaGetLastError();
+  }
+  publish_kernel<<<cpc, kLayoutThreads, publish_smem, s>>>(c, h, r);
   count_kernel<<<dim3(cpc, c.world), kLayoutThreads, count_smem, s>>>(c, h, r);
   scan_kernel<<<1, kScanThreads, 0, s>>>(c, h, out, r.spec_cap >= 0 ? 1 : 0);
   return cudaGetLastError();

@@ -48,6 +48,8 @@ struct RowOutputs {
 // Publish my routing (send-side layout included) and build the receive layout's counts.
 cudaError_t launch_dispatch_layout(const CommContext& c, const HandleArrays& h,
                                    const RoutingArgs& r, const RowOutputs& out, cudaStream_t s);
+// Whether launch_dispatch_layout fuses publish, count and scan into one kernel (NOTES #45).
+bool layout_is_fused(const WorkspaceConfig& cfg, bool speculative);
 // Fill the per-row outputs and the task lists, then release the routing slots.
 cudaError_t launch_dispatch_fill(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
                                  const RowOutputs& out, cudaStream_t s);

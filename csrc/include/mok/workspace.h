@@ -68,7 +68,7 @@ struct SeqCounters {
   uint64_t disp_pull_seq;  // dispatch transfers, pulling side
   uint64_t comb_seq;       // combines
   uint32_t meta_blocks_done, disp_warps_done, disp_pull_warps_done, comb_warps_done;
-  uint32_t publish_blocks_done, pad;
+  uint32_t publish_blocks_done, count_blocks_done;  // the latter: the fused layout's arrivals
 };
 
 struct WorkspaceConfig {

@@ -1,0 +1,74 @@
+"""Assemble one results JSON (benchmarks/results/) from a device run's output folder.
+
+    python3 scripts/results_json.py SRC_DIR DST_JSON --commit C --note "..." --command "..."
+
+Every ``*.json`` under SRC_DIR is embedded under its path (``small/small_batch.json`` ->
+key ``small/small_batch``); every ``*.log`` contributes its last ``--tail`` lines (the
+pytest summary, the tables the tools print); ``gpu.txt`` (``nvidia-smi --query-gpu=name
+...``) gives the GPU model and count. The date is today's (UTC). Why a tool: a device run
+leaves a folder of per-tool outputs; the results index wants one file per run that names
+its date, commit, GPU model/count and exact command (METHOD.md), and a hand-assembled file
+is where such fields go missing.
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+
+
+def _gpu(src):
+    path = os.path.join(src, "gpu.txt")
+    if not os.path.exists(path):
+        return "unknown"
+    names = [l.split(",")[0].strip() for l in open(path).read().splitlines()[1:] if l.strip()]
+    if not names:
+        return "unknown"
+    return f"{len(names)} x {names[0]}" if len(set(names)) == 1 else " + ".join(names)
+
+
+def collect(src, tail):
+    """Returns {relative key: parsed JSON or list of a log's last lines}, sorted by key."""
+    out = {}
+    for root, _, files in os.walk(src):
+        for f in sorted(files):
+            rel = os.path.relpath(os.path.join(root, f), src)
+            key, ext = os.path.splitext(rel)
+            if ext == ".json":
+                with open(os.path.join(root, f)) as fh:
+                    out[key] = json.load(fh)
+            elif ext == ".log":
+                with open(os.path.join(root, f), errors="replace") as fh:
+                    out[key + "_log_tail"] = fh.read().splitlines()[-tail:]
+    return dict(sorted(out.items()))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--commit", required=True)
+    p.add_argument("--note", required=True)
+    p.add_argument("--command", required=True, action="append", help="repeat for several")
+    p.add_argument("--summary", action="append", default=[], help="a line of findings")
+    p.add_argument("--tail", type=int, default=30)
+    a = p.parse_args(argv)
+    if not os.path.isdir(a.src):
+        sys.exit(f"results_json: no folder {a.src}")
+    doc = {
+        "note": a.note,
+        "commit": a.commit,
+        "gpu": _gpu(a.src),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "commands": a.command,
+        "summary": a.summary,
+    }
+    doc.update(collect(a.src, a.tail))
+    with open(a.dst, "w") as fh:
+        json.dump(doc, fh, indent=1)
+        fh.write("\n")
+    print(f"wrote {a.dst} ({len(doc) - 6} parts, gpu {doc['gpu']})")
+
+
+if __name__ == "__main__":
+    main()
