@@ -22,7 +22,7 @@ __device__ inline int64_t read_expert(const RoutingArgs& r, int64_t i) {
                      : static_cast<int64_t>(static_cast<const int32_t*>(r.topk_idx)[i]);
 }
 
-// One block per chunk of my tokens; the block whose copy completes the slot publishes it. Called by
+// One block per chunk of my tokens; the last block to finish publishes the slot. Called by
 // kLayoutThreads threads of block j of gridDim.x = chunks per call; token_ranks is [C] of
 // dynamic shared memory. Returns early (every thread alike) when a wait failed.
 __device__ void publish_block(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
@@ -57,10 +57,11 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
   __syncthreads();
   if (!ok) return;
 
-  // Phase 2: copy this chunk's routing into the slot (ids checked). The copy goes one
-  // (token, k) slot per thread, so every thread's loads are independent and coalesced (a
-  // thread per token walked its K slots one dependent load after another: NOTES #41); each
-  // slot marks its rank in the token's mask in shared memory.
+  // Phase 2: copy this chunk's routing into the slot (ids checked), and its send-side layout:
+  // for each destination d, the index of each token among this chunk's tokens that go to d.
+  // The copy goes one (token, k) slot per thread, so every thread's loads are independent and
+  // coalesced (a thread per token walked its K slots one dependent load after another: NOTES
+  // #41); each slot marks its rank in the token's mask in shared memory.
   int32_t* m_idx = ws.meta_idx_at(me, slot);
   float* m_w = ws.meta_weights_at(me, slot);
   const int t_end = min(T, (j + 1) * C);
@@ -79,29 +80,7 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
     m_w[s0 + i] = wt;
     if (e >= 0) atomicOr(&token_ranks[i / K], 1ull << (e / E_local));
   }
-
-  // Phase 3: the block whose copy completes the slot publishes it at once: readiness flows
-  // producer -> consumer, one release store, nobody is waited for. The peers' counts need
-  // only the routing, so the send-side layout below (read by my own combine only) comes
-  // after the release, off their path (NOTES #46). The arrival counter counts two rounds:
-  // copies (1..G), then send-side counts (G+1..2G).
-  const uint32_t G = gridDim.x;
-  uint32_t* arrivals = &c.counters()->publish_blocks_done;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(arrivals, 1u) + 1 == G) {
-      __threadfence();  // every block's copy (each fenced before its arrival), then mine
-      *ws.meta_count_at(me, slot) = T;
-      *ws.meta_spec_cap_at(me, slot) = r.spec_cap;
-      __threadfence_system();
-      st_release_sys(ws.meta_ready_at(me) + slot, meta_seq + 1);
-    }
-  }
-
-  // Phase 4: the send-side layout: for each destination d, the index of each token among
-  // this chunk's tokens that go to d; then the last block turns the chunk counts into
-  // prefixes.
   for (int base = j * C; base < (j + 1) * C; base += blockDim.x) {
     const int t = base + threadIdx.x;
     uint64_t mask = 0;
@@ -122,11 +101,14 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
   }
   if (threadIdx.x < W) h.send_base[j * W + threadIdx.x] = chunk_count[threadIdx.x];  // counts for now
   if (threadIdx.x == 0) h.chunk_readers[j] = readers;
+
+  // Phase 3: the last block turns chunk counts into prefixes and publishes. Readiness flows
+  // producer -> consumer: one release store, nobody is waited for.
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    last = atomicAdd(arrivals, 1u) + 1 == 2 * G;
-    if (last) *arrivals = 0;  // both rounds are in: no block reads it again in this launch
+    const uint32_t done = atomicAdd(&c.counters()->publish_blocks_done, 1u) + 1;
+    last = done == gridDim.x;
   }
   __syncthreads();
   if (!last) return;
@@ -135,16 +117,24 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
   // thread walking all chunks was a chain of dependent loads and stores, ~6 us at 64 chunks).
   for (int d = 0; d < W; ++d) {
     int carry = 0;  // the same value in every thread
-    for (int base = 0; base < static_cast<int>(G); base += blockDim.x) {
+    for (int base = 0; base < static_cast<int>(gridDim.x); base += blockDim.x) {
       const int jj = base + threadIdx.x;
-      const int n = jj < static_cast<int>(G) ? h.send_base[jj * W + d] : 0;
+      const int n = jj < static_cast<int>(gridDim.x) ? h.send_base[jj * W + d] : 0;
       int pos, total;
       Scan(scan_tmp).ExclusiveSum(n, pos, total);
-      if (jj < static_cast<int>(G)) h.send_base[jj * W + d] = carry + pos;
+      if (jj < static_cast<int>(gridDim.x)) h.send_base[jj * W + d] = carry + pos;
       carry += total;
       __syncthreads();  // scan_tmp is reused
     }
     if (threadIdx.x == 0) h.send_count[d] = carry;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    c.counters()->publish_blocks_done = 0;
+    *ws.meta_count_at(me, slot) = T;
+    *ws.meta_spec_cap_at(me, slot) = r.spec_cap;
+    __threadfence_system();
+    st_release_sys(ws.meta_ready_at(me) + slot, meta_seq + 1);
   }
 }
 
@@ -172,30 +162,20 @@ __device__ void count_block(const CommContext& c, const HandleArrays& h, const R
 
   for (int e = threadIdx.x; e < E_local; e += blockDim.x) hist[e] = 0;
   for (int d = threadIdx.x; d < c.world; d += blockDim.x) dest_hist[d] = 0;
-  // My own routing is read from the input, checked as publish checks it, not from my slot:
-  // no wait for my publish (in the fused layout it runs beside it; NOTES #46).
-  const bool own = s == c.rank;
   if (threadIdx.x == 0) {
     tasks = 0;
-    ok = own || wait_geq(c, ws.meta_ready_at(peer) + slot, meta_seq + 1, s, kWaitRoutingReady, meta_seq);
-    src_tokens = own ? r.num_tokens : ok ? *reinterpret_cast<volatile int32_t*>(ws.meta_count_at(peer, slot)) : 0;
+    ok = wait_geq(c, ws.meta_ready_at(peer) + slot, meta_seq + 1, s, kWaitRoutingReady, meta_seq);
+    src_tokens = ok ? *reinterpret_cast<volatile int32_t*>(ws.meta_count_at(peer, slot)) : 0;
     if (chunk == 0) h.src_count[s] = src_tokens;
   }
   __syncthreads();
   if (!ok) return;
 
-  // One coalesced pass over the chunk's routing (all loads in flight at once), then local work.
+  // One coalesced pass over the peer's routing (all loads in flight at once), then local work.
   const int t0 = chunk * C;
   const int n_tok = max(0, min(src_tokens, t0 + C) - t0);
-  if (own) {
-    for (int i = threadIdx.x; i < n_tok * K; i += blockDim.x) {
-      const int64_t e = read_expert(r, static_cast<int64_t>(t0) * K + i);
-      chunk_idx[i] = e < -1 || e >= r.num_experts ? -1 : static_cast<int32_t>(e);  // as published
-    }
-  } else {
-    const int32_t* idx = ws.meta_idx_at(peer, slot) + static_cast<size_t>(t0) * K;
-    for (int i = threadIdx.x; i < n_tok * K; i += blockDim.x) chunk_idx[i] = idx[i];
-  }
+  const int32_t* idx = ws.meta_idx_at(peer, slot) + static_cast<size_t>(t0) * K;
+  for (int i = threadIdx.x; i < n_tok * K; i += blockDim.x) chunk_idx[i] = idx[i];
   __syncthreads();
   const int lo = c.rank * E_local;
   const bool spec = r.spec_cap >= 0;
@@ -349,10 +329,10 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, Handl
 
 // Small layouts in one launch (NOTES #45): publish, count and scan of the three kernels above,
 // in a grid of (chunks per call) x W blocks. Blocks (j, 0) first publish my chunk j; every
-// block then counts source blockIdx.y's chunk blockIdx.x (waiting for that peer's routing;
-// my own is read from the input); the last block to finish counting scans (the last-block
-// pattern: no grid barrier, no block waits for another block of this grid). Row 0 arrives
-// after its publish, so the scan also comes after my slot's count and capacity are written. Saves two kernel boundaries and launches, which is
+// block then counts source blockIdx.y's chunk blockIdx.x (waiting for that source's routing,
+// its own rank's included: published by this grid's row 0, which asks nothing of the other
+// blocks); the last block to finish counting scans (the last-block pattern: no grid barrier,
+// no block waits for another to finish). Saves two kernel boundaries and launches, which is
 // most of what a small call's layout costs (s11-3: publish 6.4, count 3.4, scan 5.5 us of
 // kernel time at 128 tokens, each a short chain of dependent memory steps).
 // Every block reaches the arrival count, also after a failed wait: the scan's block writes
