@@ -709,6 +709,19 @@ def test_cuda_layout_scan_over_tiles_matches_reference(env, world_size):
     run_distributed(_scan_tiles_env, world_size, env, backend="nccl", timeout=300)
 
 
+def _layout_paths_differ(rank, world_size, name):
+    """Rank 1 runs the three-kernel layout, the others the fused one: both publish, wait and
+    release the same flags, so a mix must give the same bits (README: ranks may differ)."""
+    env = {"MOK_LAYOUT_FUSED": "0"} if rank == 1 else {}
+    return _with_env(env, _backend_vs_reference, rank, world_size, name, 91)
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+@pytest.mark.parametrize("name", ("mixed", "t0_on_rank0"))
+def test_cuda_ranks_with_different_layout_paths_match_reference(name, world_size):
+    run_distributed(_layout_paths_differ, world_size, name, backend="nccl", timeout=300)
+
+
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
 @pytest.mark.parametrize("K,chunk_tokens", FILL_PASS_CONFIGS)
 def test_cuda_layout_fill_in_passes_matches_reference(K, chunk_tokens, world_size):
