@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The 2-GPU tests of tests/test_cuda_backend.py in shards that fit one device call (each 2-GPU
+# test spawns 2 processes: ~5-10 s apiece, ~180 tests at W=2 are ~25 min in all):
+#
+#   bash scripts/device_runs/x2_tests.sh COMMIT SELECT [SHARD NSHARDS] [LIMIT_S]
+#
+# SELECT: core (every 2-GPU test but the alternative-schedule ones), schedules (the
+# alternative schedules x cases), rings (the alternative schedules' ring wraps), or a pytest
+# -k expression. Runs every NSHARDS-th selected W=2 test from SHARD (0-based; default 0 1)
+# under one time limit (default 540 s); writes $OUT/r/{ids,tests}.log and lists in
+# $OUT/r/not_run.txt what the limit cut off, so the next call can take those first
+# (pass SELECT=file:PATH with a list of node ids).
+set -uo pipefail
+C=${1:?commit}; SELECT=${2:?select}; SHARD=${3:-0}; NSHARDS=${4:-1}; LIMIT=${5:-540}
+export MOK_COMMIT=$C NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1
+R=$OUT/r; mkdir -p $R
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > $R/gpu.txt
+case "$SELECT" in
+  core) K="not alternative_schedules" ;;
+  schedules) K="alternative_schedules_match_reference" ;;
+  rings) K="alternative_schedules_wrap_the_ring" ;;
+  file:*) K= ;;
+  *) K=$SELECT ;;
+esac
+if [ -z "$K" ]; then cp "${SELECT#file:}" $R/all_ids.txt
+else
+  python3 -m pytest --collect-only -q -m multigpu -k "$K" tests/test_cuda_backend.py -p no:cacheprovider 2>/dev/null \
+    | grep "::" | grep -E -- "-2\]$|\[2\]$" > $R/all_ids.txt
+fi
+awk -v s=$SHARD -v n=$NSHARDS '(NR - 1) % n == s' $R/all_ids.txt > $R/ids.txt
+echo "$(wc -l < $R/ids.txt) of $(wc -l < $R/all_ids.txt) selected tests (shard $SHARD of $NSHARDS)"
+timeout -k 10 $LIMIT python3 -m pytest -v -p no:cacheprovider $(cat $R/ids.txt) > $R/tests.log 2>&1
+echo "tests rc=$?"
+grep -E "PASSED|FAILED|ERROR|SKIPPED" $R/tests.log | grep "::" | sed 's/ .*//' > $R/done.txt
+grep -v -x -F -f $R/done.txt $R/ids.txt > $R/not_run.txt
+grep -cE " PASSED" $R/tests.log | sed 's/^/passed: /'
+grep -E " FAILED| ERROR" $R/tests.log | head -20
+echo "not run (time limit): $(wc -l < $R/not_run.txt)"
+tail -3 $R/tests.log
+cd $OUT && tar czf r.tgz r && rm -rf r
