@@ -549,14 +549,18 @@ def _split_vs_reference(rank, world_size, env):
     """Calls with fewer tokens than combine warps at H = 1288 (S = 3 steps of 512, the last one
     partial) on 4 SMs: each token's steps are dealt to P warps (P = 3 at 20 tokens, P = 2 at
     25, which does not divide S), forward and backward (prob gradients included), token-dtype
-    and fp32 partials, against the reference bitwise."""
+    and fp32 partials, against the reference bitwise. The dispatch splits too (NOTES #47):
+    its 128 pulling warps deal each task's 161 vectors in slices of 32-vector steps to
+    min(6, 128 // virtual tasks) warps: 6 slices at 1 and 7 tokens, 2 at 20 tokens (W=3), 4
+    at 28 tokens (W=1: the 4th slice is empty), none at 40."""
     return _with_env(env, _split_calls, rank, world_size)
 
 
 def _split_calls(rank, world_size):
     dev = _device_for(rank)
     H, K, E, dtype = 1288, 4, 4 * world_size, torch.bfloat16
-    calls = [(20, "random"), (25, "duplicate"), (1, "random"), (7, "unrouted"), (0, "random"), (40, "skewed")]
+    calls = [(20, "random"), (25, "duplicate"), (1, "random"), (7, "unrouted"), (0, "random"), (40, "skewed"),
+             (28, "random")]
     for partial in (None, torch.float32):
         kw = {} if partial is None else {"combine_partial_dtype": partial}
         buf = mok_buffer(E, H, K, 64, dtype, "cuda", dev, num_sms=4, timeout_s=30, **kw)
@@ -733,8 +737,14 @@ def test_cuda_streamed_produce_matches_reference(world_size):
     run_distributed(_streamed_produce_calls, world_size, backend="nccl", timeout=300)
 
 
+# The small-call splits: the phased combine, the role-split combine, and the dispatch with
+# one warp per task (MOK_DISPATCH_SPLIT=0; the other two split the dispatch's tasks).
+SPLIT_SCHEDULES = [pytest.param({}, id="phased"), pytest.param({"MOK_COMBINE_PHASED": "0"}, id="role_split"),
+                   pytest.param({"MOK_DISPATCH_SPLIT": "0"}, id="dispatch_unsplit")]
+
+
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
-@pytest.mark.parametrize("env", [{}, {"MOK_COMBINE_PHASED": "0"}], ids=["phased", "role_split"])
+@pytest.mark.parametrize("env", SPLIT_SCHEDULES)
 def test_cuda_combine_split_over_warps_matches_reference(env, world_size):
     run_distributed(_split_vs_reference, world_size, env, backend="nccl", timeout=300)
 

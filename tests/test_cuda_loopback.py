@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness import run_loopback
-from test_cuda_backend import (ALT_SCHEDULES, CASE_NAMES, FILL_PASS_CONFIGS, _fill_passes_calls, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
+from test_cuda_backend import (ALT_SCHEDULES, CASE_NAMES, FILL_PASS_CONFIGS, SPLIT_SCHEDULES, _fill_passes_calls, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
                                _missing_peer, _overflow_cuda, _repeats_and_sms, _ring_wrap,
                                _ring_reused_every_call, _scan_tiles_calls, _speculative_calls, _speculative_mismatch,
                                _split_calls, _static_cuda, _streamed_produce_calls)
@@ -98,11 +98,12 @@ def test_loopback_padded_ring_slots_match_reference(name, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("env", [{}, {"MOK_COMBINE_PHASED": "0"}], ids=["phased", "role_split"])
-def test_loopback_combine_split_over_warps_matches_reference(env, monkeypatch):
+@pytest.mark.parametrize("world_size", (1, 3))
+@pytest.mark.parametrize("env", SPLIT_SCHEDULES)
+def test_loopback_combine_split_over_warps_matches_reference(env, world_size, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    run_loopback(_split_calls, 3, timeout=300)
+    run_loopback(_split_calls, world_size, timeout=300)
 
 
 @gpu

@@ -31,6 +31,8 @@ struct DispatchShape {
   bool release_at_end;  // the call fits in the ring: chunks are released by the grid's last warp
   bool ce_staged;       // the copy engine staged my chunks into slots [0, chunks): fixed slots
   bool task_runs;       // pulling warps take runs of consecutive (virtual) tasks, not every n-th
+  bool split;           // a call with fewer tasks than pulling warps deals each task's row to
+                        // several warps, a slice each (release_at_end calls; MOK_DISPATCH_SPLIT=0)
 
   // Generation and ring slot of this call's chunk j.
   __device__ uint64_t gen(int j) const { return seq * cpc + j; }
@@ -76,8 +78,12 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
   }
 }
 
+// kSplit: a task is `parts` work items, each a slice of its row (a multiple of 32 vectors);
+// a separate instance, so that the usual path (at least one task per warp) keeps its registers.
+template <bool kSplit>
 __device__ void consume(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
-                        const DispatchShape& sh, const Role& role, const int4* x, int4* out) {
+                        const DispatchShape& sh, const Role& role, const int4* x, int4* out,
+                        int n_virtual, int parts) {
   const int lane = threadIdx.x % kWarpSize;
   const int warps_per_block = blockDim.x / kWarpSize;
   const int n_warps = role.count * warps_per_block;
@@ -91,22 +97,25 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   // Interleave sources: virtual task v is task v / W of source (v + rank) % W, so at any time
   // the warps pull from every peer and copy local tokens together and every NVLink direction
   // stays busy (in plain task order, rank 0 would copy locally while rank 1 pulls, then swap).
-  int max_per_source = 0;
-  for (int s = 0; s < c.world; ++s) max_per_source = max(max_per_source, h.task_off[s + 1] - h.task_off[s]);
-  const int n_virtual = max_per_source * c.world;
+  // n_virtual (max tasks of a source x W) comes from the caller. With kSplit the work items
+  // are (virtual task, slice): item i is slice i % parts of virtual task i / parts.
+  const int n_items = kSplit ? n_virtual * parts : n_virtual;
+  // The slice length: the row's vectors dealt to `parts`, rounded up to whole 32-lane steps.
+  const int slice = kSplit ? (sh.vec_per_row + parts * kWarpSize - 1) / (parts * kWarpSize) * kWarpSize : 0;
   SeenGens seen;
-  // Which virtual tasks: every n_warps-th from `warp` (the chunks are then pulled in the order
+  // Which work items: every n_warps-th from `warp` (the chunks are then pulled in the order
   // staging blocks publish them), or, when the copy engine staged everything before the kernel,
-  // a run of consecutive ones (the first n_virtual % n_warps warps one more): a warp's remote
+  // a run of consecutive ones (the first n_items % n_warps warps one more): a warp's remote
   // tasks then share chunks, so one ready-flag check over NVLink covers several (NOTES #34).
-  int v_begin = warp, v_end = n_virtual, v_step = n_warps;
+  int v_begin = warp, v_end = n_items, v_step = n_warps;
   if (sh.task_runs) {
-    const int base = n_virtual / n_warps, extra = n_virtual % n_warps;
+    const int base = n_items / n_warps, extra = n_items % n_warps;
     v_begin = warp * base + min(warp, extra);
     v_end = v_begin + base + (warp < extra ? 1 : 0);
     v_step = 1;
   }
-  // v's quotient and remainder by W, advanced by v_step each task without a division.
+  // v's quotient and remainder by W, advanced by v_step each task without a division (the
+  // split instance divides instead).
   const int W = c.world, step_q = v_step / W, step_r = v_step % W;
   int local_i = v_begin / W, v_rem = v_begin % W;
 
@@ -115,15 +124,25 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   if constexpr (kDispatchClocks) clk0 = clock64();
   for (int v = v_begin; v < v_end; v += v_step) {
     if constexpr (kDispatchClocks) clk_t = clock64();
-    int s = v_rem + c.rank;
-    if (s >= W) s -= W;
-    const int local_task = local_i;  // s's task this virtual task stands for (if it has one)
-    local_i += step_q;
-    v_rem += step_r;
-    if (v_rem >= W) {
-      v_rem -= W;
-      ++local_i;
+    int s, local_task, vec_lo = 0, vec_hi = sh.vec_per_row;
+    if constexpr (kSplit) {  // small calls: the divisions cost nothing next to the copy
+      const int vt = v / parts, part = v - vt * parts;
+      s = vt % W + c.rank;
+      local_task = vt / W;
+      vec_lo = part * slice;
+      vec_hi = min(vec_lo + slice, sh.vec_per_row);
+      if (vec_lo >= vec_hi) continue;  // the rounding left the last slice empty
+    } else {
+      s = v_rem + c.rank;
+      local_task = local_i;  // s's task this virtual task stands for (if it has one)
+      local_i += step_q;
+      v_rem += step_r;
+      if (v_rem >= W) {
+        v_rem -= W;
+        ++local_i;
+      }
     }
+    if (s >= W) s -= W;
     if (local_task >= h.task_off[s + 1] - h.task_off[s]) continue;
     const int i = h.task_off[s] + local_task;
     const int t = h.task_token[i];
@@ -157,14 +176,14 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     }
     // Every lane runs every round (the shuffles need the whole warp; the s8-5 build let lanes
     // past a short row's end leave the loop early and read garbage row ids).
-    for (int base0 = 0; base0 < sh.vec_per_row; base0 += kWarpSize * kCopyUnroll) {
+    for (int base0 = vec_lo; base0 < vec_hi; base0 += kWarpSize * kCopyUnroll) {
       const int base = base0 + lane;
       if constexpr (kDispatchClocks) clk_t = clock64();
       int4 v[kCopyUnroll];
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u) {
         const int vi = base + u * kWarpSize;
-        if (vi < sh.vec_per_row) v[u] = ld_stream_16(src + vi);
+        if (vi < vec_hi) v[u] = ld_stream_16(src + vi);
       }
       if constexpr (kDispatchClocks) {  // the loads have landed once a register of each is read
         int sink = 0;
@@ -183,7 +202,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
 #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u) {
           const int vi = base + u * kWarpSize;
-          if (vi < sh.vec_per_row) st_16(dst + vi, v[u]);
+          if (vi < vec_hi) st_16(dst + vi, v[u]);
         }
       }
       if constexpr (kDispatchClocks) clk[kDClockStore] += clock64() - clk_t;
@@ -191,7 +210,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     __syncwarp();
     // Per-task release accounting only when a call spans more than the ring (then producers
     // need slots back during the call); otherwise release_call_chunks does it once per call.
-    if (!sh.release_at_end && s != c.rank && lane == 0) {
+    if (!kSplit && !sh.release_at_end && s != c.rank && lane == 0) {
       __threadfence();
       int32_t* done = mine.done + static_cast<size_t>(s) * N + slot;
       if (atomicAdd(done, 1) + 1 == h.chunk_tasks[s * sh.cpc + j]) {
@@ -214,6 +233,22 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   for (size_t v = pad_begin + static_cast<size_t>(warp) * kWarpSize + lane; v < pad_end;
        v += static_cast<size_t>(n_warps) * kWarpSize)
     out[v] = zero;
+}
+
+// The pulling role: counts the call's virtual tasks and picks the instance (split when the
+// call has fewer tasks than the role has warps, as the combine does: NOTES #47).
+__device__ void consume_any(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+                            const DispatchShape& sh, const Role& role, const int4* x, int4* out) {
+  int max_per_source = 0;
+  for (int s = 0; s < c.world; ++s) max_per_source = max(max_per_source, h.task_off[s + 1] - h.task_off[s]);
+  const int n_virtual = max_per_source * c.world;
+  const int n_warps = role.count * static_cast<int>(blockDim.x / kWarpSize);
+  const int max_parts = (sh.vec_per_row + kWarpSize - 1) / kWarpSize;  // >= 1 vector per lane
+  const int parts = sh.split && n_virtual > 0 ? min(max_parts, n_warps / n_virtual) : 1;
+  if (parts > 1)
+    consume<true>(c, h, a, sh, role, x, out, n_virtual, parts);
+  else
+    consume<false>(c, h, a, sh, role, x, out, n_virtual, 1);
 }
 
 // One warp (copy-engine staging): my chunks are in slots [0, chunks) already (the copy came
@@ -261,7 +296,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   }
   if (mode == kTransferPull) {
     sh.start(n->disp_pull_seq);
-    consume(c, h, a, sh, Role{0, G}, x, out);
+    consume_any(c, h, a, sh, Role{0, G}, x, out);
     trace_warp(c, false);
     if (warp_done_advance(&n->disp_pull_warps_done, &n->disp_pull_seq) && sh.release_at_end)
       release_call_chunks(c, h, sh);
@@ -270,11 +305,11 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   sh.start(n->disp_seq);
   if (sh.ce_staged) {
     if (blockIdx.x == 0 && threadIdx.x < kWarpSize) publish_ce_staged(c, h, a, sh);
-    consume(c, h, a, sh, Role{0, G}, x, out);
+    consume_any(c, h, a, sh, Role{0, G}, x, out);
   } else if (static_cast<int>(blockIdx.x) < a.num_producers)
     produce(c, h, a, sh, Role{0, a.num_producers}, x);
   else
-    consume(c, h, a, sh, Role{a.num_producers, G - a.num_producers}, x, out);
+    consume_any(c, h, a, sh, Role{a.num_producers, G - a.num_producers}, x, out);
   trace_warp(c, false);
   if (warp_done_advance(&n->disp_warps_done, &n->disp_seq, &n->disp_pull_seq) && sh.release_at_end)
     release_call_chunks(c, h, sh);
@@ -296,6 +331,9 @@ cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h
   sh.ce_staged = (t.mode & kTransferCeStaged) != 0;
   // MOK_DISPATCH_TASK_RUNS=0 keeps every n-th task with copy-engine staging too (A/B; tested).
   sh.task_runs = sh.ce_staged && !env_off("MOK_DISPATCH_TASK_RUNS");
+  // MOK_DISPATCH_SPLIT=0: one warp per task whatever the call size (A/B; tested). Only when
+  // chunks are released once per call: the per-task release counts whole tasks.
+  sh.split = sh.release_at_end && !env_off("MOK_DISPATCH_SPLIT");
   if (sh.ce_staged && sh.cpc > sh.slots.N) return cudaErrorInvalidValue;  // checked by the API
   dispatch_transfer_kernel<<<t.num_blocks, kDispatchThreads, 0, s>>>(
       c, h, t, sh, static_cast<const int4*>(x), static_cast<int4*>(out_rows));
