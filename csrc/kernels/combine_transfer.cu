@@ -1039,9 +1039,7 @@ cudaError_t launch_typed(const CommContext& c, const HandleArrays& h, const Tran
   // Own rows loaded per batch by a consumer lane: 2 (1 for fp32 rows). 4 spills registers
   // and measured slower in both schedules (benchmarks/NOTES.md #10, #12).
   auto kernel = combine_transfer_kernel<T, P, (sizeof(T) == 4 ? 1 : 2)>;
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem)))
-    return e;
+  if (cudaError_t e = allow_dynamic_smem(kernel, smem)) return e;
   kernel<<<t.num_blocks, kCombineThreads, smem, s>>>(
       c, h, t, sh, static_cast<const T*>(expert_out), grad_probs, static_cast<T*>(y), grad_w);
   return cudaGetLastError();

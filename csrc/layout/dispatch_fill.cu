@@ -176,10 +176,7 @@ cudaError_t launch_dispatch_fill(const CommContext& c, const HandleArrays& h, co
   const int C = c.ws.cfg.chunk_tokens, K = c.ws.cfg.topk;
   const size_t smem = fill_smem_ints(c.ws.cfg.num_local_experts, C, K) * sizeof(int);
   if (smem > kMaxDynamicSmem) return cudaErrorInvalidConfiguration;  // ~3.3 K experts per rank
-  if (smem > 48 * 1024)
-    if (cudaError_t e = cudaFuncSetAttribute(fill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(smem)))
-      return e;
+  if (cudaError_t e = allow_dynamic_smem(fill_kernel, smem)) return e;
   fill_kernel<<<dim3(cpc, c.world), kFillThreads, smem, s>>>(c, h, r, out);
   return cudaGetLastError();
 }

@@ -382,10 +382,7 @@ cudaError_t launch_dispatch_layout(const CommContext& c, const HandleArrays& h,
   const size_t count_smem = (c.ws.cfg.num_local_experts + c.ws.cfg.chunk_tokens * c.ws.cfg.topk) * sizeof(int);
   if (layout_is_fused(c.ws.cfg, r.spec_cap >= 0)) {
     const size_t smem = publish_smem > count_smem ? publish_smem : count_smem;
-    if (smem > 48 * 1024)
-      if (cudaError_t e = cudaFuncSetAttribute(layout_fused_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(smem)))
-        return e;
+    if (cudaError_t e = allow_dynamic_smem(layout_fused_kernel, smem)) return e;
     layout_fused_kernel<<<dim3(cpc, c.world), kLayoutThreads, smem, s>>>(c, h, r, out);
     return cudaGetLastError();
   }

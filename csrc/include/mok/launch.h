@@ -94,6 +94,14 @@ cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
                                     const float* grad_probs, void* y, float* grad_w,
                                     int dtype_code, int partial_code, cudaStream_t s);
 
+// Lets `kernel` take `smem` bytes of dynamic shared memory: past the default 48 KB a kernel
+// must ask for it (up to kMaxDynamicSmem on Hopper) before its launch.
+template <typename Kernel>
+inline cudaError_t allow_dynamic_smem(Kernel kernel, size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+}
+
 // dtype codes shared with Python: 0 bf16, 1 fp16, 2 fp32.
 enum DtypeCode : int { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
 
