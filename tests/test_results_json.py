@@ -1,0 +1,49 @@
+"""scripts/results_json.py on a hand-made device output folder."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+import results_json  # noqa: E402
+
+
+def _folder(tmp_path, gpus=("NVIDIA H200", "NVIDIA H200")):
+    src = tmp_path / "r"
+    (src / "small").mkdir(parents=True)
+    (src / "gpu.txt").write_text("name, clocks.sm [MHz], clocks.max.sm [MHz]\n"
+                                 + "".join(f"{g}, 1980 MHz, 1980 MHz\n" for g in gpus))
+    (src / "small" / "small_batch.json").write_text(json.dumps({"cases": [{"tokens": 128}]}))
+    (src / "tests.log").write_text("".join(f"line {i}\n" for i in range(50)) + "172 passed in 219 s\n")
+    return src
+
+
+def test_one_file_with_date_commit_gpu_command_and_every_part(tmp_path):
+    dst = tmp_path / "out.json"
+    results_json.main([str(_folder(tmp_path)), str(dst), "--commit", "abc1234", "--note", "a run",
+                       "--command", "bash x.sh abc1234", "--command", "python3 y.py",
+                       "--summary", "it passed", "--tail", "3"])
+    doc = json.loads(dst.read_text())
+    assert doc["commit"] == "abc1234" and doc["note"] == "a run"
+    assert doc["gpu"] == "2 x NVIDIA H200"
+    assert doc["commands"] == ["bash x.sh abc1234", "python3 y.py"]
+    assert doc["summary"] == ["it passed"]
+    assert len(doc["date"]) == 10 and doc["date"][4] == "-"
+    assert doc["small/small_batch"] == {"cases": [{"tokens": 128}]}
+    assert doc["tests_log_tail"] == ["line 48", "line 49", "172 passed in 219 s"]
+
+
+def test_mixed_or_missing_gpu_files_are_named_as_they_are(tmp_path):
+    src = _folder(tmp_path, gpus=("NVIDIA H200", "NVIDIA H100"))
+    assert results_json._gpu(str(src)) == "NVIDIA H200 + NVIDIA H100"
+    os.remove(src / "gpu.txt")
+    assert results_json._gpu(str(src)) == "unknown"
+
+
+def test_a_missing_folder_is_an_error(tmp_path):
+    with pytest.raises(SystemExit, match="no folder"):
+        results_json.main([str(tmp_path / "nope"), str(tmp_path / "o.json"), "--commit", "c",
+                           "--note", "n", "--command", "x"])
