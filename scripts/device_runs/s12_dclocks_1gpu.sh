@@ -5,9 +5,7 @@
 # pulling warps' cycles by kind), split (default) and unsplit (MOK_DISPATCH_SPLIT=0).
 C=${1:?commit}
 CLK=${CLK_LIB:-.carry/lib_dclocks/libmok_cuda.so}
-export MOK_COMMIT=$C NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1
-R=$OUT/r; mkdir -p $R
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > $R/gpu.txt
+. "$(dirname "$0")/common.sh"
 stages() {  # stages NAME TOKENS [ENV=VALUE ...]
     local name=$1 t=$2; shift 2
     env "$@" timeout -k 5 90 python3 -m torch.distributed.run --nproc-per-node 1 --master-port $((20000 + RANDOM % 20000)) \

@@ -6,13 +6,7 @@
 # test one GPU can run.
 C=${1:?commit}
 BASE_LIB=${BASE_LIB:-.carry/lib_0240f04/libmok_cuda.so}
-export MOK_COMMIT=$C NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1
-R=$OUT/r; mkdir -p $R
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > $R/gpu.txt
-with_lib() {  # with_lib base|new CMD...: the base runs with MOK_CUDA_LIB set
-    local v=$1; shift
-    if [ "$v" = base ]; then MOK_CUDA_LIB=$BASE_LIB "$@"; else "$@"; fi
-}
+. "$(dirname "$0")/common.sh"
 for round in 1 2; do for v in base new; do
   with_lib $v timeout -k 5 90 python3 scripts/profile_kernels_1gpu.py --tokens 128,512,4096 --iters 20 > $R/kernels_${v}_$round.log 2>&1
   echo "[kernels $v $round] rc=$?"; grep -E "T=|dispatch_transfer|combine_transfer" $R/kernels_${v}_$round.log | cut -c1-80

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Run s12-2 (benchmarks/results/README.md): #45 fused layout on one GPU: A/B (fused vs three kernels), then tests
 C=${1:?commit}
-export MOK_COMMIT=$C NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1
-R=$OUT/r; mkdir -p $R
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > $R/gpu.txt
+. "$(dirname "$0")/common.sh"
 python3 -c "from megatron_mok.cuda import library; print('abi', library.get().mok_abi_version())"
 for round in 1 2; do for v in fused three; do
   f=1; [ $v = three ] && f=0

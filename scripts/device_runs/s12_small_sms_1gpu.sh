@@ -3,9 +3,7 @@
 # per-kernel profile at W=1 (128, 512 tokens) with the default 24 SMs and with
 # MOK_SMALL_CALL_SMS=48, alternating twice, then bench_small_batch.py once each.
 C=${1:?commit}
-export MOK_COMMIT=$C NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1
-R=$OUT/r; mkdir -p $R
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > $R/gpu.txt
+. "$(dirname "$0")/common.sh"
 for round in 1 2; do for v in sms24 small48; do
   e=MOK_X=1; [ $v = small48 ] && e=MOK_SMALL_CALL_SMS=48
   env $e timeout -k 5 60 python3 scripts/profile_kernels_1gpu.py --tokens 128,512 --iters 20 > $R/kernels_${v}_$round.log 2>&1

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Run s12-1 (benchmarks/results/README.md): validate main on one GPU (tests, main job, small batch)
 C=${1:?commit}
-export MOK_COMMIT=$C NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1
-mkdir -p $OUT/r
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > $OUT/r/gpu.txt
+. "$(dirname "$0")/common.sh"
 python3 -c "import megatron_mok.cuda.library as l; print(l.__file__)" 
 timeout -k 5 400 python3 -m pytest -q tests/test_cuda_library_abi.py tests/test_cuda_loopback.py tests/test_cuda_backend.py -p no:cacheprovider -x > $OUT/r/tests.log 2>&1; echo "tests rc=$?"; tail -3 $OUT/r/tests.log
 timeout -k 5 60 python3 -m megatron_mok.bench --json $OUT/r/main_job.json > $OUT/r/main_job.log 2>&1; echo "main rc=$?"; grep "^|" $OUT/r/main_job.log

@@ -15,9 +15,7 @@
 # Everything lands in $OUT/r.tgz; assemble with scripts/results_json.py.
 set -uo pipefail
 C=${1:?commit}; AB=${2:-1}
-export MOK_COMMIT=$C NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1
-R=$OUT/r; mkdir -p $R
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > $R/gpu.txt
+. "$(dirname "$0")/common.sh"
 nvidia-smi topo -m > $R/topo.txt 2>&1
 python3 -c "import deep_ep" 2>/dev/null && echo "deep_ep importable" || echo "deep_ep NOT importable: the suite runs without it"
 step() {  # step NAME LIMIT_S CMD...

@@ -12,9 +12,7 @@
 # (pass SELECT=file:PATH with a list of node ids).
 set -uo pipefail
 C=${1:?commit}; SELECT=${2:?select}; SHARD=${3:-0}; NSHARDS=${4:-1}; LIMIT=${5:-540}
-export MOK_COMMIT=$C NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1
-R=$OUT/r; mkdir -p $R
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > $R/gpu.txt
+. "$(dirname "$0")/common.sh"
 case "$SELECT" in
   core) K="not alternative_schedules" ;;
   schedules) K="alternative_schedules_match_reference" ;;

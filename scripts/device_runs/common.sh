@@ -1,0 +1,12 @@
+# Sourced by every script in this folder after it set C (the commit to record): the launcher
+# environment (no NVLink multicast anywhere, 32 hardware queues for loopback ranks, eager
+# module loading), the output folder R=$OUT/r and the GPU list R/gpu.txt that
+# scripts/results_json.py reads.
+export MOK_COMMIT=$C NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1
+R=$OUT/r; mkdir -p "$R"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > "$R/gpu.txt"
+
+with_lib() {  # with_lib base|new CMD...: the base runs with MOK_CUDA_LIB=$BASE_LIB (same C ABI)
+    local v=$1; shift
+    if [ "$v" = base ]; then MOK_CUDA_LIB=$BASE_LIB "$@"; else "$@"; fi
+}
