@@ -182,6 +182,24 @@ def test_layout_fusion_follows_the_environment(monkeypatch):
         lib.mok_destroy(big)
 
 
+def test_programmatic_dependent_launch_is_off_until_set():
+    # mok_create launches plainly; the CUDA backend turns PDL on per context (not for ranks
+    # sharing one GPU), so the flag must belong to the context, not to the process.
+    lib = library.get()
+    a, b = _create(lib), _create(lib)
+    try:
+        assert lib.mok_pdl(a) == 0 and lib.mok_pdl(b) == 0
+        assert lib.mok_set_pdl(a, 1) == 0
+        assert lib.mok_pdl(a) == 1 and lib.mok_pdl(b) == 0
+        assert lib.mok_set_pdl(a, 7) == 0 and lib.mok_pdl(a) == 1   # any non-zero is on
+        assert lib.mok_set_pdl(a, 0) == 0 and lib.mok_pdl(a) == 0
+        assert lib.mok_set_pdl(None, 1) != 0 and "null" in lib.mok_last_error().decode()
+        assert lib.mok_pdl(None) == 0
+    finally:
+        lib.mok_destroy(a)
+        lib.mok_destroy(b)
+
+
 def test_library_reports_the_abi_version_this_package_declares():
     from megatron_mok.cuda import bindings
     assert library.get().mok_abi_version() == bindings.ABI_VERSION

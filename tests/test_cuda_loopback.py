@@ -196,6 +196,48 @@ def test_loopback_too_many_sms_is_an_error():
     assert run_loopback(make, 8, timeout=120) == [True] * 8
 
 
+def _pdl_of_new_buffer(rank, world_size):
+    """Whether a new CUDA Buffer of this rank launches with programmatic dependent launch."""
+    from harness import _buffer, contract_cases
+    from megatron_mok.cuda import library
+
+    buf = _buffer(contract_cases(world_size)["random"], torch.bfloat16, "cuda", device="cuda")
+    impl = buf._get_backend("cuda")
+    on = bool(library.get().mok_pdl(impl.ctx))
+    assert on == impl.pdl, "the library's flag and the backend's disagree"
+    buf.destroy()
+    return on
+
+
+def _pdl_calls(rank, world_size, pdl_expected):
+    """World size 1 with and without PDL: a full pass against the reference, 300 ring-wrapping
+    calls back to back (each call's kernels then start while the last call's run), and a graph
+    of static-shape forward + backward (PDL edges captured as programmatic graph edges)."""
+    assert _pdl_of_new_buffer(rank, world_size) == pdl_expected
+    _backend_vs_reference(rank, world_size, "mixed", 91)
+    rows, ring = _ring_wrap(rank, world_size, 300)
+    assert rows * 256 * 2 > 4 * ring, "the ring did not wrap"
+    return _graph(rank, world_size, 9, True)
+
+
+@gpu
+@pytest.mark.parametrize("env,pdl", [({}, True), ({"MOK_PDL": "0"}, False)], ids=["pdl", "plain_launches"])
+def test_loopback_world_size_1_with_and_without_pdl(env, pdl, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert run_loopback(_pdl_calls, 1, pdl, timeout=600) == [True]
+
+
+@gpu
+def test_pdl_is_off_for_ranks_sharing_a_gpu_unless_forced(monkeypatch):
+    # Ranks of a loopback group share one GPU: a rank's early-resident blocks could take the SMs
+    # a peer's kernel needs, so PDL is off there unless MOK_PDL=1 forces it (not run forced:
+    # only the flag is checked).
+    assert run_loopback(_pdl_of_new_buffer, 2, timeout=120) == [False, False]
+    monkeypatch.setenv("MOK_PDL", "1")
+    assert run_loopback(_pdl_of_new_buffer, 2, timeout=120) == [True, True]
+
+
 # ------------------------------------------------- CPU self-checks of the loopback machinery
 @pytest.mark.parametrize("world_size", ALL_SIZES)
 def test_loopback_reference_runs_on_cpu(world_size):

@@ -65,6 +65,7 @@ MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int part
   ctx->comm.ws = Workspace::make(cfg);
   ctx->comm.rank = rank;
   ctx->comm.world = world;
+  ctx->comm.pdl = 0;
   return ctx;
 }
 
@@ -79,6 +80,14 @@ int mok_set_host_report(MokContext* ctx, void* host_report) {
   ctx->host_report_dev = static_cast<int32_t*>(d);
   return 0;
 }
+
+int mok_set_pdl(MokContext* ctx, int on) {
+  if (ctx == nullptr) return fail("null MokContext");
+  ctx->comm.pdl = on != 0 ? 1 : 0;
+  return 0;
+}
+
+int mok_pdl(const MokContext* ctx) { return ctx != nullptr && ctx->comm.pdl != 0 ? 1 : 0; }
 
 size_t mok_workspace_bytes(const MokContext* ctx) { return ctx->comm.ws.total_bytes; }
 

@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 6
+#define MOK_ABI_VERSION 7
 int mok_abi_version(void);
 
 MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int partial_bytes, int topk,
@@ -68,6 +68,11 @@ int mok_dispatch_ce_stage_supported(const MokContext* ctx);
  * speculative calls, spec_cap >= 0; never with MOK_LAYOUT_FUSED=0), 0 when as three. Reads the
  * environment now, as the launch does. */
 int mok_layout_fused(const MokContext* ctx, int speculative);
+/* Programmatic dependent launch of this context's kernels (benchmarks/NOTES.md #48): on = 1 lets
+ * each kernel be scheduled while the one before it on the stream runs (it waits for it on the
+ * device); 0 (the default of mok_create) launches plainly. Returns 0; mok_pdl reads it back. */
+int mok_set_pdl(MokContext* ctx, int on);
+int mok_pdl(const MokContext* ctx);
 int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert_out,
                 const float* grad_probs, int num_tokens, void* y, float* grad_w,
                 int64_t row_cap, int dtype_code, int partial_code, int num_blocks,

@@ -994,6 +994,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
     combine_transfer_kernel(CommContext c, HandleArrays h, TransferArgs a, CombineShape sh,
                             const T* expert_out, const float* grad_probs, T* y, float* grad_w) {
   extern __shared__ __align__(16) int4 smem[];
+  pdl_wait_then_release_dependents();
   if (aborted(c)) return;  // after a protocol error: touch nothing (see dispatch_transfer.cu)
   sh.start(c.counters()->comb_seq);
   trace_warp(c, true);
@@ -1040,9 +1041,8 @@ cudaError_t launch_typed(const CommContext& c, const HandleArrays& h, const Tran
   // and measured slower in both schedules (benchmarks/NOTES.md #10, #12).
   auto kernel = combine_transfer_kernel<T, P, (sizeof(T) == 4 ? 1 : 2)>;
   if (cudaError_t e = allow_dynamic_smem(kernel, smem)) return e;
-  kernel<<<t.num_blocks, kCombineThreads, smem, s>>>(
-      c, h, t, sh, static_cast<const T*>(expert_out), grad_probs, static_cast<T*>(y), grad_w);
-  return cudaGetLastError();
+  return launch_kernel(c, kernel, t.num_blocks, kCombineThreads, smem, s, c, h, t, sh,
+                       static_cast<const T*>(expert_out), grad_probs, static_cast<T*>(y), grad_w);
 }
 
 template <typename T>

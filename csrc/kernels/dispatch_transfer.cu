@@ -282,6 +282,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
                              const int4* x, int4* out) {
   // After a protocol error the layout arrays may be unfilled (the fill kernel stopped): touch
   // nothing. The Buffer is unusable from here on (the host raises at its next read).
+  pdl_wait_then_release_dependents();
   if (aborted(c)) return;
   SeqCounters* n = c.counters();
   const int G = static_cast<int>(gridDim.x);
@@ -335,9 +336,8 @@ cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h
   // chunks are released once per call: the per-task release counts whole tasks.
   sh.split = sh.release_at_end && !env_off("MOK_DISPATCH_SPLIT");
   if (sh.ce_staged && sh.cpc > sh.slots.N) return cudaErrorInvalidValue;  // checked by the API
-  dispatch_transfer_kernel<<<t.num_blocks, kDispatchThreads, 0, s>>>(
-      c, h, t, sh, static_cast<const int4*>(x), static_cast<int4*>(out_rows));
-  return cudaGetLastError();
+  return launch_kernel(c, dispatch_transfer_kernel, t.num_blocks, kDispatchThreads, 0, s, c, h, t, sh,
+                       static_cast<const int4*>(x), static_cast<int4*>(out_rows));
 }
 
 bool dispatch_call_fits_ring(const Workspace& ws) {
@@ -349,6 +349,7 @@ bool dispatch_call_fits_ring(const Workspace& ws) {
 // ring used only by copy-engine calls never wraps within a call, and its previous readers are
 // the peers' pulls of an earlier call, which need nothing from this rank any more.
 __global__ void __launch_bounds__(kStageAcquireThreads) stage_acquire_kernel(CommContext c, int n_chunks, int cpc) {
+  pdl_wait_then_release_dependents();
   if (aborted(c)) return;
   RingView mine = RingView::dispatch(c.ws, c.local());
   const uint64_t g0 = c.counters()->disp_seq * static_cast<uint64_t>(cpc);  // labels an error only
@@ -364,8 +365,9 @@ cudaError_t launch_dispatch_stage_copy(const CommContext& c, const void* x, int 
   const int C = ws.cfg.chunk_tokens;
   const int n_chunks = (num_tokens + C - 1) / C;
   if (n_chunks == 0) return cudaSuccess;  // nothing to stage, nothing to publish
-  stage_acquire_kernel<<<1, kStageAcquireThreads, 0, s>>>(c, n_chunks, HandleArrays::chunks_per_call(ws.cfg));
-  if (cudaError_t e = cudaGetLastError()) return e;
+  if (cudaError_t e = launch_kernel(c, stage_acquire_kernel, 1, kStageAcquireThreads, 0, s, c, n_chunks,
+                                    HandleArrays::chunks_per_call(ws.cfg)))
+    return e;
   // A slot may be longer than its C rows (aligned to 256 B): copy full chunks with a pitch, then
   // the last, partial one. At the usual sizes (C * row bytes a multiple of 256) it is one copy.
   const size_t row = static_cast<size_t>(ws.cfg.hidden) * elem_bytes;

@@ -31,6 +31,7 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int token_task[kFillThreads];  // a tile's tokens: task index within the tile
   __shared__ bool stop;
+  pdl_wait_then_release_dependents();  // before the first read of the layout's results
   const Workspace& ws = c.ws;
   const int chunk = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, warp = tid / kWarpSize;
   const int K = ws.cfg.topk, C = ws.cfg.chunk_tokens, E_local = ws.cfg.num_local_experts;
@@ -177,8 +178,7 @@ cudaError_t launch_dispatch_fill(const CommContext& c, const HandleArrays& h, co
   const size_t smem = fill_smem_ints(c.ws.cfg.num_local_experts, C, K) * sizeof(int);
   if (smem > kMaxDynamicSmem) return cudaErrorInvalidConfiguration;  // ~3.3 K experts per rank
   if (cudaError_t e = allow_dynamic_smem(fill_kernel, smem)) return e;
-  fill_kernel<<<dim3(cpc, c.world), kFillThreads, smem, s>>>(c, h, r, out);
-  return cudaGetLastError();
+  return launch_kernel(c, fill_kernel, dim3(cpc, c.world), kFillThreads, smem, s, c, h, r, out);
 }
 
 }  // namespace mok

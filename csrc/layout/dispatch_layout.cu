@@ -141,6 +141,7 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
 __global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, HandleArrays h,
                                                                   RoutingArgs r) {
   extern __shared__ unsigned long long token_ranks[];
+  pdl_wait_then_release_dependents();
   publish_block(c, h, r, token_ranks);
 }
 
@@ -204,6 +205,7 @@ __device__ void count_block(const CommContext& c, const HandleArrays& h, const R
 __global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, HandleArrays h,
                                                                 RoutingArgs r) {
   extern __shared__ int smem[];
+  pdl_wait_then_release_dependents();
   count_block(c, h, r, blockIdx.x, blockIdx.y, smem);
 }
 
@@ -324,6 +326,7 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
 
 __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, HandleArrays h,
                                                              RowOutputs out, int spec) {
+  pdl_wait_then_release_dependents();
   scan_block<kScanThreads, kScanItems>(c, h, out, spec);
 }
 
@@ -342,6 +345,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_fused_kernel(CommContex
                                                                        RoutingArgs r, RowOutputs out) {
   extern __shared__ unsigned long long dyn[];  // publish's [C] masks, then count's ints
   __shared__ bool last;
+  pdl_wait_then_release_dependents();
   if (blockIdx.y == 0) publish_block(c, h, r, dyn);
   __syncthreads();  // dynamic shared memory changes hands
   count_block(c, h, r, blockIdx.x, blockIdx.y, reinterpret_cast<int*>(dyn));
@@ -383,13 +387,12 @@ cudaError_t launch_dispatch_layout(const CommContext& c, const HandleArrays& h,
   if (layout_is_fused(c.ws.cfg, r.spec_cap >= 0)) {
     const size_t smem = publish_smem > count_smem ? publish_smem : count_smem;
     if (cudaError_t e = allow_dynamic_smem(layout_fused_kernel, smem)) return e;
-    layout_fused_kernel<<<dim3(cpc, c.world), kLayoutThreads, smem, s>>>(c, h, r, out);
-    return cudaGetLastError();
+    return launch_kernel(c, layout_fused_kernel, dim3(cpc, c.world), kLayoutThreads, smem, s, c, h, r, out);
   }
-  publish_kernel<<<cpc, kLayoutThreads, publish_smem, s>>>(c, h, r);
-  count_kernel<<<dim3(cpc, c.world), kLayoutThreads, count_smem, s>>>(c, h, r);
-  scan_kernel<<<1, kScanThreads, 0, s>>>(c, h, out, r.spec_cap >= 0 ? 1 : 0);
-  return cudaGetLastError();
+  if (cudaError_t e = launch_kernel(c, publish_kernel, cpc, kLayoutThreads, publish_smem, s, c, h, r)) return e;
+  if (cudaError_t e = launch_kernel(c, count_kernel, dim3(cpc, c.world), kLayoutThreads, count_smem, s, c, h, r))
+    return e;
+  return launch_kernel(c, scan_kernel, 1, kScanThreads, 0, s, c, h, out, r.spec_cap >= 0 ? 1 : 0);
 }
 
 }  // namespace mok

@@ -133,6 +133,18 @@ class CudaBackend:
             self.num_blocks = max(2, min(self.num_blocks, most))
             buf.group.check_layout_fits(sms, self.num_blocks, -(-buf.max_tokens_per_rank // C))
         _, self.dispatch_producers, self.combine_producers = _roles_for(self.num_blocks)
+        # Programmatic dependent launch (NOTES #48): each kernel of a call's chain (layout, fill,
+        # transfer; combine) is scheduled while the one before it runs and waits for it on the
+        # device, so the launch and block ramp of the next kernel overlap the current one. Its
+        # blocks sit resident but idle meanwhile (a second num_sms-sized grid at most). Off for
+        # loopback groups: there a rank's waiting blocks could take the SMs that a peer rank's
+        # kernel needs to make progress (every rank shares the one GPU; a loopback group of one
+        # rank has no peers, so it keeps PDL). MOK_PDL=0 turns it off, MOK_PDL=1 forces it on
+        # (loopback included: a hang there would end in the timeout error).
+        pdl_env = os.environ.get("MOK_PDL", "")
+        shares_gpu = self.mem.loopback and buf.world_size > 1
+        self.pdl = pdl_env[:1] == "1" or (pdl_env[:1] != "0" and not shares_gpu)
+        self._check(self.lib.mok_set_pdl(self.ctx, int(self.pdl)))
         # MOK_SMALL_CALL_SMS=N (opt-in): calls with at most MOK_SMALL_CALL_TOKENS tokens on this
         # rank (default 1024) run their transfer kernels on N SMs instead of num_sms. Small calls
         # are per-warp latency chains, so more warps can finish them sooner (run s11-7, one GPU,

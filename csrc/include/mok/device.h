@@ -24,6 +24,11 @@ struct CommContext {
   int32_t rank;
   int32_t world;
   uint64_t timeout_ns;
+  // Host side only: launch this context's kernels with programmatic dependent launch (PDL,
+  // launch_kernel in launch.h). Off for loopback groups (megatron_mok/cuda/backend.py), where
+  // ranks are streams of one GPU: a rank's early-resident blocks could hold the SMs a peer
+  // rank's kernel needs to make progress.
+  int32_t pdl;
 
   __host__ __device__ char* local() const { return peers.base[rank]; }
   __device__ ErrorReport* error() const { return ws.error_at(local()); }

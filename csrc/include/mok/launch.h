@@ -102,6 +102,27 @@ inline cudaError_t allow_dynamic_smem(Kernel kernel, size_t smem) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
 }
 
+// Launches `kernel` on `s`, with programmatic dependent launch when the context asks for it
+// (c.pdl): the kernel may then be scheduled before the kernel ahead of it on the stream ends,
+// and waits for it in pdl_wait_then_release_dependents (ptx.h), which every kernel calls first.
+// CUDA graphs capture the attribute as a programmatic edge.
+template <typename... Params, typename... Args>
+inline cudaError_t launch_kernel(const CommContext& c, void (*kernel)(Params...), dim3 grid, dim3 block,
+                                 size_t smem, cudaStream_t s, const Args&... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = c.pdl ? &attr : nullptr;
+  cfg.numAttrs = c.pdl ? 1 : 0;
+  if (cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...)) return e;
+  return cudaGetLastError();
+}
+
 // dtype codes shared with Python: 0 bf16, 1 fp16, 2 fp32.
 enum DtypeCode : int { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
 

@@ -39,4 +39,19 @@ __device__ __forceinline__ int4 ld_stream_16(const int4* p) {
 
 __device__ __forceinline__ void st_16(int4* p, int4 v) { *p = v; }
 
+// Programmatic dependent launch (Hopper; benchmarks/NOTES.md #48). Every kernel of the library
+// calls this first, before it reads anything: `griddepcontrol.wait` returns once the grids it
+// depends on (the kernel before it on the stream, when launched with the PDL attribute) have
+// completed and their writes are visible (at once for a plain launch); then
+// `launch_dependents` lets the next PDL-launched kernel of the stream be scheduled while this
+// one runs: its blocks become resident and wait here, so the launch and the block ramp of a
+// short kernel chain overlap the kernel before instead of following it. Triggered after the
+// wait, not before: at most two grids of a chain are resident at once.
+__device__ __forceinline__ void pdl_wait_then_release_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 }  // namespace mok
