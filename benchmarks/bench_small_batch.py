@@ -168,7 +168,9 @@ def main(argv=None):
     ap.add_argument("--worlds", default="1,2")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--sms", type=int, default=24)
+    ap.add_argument("--sms", type=int, default=None,
+                    help="Buffer num_sms (default: the Buffer's own, 24 for large calls and 64 for "
+                         "calls of at most 1024 tokens per rank; a value given applies to every call)")
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -58,7 +58,10 @@ class Buffer:
             (zero padding after the ``R`` real ones) and the CUDA path never syncs the host
             (CUDA-graph capturable); more than this many rows is an error, raised at the
             next host read, never silent loss.
-        num_sms: CUDA backend: SMs its communication kernels may occupy (default 24).
+        num_sms: CUDA backend: SMs its communication kernels may occupy. ``None`` (default):
+            24 for calls of more than 1024 tokens on the rank, 64 for smaller calls, which are
+            latency-bound (``MOK_SMALL_CALL_SMS`` / ``MOK_SMALL_CALL_TOKENS`` change that); a
+            number given applies to every call.
         ring_bytes: CUDA backend: size of each staging ring in bytes (default 256 MiB).
         timeout_s: CUDA backend: a spin-wait that sees no progress for this long reports
             rank, peer and what it waited for, and the call raises (default

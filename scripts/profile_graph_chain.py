@@ -2,7 +2,7 @@
 for several settings in the same process (A/B without a second process or library).
 
     python scripts/profile_graph_chain.py --out DIR [--tokens 128,512] [--settings "MOK_PDL=1;MOK_PDL=0"]
-                                          [--calls 10] [--rounds 3] [--iters 50] [--sms 24]
+                                          [--calls 10] [--rounds 3] [--iters 50] [--sms N]
 
 Each setting (``;``-separated, each a ``,``-separated list of ``VAR=value``; empty = defaults) is
 applied to the environment while its Buffer is created (the backend reads its switches then),
@@ -150,7 +150,7 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--sms", type=int, default=24)
+    ap.add_argument("--sms", type=int, default=None, help="Buffer num_sms (default: the Buffer's own)")
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():

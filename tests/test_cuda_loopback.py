@@ -238,6 +238,35 @@ def test_pdl_is_off_for_ranks_sharing_a_gpu_unless_forced(monkeypatch):
     assert run_loopback(_pdl_of_new_buffer, 2, timeout=120) == [True, True]
 
 
+def _small_call_budget(rank, world_size, **kw):
+    """(blocks of a small call's transfer kernels, token threshold; -1: no small-call budget)
+    of a new CUDA Buffer of this rank."""
+    from harness import _buffer, contract_cases
+    from megatron_mok.cuda import library
+
+    buf = _buffer(contract_cases(world_size)["random"], torch.bfloat16, "cuda", device="cuda", **kw)
+    impl = buf._get_backend("cuda")
+    sms = library.get().mok_sm_count(torch.cuda.current_device())
+    out = (impl.small_roles[0] if impl.small_call_tokens >= 0 else impl.num_blocks, impl.small_call_tokens, sms)
+    buf.destroy()
+    return out
+
+
+@gpu
+def test_small_calls_get_64_sms_unless_num_sms_is_given(monkeypatch):
+    # The default (NOTES (EE)): calls of at most 1024 tokens on a rank run on 64 SMs, larger ones
+    # on 24; a num_sms given holds for every call; MOK_SMALL_CALL_SMS=0 turns the budget off;
+    # loopback groups of 2+ ranks keep their per-rank SM share.
+    blocks, tokens, sms = run_loopback(_small_call_budget, 1, timeout=120)[0]
+    assert (blocks, tokens) == (min(64, sms), 1024)
+    assert run_loopback(_small_call_budget, 1, timeout=120, num_sms=24)[0][:2] == (24, -1)
+    assert run_loopback(_small_call_budget, 2, timeout=120)[0][1] == -1
+    monkeypatch.setenv("MOK_SMALL_CALL_TOKENS", "300")
+    assert run_loopback(_small_call_budget, 1, timeout=120)[0][:2] == (min(64, sms), 300)
+    monkeypatch.setenv("MOK_SMALL_CALL_SMS", "0")
+    assert run_loopback(_small_call_budget, 1, timeout=120)[0][:2] == (24, -1)
+
+
 # ------------------------------------------------- CPU self-checks of the loopback machinery
 @pytest.mark.parametrize("world_size", ALL_SIZES)
 def test_loopback_reference_runs_on_cpu(world_size):

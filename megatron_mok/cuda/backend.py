@@ -31,6 +31,11 @@ from .peer_memory import PeerMemory
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 DEFAULT_NUM_SMS = 24
+# num_sms=None: calls with at most DEFAULT_SMALL_CALL_TOKENS tokens on a rank run their transfer
+# kernels on DEFAULT_SMALL_CALL_SMS SMs (latency-bound calls: more warps finish them sooner;
+# NOTES (EE)); larger calls on DEFAULT_NUM_SMS.
+DEFAULT_SMALL_CALL_SMS = 64
+DEFAULT_SMALL_CALL_TOKENS = 1024
 DEFAULT_RING_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_CHUNK_TOKENS = 64
@@ -145,17 +150,20 @@ class CudaBackend:
         shares_gpu = self.mem.loopback and buf.world_size > 1
         self.pdl = pdl_env[:1] == "1" or (pdl_env[:1] != "0" and not shares_gpu)
         self._check(self.lib.mok_set_pdl(self.ctx, int(self.pdl)))
-        # MOK_SMALL_CALL_SMS=N (opt-in): calls with at most MOK_SMALL_CALL_TOKENS tokens on this
-        # rank (default 1024) run their transfer kernels on N SMs instead of num_sms. Small calls
-        # are per-warp latency chains, so more warps can finish them sooner (run s11-7, one GPU,
-        # 48 SMs: 512-token combines -24..-33%, no gain at 128 tokens, where a call split over
-        # twice the warps pays each piece's setup twice as often); large calls keep num_sms's
-        # footprint. Each rank decides from its own token count: no kernel assumes that its
-        # peers launch as many blocks as it does (tested with ranks that choose differently).
-        # Not for the eager stage-first split (MOK_EAGER_STAGE_FIRST), whose two kernels share
-        # num_sms.
-        small = _env_int("MOK_SMALL_CALL_SMS", 0)
-        self.small_call_tokens = _env_int("MOK_SMALL_CALL_TOKENS", 1024) if small > 0 else -1
+        # Small calls' own SM budget: calls with at most MOK_SMALL_CALL_TOKENS tokens on this rank
+        # (default 1024) run their transfer kernels on MOK_SMALL_CALL_SMS SMs instead of num_sms.
+        # Small calls are per-SM store- and latency-bound chains, so more SMs finish them sooner
+        # (run s13-3/s13-4, one GPU, W=1, chains of dispatch + combine pairs: 24 -> 64 SMs
+        # 64 -> 52 us at 128 tokens, 158 -> 96 us at 512, 243 -> 143 us at 1024); large calls keep
+        # num_sms's footprint. Default: 64 SMs when the Buffer was given no num_sms (a num_sms
+        # given is kept for every call) and its ranks do not share one GPU (loopback groups of 2+
+        # ranks fit their ranks' grids into one GPU's SMs); MOK_SMALL_CALL_SMS=0 turns it off, =N sets it.
+        # Each rank decides from its own token count: no kernel assumes that its peers launch as
+        # many blocks as it does (tested with ranks that choose differently). Not for the eager
+        # stage-first split (MOK_EAGER_STAGE_FIRST), whose two kernels share num_sms.
+        default_small = DEFAULT_SMALL_CALL_SMS if buf.num_sms is None and not shares_gpu else 0
+        small = _env_int("MOK_SMALL_CALL_SMS", default_small)
+        self.small_call_tokens = _env_int("MOK_SMALL_CALL_TOKENS", DEFAULT_SMALL_CALL_TOKENS) if small > 0 else -1
         self.small_roles = (self.num_blocks, self.dispatch_producers, self.combine_producers)
         if small > 0:
             blocks = max(2, min(small, most if self.mem.loopback else sms))
