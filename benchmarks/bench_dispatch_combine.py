@@ -481,6 +481,8 @@ class Bench:
             backend = self._mok_backend_name(buf, inp.x)
             rec["backend"] = backend
             rec["num_sms"] = a.mok_num_sms
+            if backend == "cuda":  # the SMs this shape's calls run on (small calls: their own budget)
+                rec["transfer_sms"] = buf._get_backend("cuda")._roles(s.tokens)[0]
             res = buf.dispatch(inp.x, inp.idx, inp.w)
             self._check_rows(s.name, "mok", inp, res.tokens, res.probs, res.tokens_per_expert)
             self.check(s.name, "mok", "src_rank/src_token == oracle",

@@ -69,6 +69,8 @@ def _sysname(r) -> str:
         name += f" [{r['backend']}]"
     if r.get("num_sms") and r["system"] in ("mok", "deepep"):
         name += f" {r['num_sms']} SMs"
+    elif r.get("transfer_sms") and r["system"] == "mok":   # the Buffer's default: per call size
+        name += f" {r['transfer_sms']} SMs"
     if r.get("variant"):
         name += f" {r['variant']}"
     return name

@@ -292,6 +292,12 @@ ALT_SCHEDULES = [
     # contract cases have 1-16 tokens per rank; the ring-wrap calls 0-300).
     pytest.param({"MOK_SMALL_CALL_SMS": "8", "MOK_SMALL_CALL_TOKENS": "8"}, id="small_call_sms_mixed_ranks"),
     pytest.param({"MOK_SMALL_CALL_SMS": "8", "MOK_SMALL_CALL_TOKENS": "150"}, id="small_call_sms_mixed_calls"),
+    # Plain kernel launches instead of programmatic dependent launch (on by default where ranks
+    # do not share a GPU, NOTES #48), and small calls on num_sms instead of their own 64-SM
+    # budget (the default for Buffers given no num_sms, NOTES #49). Both are already the
+    # defaults of loopback groups, so test_cuda_loopback.py leaves them out.
+    pytest.param({"MOK_PDL": "0"}, id="plain_launches"),
+    pytest.param({"MOK_SMALL_CALL_SMS": "0"}, id="small_calls_on_num_sms"),
     # 7-token chunks of 32-wide bf16 rows are 448 bytes in 512-byte ring slots: the copy engine
     # copies them with a pitch, then the partial last chunk.
     pytest.param({"MOK_CHUNK_TOKENS": "7"}, id="chunk7_padded_slots"),

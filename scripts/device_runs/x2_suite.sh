@@ -11,7 +11,9 @@
 # 4. with AB=1: same-run stage profiles (scripts/ab_libraries.sh, 24 SMs, 128 and 4096
 #    tokens) of this tree against itself with the own-partials staging off
 #    (MOK_COMBINE_OWN_STAGED=0, NOTES #38) and with the small layouts unfused
-#    (MOK_LAYOUT_FUSED=0, NOTES #45): the 2-GPU outcomes those one-GPU changes lack.
+#    (MOK_LAYOUT_FUSED=0, NOTES #45): the 2-GPU outcomes those one-GPU changes lack;
+#    with AB=2 instead: plain launches (MOK_PDL=0, NOTES #48) and small calls on num_sms
+#    (MOK_SMALL_CALL_SMS=0, NOTES #49) against the defaults.
 # Everything lands in $OUT/r.tgz; assemble with scripts/results_json.py.
 set -uo pipefail
 C=${1:?commit}; AB=${2:-1}
@@ -35,5 +37,15 @@ if [ "$AB" = 1 ]; then
   cat $R/ab_own_staged.log
   step ab_layout 80 bash scripts/ab_libraries.sh $R/ab_layout env:MOK_LAYOUT_FUSED=0 128
   cat $R/ab_layout.log
+elif [ "$AB" = 2 ]; then
+  step ab_pdl 150 bash scripts/ab_libraries.sh $R/ab_pdl env:MOK_PDL=0 128 4096
+  cat $R/ab_pdl.log
+  # profile_stages.py passes num_sms, which turns the small-call budget off: the small-batch
+  # tool (the Buffer's own num_sms) with and without it instead, alternating twice.
+  for i in 1 2; do for v in default 0; do
+    if [ $v = default ]; then step small_sms_${v}_$i 60 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_small_batch.py --out $R/small_sms_${v}_$i --commit $C --tokens 128,512
+    else MOK_SMALL_CALL_SMS=0 step small_sms_${v}_$i 60 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_small_batch.py --out $R/small_sms_${v}_$i --commit $C --tokens 128,512; fi
+    grep -E "^\| 2 " $R/small_sms_${v}_$i.log
+  done; done
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r
