@@ -32,6 +32,7 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
   __shared__ int token_task[kFillThreads];  // a tile's tokens: task index within the tile
   __shared__ bool stop;
   pdl_wait_then_release_dependents();  // before the first read of the layout's results
+  layout_stamp(c, 1, kStEntry);
   const Workspace& ws = c.ws;
   const int chunk = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, warp = tid / kWarpSize;
   const int K = ws.cfg.topk, C = ws.cfg.chunk_tokens, E_local = ws.cfg.num_local_experts;
@@ -56,6 +57,7 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
   for (int i = tid; i < kFillWarps * E_local; i += kFillThreads) warp_row[i] = 0;
   __syncthreads();
   if (stop) return;
+  layout_stamp(c, 1, kStFillLoaded);
 
   // Phase 1: rows, kFillThreads slots per pass (one pass at the default 64 tokens x top-8).
   for (int base = 0; base < n_slots; base += kFillThreads) {
@@ -101,6 +103,7 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
     __syncthreads();
   }
 
+  layout_stamp(c, 1, kStFillRows);
   // Phase 2: tasks, in token order, one slot per thread (kFillThreads / K tokens per pass). A
   // task lists its rows by (expert, k): the order in which combine sums them; -1 after them.
   int task = h.task_base[s * cpc + chunk];
@@ -144,6 +147,7 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
     __syncthreads();  // token_task and scan_tmp are reused
   }
 
+  layout_stamp(c, 1, kStFillTasks);
   // Phase 3: the last chunk of source s done -> tell s its routing slot is free (every read of
   // it is behind the barriers above).
   if (tid == 0) {
@@ -154,6 +158,7 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
       st_release_sys(ws.meta_released_at(peer, c.rank) + slot, meta_seq + 1);
     }
   }
+  layout_stamp(c, 1, kStFillReleased);
   // Padding rows (static-shape mode) say "no source": every fill block takes a share. An eager
   // dispatch's row outputs are a bound on R, sliced to R on the host: nothing to pad there.
   const int64_t n_rows = out.pad ? min(static_cast<int64_t>(h.totals[0]), out.row_cap) : out.row_cap;
@@ -166,6 +171,7 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
   }
   // The fill is the routing call's last reader of meta_seq: its last block advances it.
   __syncthreads();
+  layout_stamp(c, 1, kStFillEnd);
   block_done_advance(&c.counters()->meta_blocks_done, &c.counters()->meta_seq);
 }
 

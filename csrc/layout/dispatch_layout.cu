@@ -56,6 +56,7 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
   }
   __syncthreads();
   if (!ok) return;
+  layout_stamp(c, 0, kStPubSlotFree);
 
   // Phase 2: copy this chunk's routing into the slot (ids checked), and its send-side layout:
   // for each destination d, the index of each token among this chunk's tokens that go to d.
@@ -81,6 +82,7 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
     if (e >= 0) atomicOr(&token_ranks[i / K], 1ull << (e / E_local));
   }
   __syncthreads();
+  layout_stamp(c, 0, kStPubCopied);
   for (int base = j * C; base < (j + 1) * C; base += blockDim.x) {
     const int t = base + threadIdx.x;
     uint64_t mask = 0;
@@ -105,6 +107,7 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
   // Phase 3: the last block turns chunk counts into prefixes and publishes. Readiness flows
   // producer -> consumer: one release store, nobody is waited for.
   __syncthreads();
+  layout_stamp(c, 0, kStPubSendScan);
   if (threadIdx.x == 0) {
     __threadfence();
     const uint32_t done = atomicAdd(&c.counters()->publish_blocks_done, 1u) + 1;
@@ -129,6 +132,7 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
     if (threadIdx.x == 0) h.send_count[d] = carry;
   }
   __syncthreads();
+  layout_stamp(c, 0, kStPubPrefix);
   if (threadIdx.x == 0) {
     c.counters()->publish_blocks_done = 0;
     *ws.meta_count_at(me, slot) = T;
@@ -136,6 +140,7 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
     __threadfence_system();
     st_release_sys(ws.meta_ready_at(me) + slot, meta_seq + 1);
   }
+  layout_stamp(c, 0, kStPubReleased);
 }
 
 __global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, HandleArrays h,
@@ -171,6 +176,7 @@ __device__ void count_block(const CommContext& c, const HandleArrays& h, const R
   }
   __syncthreads();
   if (!ok) return;
+  layout_stamp(c, 0, kStCountReady);
 
   // One coalesced pass over the peer's routing (all loads in flight at once), then local work.
   const int t0 = chunk * C;
@@ -178,6 +184,7 @@ __device__ void count_block(const CommContext& c, const HandleArrays& h, const R
   const int32_t* idx = ws.meta_idx_at(peer, slot) + static_cast<size_t>(t0) * K;
   for (int i = threadIdx.x; i < n_tok * K; i += blockDim.x) chunk_idx[i] = idx[i];
   __syncthreads();
+  layout_stamp(c, 0, kStCountCopied);
   const int lo = c.rank * E_local;
   const bool spec = r.spec_cap >= 0;
   for (int j = threadIdx.x; j < n_tok; j += blockDim.x) {
@@ -200,6 +207,7 @@ __device__ void count_block(const CommContext& c, const HandleArrays& h, const R
   for (int e = threadIdx.x; e < E_local; e += blockDim.x)
     h.chunk_rows[HandleArrays::group(ws.cfg, e, s, chunk)] = hist[e];
   if (threadIdx.x == 0) h.chunk_tasks[s * HandleArrays::chunks_per_call(ws.cfg) + chunk] = tasks;
+  layout_stamp(c, 0, kStCountDone);
 }
 
 __global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, HandleArrays h,
@@ -275,6 +283,7 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
     const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
     // Rows in contract order: expert, then source, then chunk (then token, then k: fill).
     const int rows = block_exclusive_scan<THREADS, ITEMS>(h.chunk_rows, E * W * cpc);
+    layout_stamp(c, 0, kStScanRows);
     // tokens_per_expert: the distance between consecutive experts' first rows.
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
       const int first = h.chunk_rows[HandleArrays::group(c.ws.cfg, e, 0, 0)];
@@ -285,6 +294,7 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
     for (int i = threadIdx.x; i < W * cpc; i += blockDim.x) h.task_base[i] = h.chunk_tasks[i];
     __syncthreads();
     const int tasks = block_exclusive_scan<THREADS, ITEMS>(h.task_base, W * cpc);
+    layout_stamp(c, 0, kStScanTasks);
     for (int s = threadIdx.x; s < W; s += blockDim.x) {
       h.task_off[s] = h.task_base[s * cpc];
       h.fill_done[s] = 0;
@@ -322,6 +332,7 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
     }
   }
   if (out.host_report != nullptr && threadIdx.x == 0) write_host_report(c, out.host_report, totals);
+  layout_stamp(c, 0, kStScanEnd);
 }
 
 __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, HandleArrays h,
@@ -346,6 +357,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_fused_kernel(CommContex
   extern __shared__ unsigned long long dyn[];  // publish's [C] masks, then count's ints
   __shared__ bool last;
   pdl_wait_then_release_dependents();
+  layout_stamp(c, 0, kStEntry);
   if (blockIdx.y == 0) publish_block(c, h, r, dyn);
   __syncthreads();  // dynamic shared memory changes hands
   count_block(c, h, r, blockIdx.x, blockIdx.y, reinterpret_cast<int*>(dyn));

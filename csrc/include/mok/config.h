@@ -58,6 +58,15 @@ constexpr bool kDispatchClocks = MOK_DISPATCH_CLOCKS != 0;
 #define MOK_CONSUME_CLOCKS 0
 #endif
 constexpr bool kConsumeClocks = MOK_CONSUME_CLOCKS != 0;
+// Diagnostic builds may set MOK_LAYOUT_STAMPS=1: thread 0 of every layout and fill block writes
+// the globaltimer at each step's end into the trace region (layout_stamp in device.h; read by
+// scripts/profile_layout_stamps.py). Compiled out otherwise.
+#ifndef MOK_LAYOUT_STAMPS
+#define MOK_LAYOUT_STAMPS 0
+#endif
+constexpr bool kLayoutStamps = MOK_LAYOUT_STAMPS != 0;
+// Stamps per block; the trace region's 512 words hold 16 blocks of each kernel kind.
+constexpr int kStampsPerBlock = 16;
 // Diagnostic builds only, never for results: MOK_DISPATCH_DIAG_LOCAL_SRC=1 makes the dispatch
 // pull read remote tasks' rows from the same slot of the local ring (wrong data, same protocol)
 // to time the pull without NVLink (benchmarks/NOTES.md, next experiments after session 8).
@@ -75,7 +84,11 @@ constexpr int kMaxTopk = 32;
 constexpr int kPollsPerClockRead = 16;
 // Sleep between polls of a flag: doubles from the first to the second value.
 constexpr unsigned kPollSleepMinNs = 32;
-constexpr unsigned kPollSleepMaxNs = 1024;
+// (a build may set MOK_POLL_SLEEP_MAX_NS for an A/B: NOTES (FF))
+#ifndef MOK_POLL_SLEEP_MAX_NS
+#define MOK_POLL_SLEEP_MAX_NS 1024
+#endif
+constexpr unsigned kPollSleepMaxNs = MOK_POLL_SLEEP_MAX_NS;
 
 // Error codes written to Workspace::error (first one wins); mirrored in Python
 // (megatron_mok/cuda/errors.py).

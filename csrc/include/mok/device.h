@@ -64,6 +64,40 @@ __device__ inline void trace_phase_end(const CommContext& c) {
   atomicMax(&tr[1], globaltimer_ns());
 }
 
+// Diagnostics (MOK_LAYOUT_STAMPS builds): thread 0 of the block writes the globaltimer (ns) as
+// stamp `k` of its block in the trace region's second half (stamp builds make it twice as large):
+// words 512 + [region * 256 + block * kStampsPerBlock + k]
+// (region 0: the layout kernels, 1: the fill; blocks numbered x-fastest over the grid; only
+// the first 16 blocks of each). Call it where every thread of the block passes (it syncs
+// nothing itself). Compiled out of normal builds.
+enum LayoutStamp {
+  kStEntry = 0,          // after the PDL wait
+  kStPubSlotFree = 1,    // publish: the routing slot's previous readers are done
+  kStPubCopied = 2,      // publish: my chunk's routing copied (and the token masks built)
+  kStPubSendScan = 3,    // publish: the send-side positions written, before the arrival
+  kStPubPrefix = 4,      // publish (last block): the chunk prefixes written
+  kStPubReleased = 5,    // publish (last block): the release store
+  kStCountReady = 6,     // count: the source's routing is ready
+  kStCountCopied = 7,    // count: the chunk's ids in shared memory
+  kStCountDone = 8,      // count: histogram written, before the arrival
+  kStScanRows = 9,       // scan (last block): rows scanned
+  kStScanTasks = 10,     // scan: tasks scanned
+  kStScanEnd = 11,       // scan: totals written
+  kStFillLoaded = 1,     // fill: the experts' first rows loaded
+  kStFillRows = 2,       // fill: phase 1 (rows) done
+  kStFillTasks = 3,      // fill: phase 2 (tasks) done
+  kStFillReleased = 4,   // fill: the routing release (its arrival) done
+  kStFillEnd = 5,        // fill: padding rows written
+};
+__device__ inline void layout_stamp(const CommContext& c, int region, int k) {
+  if constexpr (kLayoutStamps) {
+    const int b = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
+    if (threadIdx.x != 0 || b >= 256 / kStampsPerBlock) return;
+    unsigned long long* tr = reinterpret_cast<unsigned long long*>(c.local() + c.ws.trace) + 2 * kTraceBlocks;
+    tr[region * 256 + b * kStampsPerBlock + k] = globaltimer_ns();
+  }
+}
+
 // Diagnostics (MOK_DISPATCH_CLOCKS builds): what a pulling warp's cycles went to. Trace row
 // kTraceBlocks - kDClockKinds + kind holds {sum of cycles, number of warps}; those rows are free
 // when the grid has at most kTraceBlocks / 2 - kDClockKinds blocks (phase ends use rows

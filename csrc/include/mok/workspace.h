@@ -28,6 +28,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "config.h"
+
 namespace mok {
 
 // Blocks whose start/end times a transfer kernel records (diagnostics; see device.h).
@@ -107,7 +109,9 @@ struct Workspace {
     auto take = [&](size_t bytes) { size_t at = off; off = align_up(off + bytes, 256); return at; };
     w.error = take(sizeof(ErrorReport));
     w.counters = take(sizeof(SeqCounters));
-    w.trace = take(kTraceBlocks * 2 * 8);
+    // Stamp builds (MOK_LAYOUT_STAMPS, config.h) add a second 4 KB for the layout stamps, so the
+    // transfer kernels' traces never overwrite them.
+    w.trace = take(kTraceBlocks * 2 * 8 * (MOK_LAYOUT_STAMPS ? 2 : 1));
     w.meta_ready = take(M * 8);
     w.meta_released = take(W * M * 8);
     w.disp_ready = take(Nd * 8);
