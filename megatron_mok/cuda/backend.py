@@ -302,6 +302,12 @@ class CudaBackend:
             return self._dispatch_speculative(x, T, idx, w, scratch, tpe, stream)
         main = torch.cuda.current_stream(self.device)
         ce_side = self.ce_overlap and not self.speculative
+        if static:
+            # Every output's size is known before the layout: allocate now, so that layout, fill
+            # and transfer are queued back to back (allocated between the launches, the GPU
+            # waited ~20 us for the host after a 128-token layout: run s13-6, NOTES (GG)).
+            tokens = torch.empty(b.max_recv_tokens, b.hidden, dtype=b.dtype, device=x.device)
+            probs_all, src_all = self._row_outputs(b.max_recv_tokens, x.device)
         if ce_side:
             self._stage_copy_beside(x, T, main)
         self._check(self.lib.mok_dispatch_layout(
@@ -329,16 +335,16 @@ class CudaBackend:
             if report[4] != BAD_EXPERT:  # protocol errors: nothing more to launch
                 self._raise_if_error(report[4:])
             R = cap = report[0]
-        tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
+            tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
         if fill_first:
             # probs shrunk in place, not sliced: an output that is a view would forbid in-place
             # updates of it downstream (autograd's rule for custom Functions' outputs).
             probs, src_rank, src_token = probs_all.resize_(R), src_all[0, :R], src_all[1, :R]
         else:
-            probs_all, src_all = self._row_outputs(cap, x.device)
+            if not static:
+                probs_all, src_all = self._row_outputs(cap, x.device)
             # Written in full by the fill kernel (padding rows included): no memsets here.
             self._fill(stream, scratch, probs_all, src_all, cap, pad=True)
-            probs, src_rank, src_token = probs_all, src_all[0], src_all[1]
         if staged is None:
             if ce_side:
                 main.wait_event(self._ce_done)
@@ -350,6 +356,8 @@ class CudaBackend:
             # Later work on this stream (an in-place update of x, the next call) comes after
             # the staging.
             main.wait_event(staged)
+        if not fill_first:
+            probs, src_rank, src_token = probs_all, src_all[0], src_all[1]
         if not static and self.host_report[4] == BAD_EXPERT:
             # A bad expert id (dropped like -1) leaves the protocol intact and only this rank
             # knows: its transfer is launched like its peers' (they wait for its staged tokens),
