@@ -22,16 +22,18 @@ __device__ inline int64_t read_expert(const RoutingArgs& r, int64_t i) {
                      : static_cast<int64_t>(static_cast<const int32_t*>(r.topk_idx)[i]);
 }
 
-// One block per chunk of my tokens; the last block to finish publishes the slot. Called by
-// kLayoutThreads threads of block j of gridDim.x = chunks per call; token_ranks is [C] of
-// dynamic shared memory. Returns early (every thread alike) when a wait failed.
-__device__ void publish_block(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
-                              unsigned long long* token_ranks /* [C] ranks holding rows of each token */) {
-  using Scan = cub::BlockScan<int, kLayoutThreads>;
-  __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ unsigned long long readers;
-  __shared__ int chunk_count[kMaxRanks];
-  __shared__ bool ok, last;
+// Publish, in two halves, by one block per chunk of my tokens (block j of gridDim.x = chunks
+// per call, kLayoutThreads threads; token_ranks is [C] of dynamic shared memory that must
+// survive from the first half to the second).
+//
+// publish_copy: my chunk's routing into my routing slot (ids checked) and each token's mask of
+// destination ranks; the last block to finish copying releases the slot to the peers at once
+// (NOTES (HH): the peers' counts need only the routing, so my send-side layout below is no
+// longer between my routing and their counts). Returns false (every thread alike) when the
+// slot's previous readers never released it (the error is reported).
+__device__ bool publish_copy(const CommContext& c, const RoutingArgs& r,
+                             unsigned long long* token_ranks /* [C] ranks holding rows of each token */) {
+  __shared__ bool ok;
   const Workspace& ws = c.ws;
   char* me = c.local();
   const int M = ws.cfg.meta_slots, W = c.world, K = ws.cfg.topk, C = ws.cfg.chunk_tokens;
@@ -39,15 +41,9 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
   const uint64_t meta_seq = c.counters()->meta_seq;
   const int slot = static_cast<int>(meta_seq % M);
 
-  // Phase 1: the slot's previous routing must have been read by every rank (lazy check:
-  // only once the meta ring has wrapped).
-  if (threadIdx.x == 0) {
-    ok = true;
-    readers = 0;
-  }
-  if (threadIdx.x < W) chunk_count[threadIdx.x] = 0;
-  // Speculative: count's blocks add every rank's rows here (this kernel ends before count runs).
-  if (r.spec_cap >= 0 && j == 0 && threadIdx.x < W) h.dest_total[threadIdx.x] = 0;
+  // The slot's previous routing must have been read by every rank (lazy check: only once the
+  // meta ring has wrapped).
+  if (threadIdx.x == 0) ok = true;
   __syncthreads();
   if (meta_seq >= static_cast<uint64_t>(M) && threadIdx.x < W) {
     if (!wait_geq(c, ws.meta_released_at(me, threadIdx.x) + slot, meta_seq - M + 1, threadIdx.x,
@@ -55,14 +51,14 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
       ok = false;
   }
   __syncthreads();
-  if (!ok) return;
+  if (!ok) return false;
   layout_stamp(c, 0, kStPubSlotFree);
 
-  // Phase 2: copy this chunk's routing into the slot (ids checked), and its send-side layout:
-  // for each destination d, the index of each token among this chunk's tokens that go to d.
-  // The copy goes one (token, k) slot per thread, so every thread's loads are independent and
-  // coalesced (a thread per token walked its K slots one dependent load after another: NOTES
-  // #41); each slot marks its rank in the token's mask in shared memory.
+  // One (token, k) slot per thread, so every thread's loads are independent and coalesced (a
+  // thread per token walked its K slots one dependent load after another: NOTES #41), and
+  // each thread loads its batch of slots before it stores any (the stores could alias the
+  // routing for the compiler, which would then wait for each load in turn: NOTES (HH)); each
+  // slot marks its rank in the token's mask in shared memory.
   int32_t* m_idx = ws.meta_idx_at(me, slot);
   float* m_w = ws.meta_weights_at(me, slot);
   const int t_end = min(T, (j + 1) * C);
@@ -70,19 +66,67 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
   __syncthreads();
   const int64_t s0 = static_cast<int64_t>(j) * C * K;  // the chunk's first slot
   const int n_slots = max(0, t_end - j * C) * K;        // 32-bit: i / K below is no subroutine
-  for (int i = threadIdx.x; i < n_slots; i += blockDim.x) {
-    int64_t e = read_expert(r, s0 + i);
-    const float wt = r.topk_weights[s0 + i];
-    if (e < -1 || e >= r.num_experts) {
-      report_error(c, kBadExpert, -1, kWaitNone, s0 + i);
-      e = -1;
+  constexpr int kBatch = 4;
+  for (int i0 = threadIdx.x; i0 < n_slots; i0 += kBatch * blockDim.x) {
+    int64_t e[kBatch];
+    float wt[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = i0 + u * static_cast<int>(blockDim.x);
+      e[u] = i < n_slots ? read_expert(r, s0 + i) : -1;
+      wt[u] = i < n_slots ? r.topk_weights[s0 + i] : 0.f;
     }
-    m_idx[s0 + i] = static_cast<int32_t>(e);
-    m_w[s0 + i] = wt;
-    if (e >= 0) atomicOr(&token_ranks[i / K], 1ull << (e / E_local));
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = i0 + u * static_cast<int>(blockDim.x);
+      if (i >= n_slots) continue;
+      if (e[u] < -1 || e[u] >= r.num_experts) {
+        report_error(c, kBadExpert, -1, kWaitNone, s0 + i);
+        e[u] = -1;
+      }
+      m_idx[s0 + i] = static_cast<int32_t>(e[u]);
+      m_w[s0 + i] = wt[u];
+      if (e[u] >= 0) atomicOr(&token_ranks[i / K], 1ull << (e[u] / E_local));
+    }
   }
   __syncthreads();
   layout_stamp(c, 0, kStPubCopied);
+  // The last block to finish copying publishes: readiness flows producer -> consumer, one
+  // release store, nobody is waited for. Its own arrival counter (not the send-side one below:
+  // one counter for both rounds let a fast block's second arrival count as a slow block's
+  // first, NOTES (AA)).
+  if (threadIdx.x == 0) {
+    __threadfence();  // my chunk's routing is visible before my arrival
+    uint32_t* copied = &c.counters()->publish_copied;
+    if (atomicAdd(copied, 1u) + 1 == gridDim.x) {
+      *copied = 0;  // every block has arrived: none reads it again in this launch
+      __threadfence();  // every block's routing, before the release below
+      *ws.meta_count_at(me, slot) = T;
+      *ws.meta_spec_cap_at(me, slot) = r.spec_cap;
+      __threadfence_system();
+      st_release_sys(ws.meta_ready_at(me) + slot, meta_seq + 1);
+    }
+  }
+  layout_stamp(c, 0, kStPubReleased);
+  return true;
+}
+
+// publish_send_side: my send-side layout, from publish_copy's token masks: for each destination
+// d, the index of each token among this chunk's tokens that go to d (send_pos), the chunk's
+// count per destination, then (the last block to arrive) their prefixes over the chunks
+// (send_base, send_count). Only this rank's transfer and combine read them.
+__device__ void publish_send_side(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
+                                  const unsigned long long* token_ranks) {
+  using Scan = cub::BlockScan<int, kLayoutThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ unsigned long long readers;
+  __shared__ int chunk_count[kMaxRanks];
+  __shared__ bool last;
+  const int W = c.world, C = c.ws.cfg.chunk_tokens, T = r.num_tokens, j = blockIdx.x;
+  const int t_end = min(T, (j + 1) * C);
+  if (threadIdx.x == 0) readers = 0;
+  if (threadIdx.x < W) chunk_count[threadIdx.x] = 0;
+  __syncthreads();
   for (int base = j * C; base < (j + 1) * C; base += blockDim.x) {
     const int t = base + threadIdx.x;
     uint64_t mask = 0;
@@ -103,9 +147,6 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
   }
   if (threadIdx.x < W) h.send_base[j * W + threadIdx.x] = chunk_count[threadIdx.x];  // counts for now
   if (threadIdx.x == 0) h.chunk_readers[j] = readers;
-
-  // Phase 3: the last block turns chunk counts into prefixes and publishes. Readiness flows
-  // producer -> consumer: one release store, nobody is waited for.
   __syncthreads();
   layout_stamp(c, 0, kStPubSendScan);
   if (threadIdx.x == 0) {
@@ -131,16 +172,16 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
     }
     if (threadIdx.x == 0) h.send_count[d] = carry;
   }
-  __syncthreads();
+  if (threadIdx.x == 0) c.counters()->publish_blocks_done = 0;
   layout_stamp(c, 0, kStPubPrefix);
-  if (threadIdx.x == 0) {
-    c.counters()->publish_blocks_done = 0;
-    *ws.meta_count_at(me, slot) = T;
-    *ws.meta_spec_cap_at(me, slot) = r.spec_cap;
-    __threadfence_system();
-    st_release_sys(ws.meta_ready_at(me) + slot, meta_seq + 1);
-  }
-  layout_stamp(c, 0, kStPubReleased);
+}
+
+// The whole publish (the publish kernel): both halves. The speculative totals that count
+// blocks of every source add to are zeroed here, before the count kernel starts.
+__device__ void publish_block(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
+                              unsigned long long* token_ranks) {
+  if (r.spec_cap >= 0 && blockIdx.x == 0 && threadIdx.x < c.world) h.dest_total[threadIdx.x] = 0;
+  if (publish_copy(c, r, token_ranks)) publish_send_side(c, h, r, token_ranks);
 }
 
 __global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, HandleArrays h,
@@ -223,10 +264,13 @@ __global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, Ha
 // The thread-contiguous version (each thread summing its own run of n / 1024 entries, then
 // rewriting it) made every warp load 32 scattered words per step, one step after another:
 // 25.7 us for the 16 K entries of the standard shape on 2 GPUs (run s8-1). Returns the total.
-// THREADS is the block size, ITEMS the entries per thread of a tile.
+// THREADS is the block size, ITEMS the entries per thread of a tile. Reads `in`, writes `out`
+// (the same array for an in-place scan) and hands each entry's index and exclusive prefix to
+// `on_item` while it is still in registers (the callers' per-expert and per-source firsts, which
+// were a second global round trip each: NOTES (HH)).
 constexpr int kScanItems = 4;
-template <int THREADS, int ITEMS>
-__device__ int block_exclusive_scan(int32_t* a, int n) {
+template <int THREADS, int ITEMS, typename OnItem>
+__device__ int block_exclusive_scan(const int32_t* in, int32_t* out, int n, OnItem on_item) {
   using Load = cub::BlockLoad<int, THREADS, ITEMS, cub::BLOCK_LOAD_WARP_TRANSPOSE>;
   using Store = cub::BlockStore<int, THREADS, ITEMS, cub::BLOCK_STORE_WARP_TRANSPOSE>;
   using Scan = cub::BlockScan<int, THREADS>;
@@ -240,14 +284,19 @@ __device__ int block_exclusive_scan(int32_t* a, int n) {
   for (int base = 0; base < n; base += kTile) {
     const int valid = min(kTile, n - base);
     int v[ITEMS];
-    Load(tmp.load).Load(a + base, v, valid, 0);
+    Load(tmp.load).Load(in + base, v, valid, 0);
     __syncthreads();
     int total;  // every thread gets the tile's total
     Scan(tmp.scan).ExclusiveSum(v, v, total);
     __syncthreads();
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) v[i] += carry;
-    Store(tmp.store).Store(a + base, v, valid);
+    for (int i = 0; i < ITEMS; ++i) {
+      v[i] += carry;
+      // A warp-transposed load leaves a blocked arrangement: thread t holds entries t * ITEMS + i.
+      const int at = static_cast<int>(threadIdx.x) * ITEMS + i;
+      if (at < valid) on_item(base + at, v[i]);
+    }
+    Store(tmp.store).Store(out + base, v, valid);  // (transposes v in place: after on_item)
     __syncthreads();
     carry += total;
   }
@@ -267,8 +316,10 @@ __device__ void write_host_report(const CommContext& c, int32_t* report, const i
 // The layout's scan, by one whole block of THREADS threads (ITEMS entries per thread per tile).
 // Every exit goes through the host report at the end (an eager dispatch's host reads it
 // instead of a copy): an aborted call must report its error, not the last call's R.
+// expert_first: [E_local] ints of shared memory (each expert's first row, from the scan).
 template <int THREADS, int ITEMS>
-__device__ void scan_block(const CommContext& c, const HandleArrays& h, const RowOutputs& out, int spec) {
+__device__ void scan_block(const CommContext& c, const HandleArrays& h, const RowOutputs& out, int spec,
+                           int* expert_first) {
   __shared__ bool stop;
   __shared__ int over;
   __shared__ int32_t totals[4];
@@ -281,41 +332,44 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
   if (!stop) {
     const int W = c.world, E = c.ws.cfg.num_local_experts;
     const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
-    // Rows in contract order: expert, then source, then chunk (then token, then k: fill).
-    const int rows = block_exclusive_scan<THREADS, ITEMS>(h.chunk_rows, E * W * cpc);
+    const uint64_t meta_seq = c.counters()->meta_seq;
+    const int slot = static_cast<int>(meta_seq % c.ws.cfg.meta_slots);
+    // Every rank's published capacity (speculative calls; -1 otherwise), read now so that the
+    // (remote) loads overlap the scans; W <= 64 < THREADS.
+    const int64_t cap_d = static_cast<int>(threadIdx.x) < W
+        ? *reinterpret_cast<volatile int64_t*>(c.ws.meta_spec_cap_at(c.peers.base[threadIdx.x], slot))
+        : 0;
+    // Rows in contract order: expert, then source, then chunk (then token, then k: fill). Groups
+    // are expert-major, W * cpc per expert: an expert's first group holds its first row.
+    const int per_expert = W * cpc;
+    const int rows = block_exclusive_scan<THREADS, ITEMS>(
+        h.chunk_rows, h.chunk_rows, E * per_expert, [&](int g, int v) {
+          if (g % per_expert == 0) expert_first[g / per_expert] = v;
+        });
     layout_stamp(c, 0, kStScanRows);
-    // tokens_per_expert: the distance between consecutive experts' first rows.
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-      const int first = h.chunk_rows[HandleArrays::group(c.ws.cfg, e, 0, 0)];
-      const int next = e + 1 < E ? h.chunk_rows[HandleArrays::group(c.ws.cfg, e + 1, 0, 0)] : rows;
-      out.tokens_per_expert[e] = next - first;
-    }
-    // Tasks in (source, chunk) order.
-    for (int i = threadIdx.x; i < W * cpc; i += blockDim.x) h.task_base[i] = h.chunk_tasks[i];
-    __syncthreads();
-    const int tasks = block_exclusive_scan<THREADS, ITEMS>(h.task_base, W * cpc);
+    // tokens_per_expert: the distance between consecutive experts' first rows (the scan's last
+    // barrier published expert_first to the block).
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+      out.tokens_per_expert[e] = (e + 1 < E ? expert_first[e + 1] : rows) - expert_first[e];
+    // Tasks in (source, chunk) order; each source's first task as it goes by.
+    const int tasks = block_exclusive_scan<THREADS, ITEMS>(h.chunk_tasks, h.task_base, W * cpc, [&](int i, int v) {
+      if (i % cpc == 0) {
+        h.task_off[i / cpc] = v;
+        h.fill_done[i / cpc] = 0;
+      }
+    });
     layout_stamp(c, 0, kStScanTasks);
-    for (int s = threadIdx.x; s < W; s += blockDim.x) {
-      h.task_off[s] = h.task_base[s * cpc];
-      h.fill_done[s] = 0;
-    }
     // Speculative eager dispatch: every rank sums every rank's rows from the same published
     // routing and reads every rank's published capacity, so every rank reaches the same verdict
     // on whether ANY rank's rows overflowed its capacity (then all redo the transfer together).
     // Every rank checks that all ranks made the same choice: a speculative rank may make two
     // transfers per dispatch, and the rings pair calls by number, so a mix would pair a rank's
     // transfer with another call's staged tokens. A mismatch stops every rank's kernels.
-    {
-      const uint64_t meta_seq = c.counters()->meta_seq;
-      const int slot = static_cast<int>(meta_seq % c.ws.cfg.meta_slots);
-      for (int d = threadIdx.x; d < W; d += blockDim.x) {
-        const int64_t cap_d = *reinterpret_cast<volatile int64_t*>(c.ws.meta_spec_cap_at(c.peers.base[d], slot));
-        if ((cap_d >= 0) != (spec != 0)) {
-          report_error(c, kConfigMismatch, d, kWaitNone, cap_d);
-          continue;
-        }
-        if (spec && h.dest_total[d] > cap_d) atomicOr(&over, 1);
-      }
+    if (const int d = threadIdx.x; d < W) {
+      if ((cap_d >= 0) != (spec != 0))
+        report_error(c, kConfigMismatch, d, kWaitNone, cap_d);
+      else if (spec && h.dest_total[d] > cap_d)
+        atomicOr(&over, 1);
     }
     __syncthreads();
     // A mismatch (here or on a peer): the fill and the transfers must not run either.
@@ -337,8 +391,9 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
 
 __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, HandleArrays h,
                                                              RowOutputs out, int spec) {
+  extern __shared__ int expert_first[];  // [E_local]
   pdl_wait_then_release_dependents();
-  scan_block<kScanThreads, kScanItems>(c, h, out, spec);
+  scan_block<kScanThreads, kScanItems>(c, h, out, spec, expert_first);
 }
 
 // Small layouts in one launch (NOTES #45): publish, count and scan of the three kernels above,
@@ -354,13 +409,25 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, Handl
 constexpr int kFusedScanItems = 8;  // 2048 entries per tile at kLayoutThreads threads
 __global__ void __launch_bounds__(kLayoutThreads) layout_fused_kernel(CommContext c, HandleArrays h,
                                                                        RoutingArgs r, RowOutputs out) {
-  extern __shared__ unsigned long long dyn[];  // publish's [C] masks, then count's ints
+  // Dynamic shared memory: publish's [C] token masks (kept from the copy to the send side), then
+  // count's ints (reused by the scan's per-expert first rows).
+  extern __shared__ unsigned long long dyn[];
+  unsigned long long* token_ranks = dyn;
+  int* ints = reinterpret_cast<int*>(dyn + c.ws.cfg.chunk_tokens);
   __shared__ bool last;
+  __shared__ bool published;
   pdl_wait_then_release_dependents();
   layout_stamp(c, 0, kStEntry);
-  if (blockIdx.y == 0) publish_block(c, h, r, dyn);
-  __syncthreads();  // dynamic shared memory changes hands
-  count_block(c, h, r, blockIdx.x, blockIdx.y, reinterpret_cast<int*>(dyn));
+  // Row 0: copy and release my chunk of the routing first; my send-side layout comes after the
+  // counts (nobody else waits for it), NOTES (HH).
+  if (blockIdx.y == 0) {
+    const bool ok = publish_copy(c, r, token_ranks);
+    if (threadIdx.x == 0) published = ok;
+  }
+  __syncthreads();
+  count_block(c, h, r, blockIdx.x, blockIdx.y, ints);
+  __syncthreads();
+  if (blockIdx.y == 0 && published) publish_send_side(c, h, r, token_ranks);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();  // my counts are visible before my arrival
@@ -371,7 +438,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_fused_kernel(CommContex
   __syncthreads();
   if (!last) return;
   __threadfence();  // every block's counts, before any read of them
-  scan_block<kLayoutThreads, kFusedScanItems>(c, h, out, 0);
+  scan_block<kLayoutThreads, kFusedScanItems>(c, h, out, 0, ints);
 }
 
 }  // namespace
@@ -397,14 +464,16 @@ cudaError_t launch_dispatch_layout(const CommContext& c, const HandleArrays& h,
   const size_t publish_smem = c.ws.cfg.chunk_tokens * sizeof(unsigned long long);
   const size_t count_smem = (c.ws.cfg.num_local_experts + c.ws.cfg.chunk_tokens * c.ws.cfg.topk) * sizeof(int);
   if (layout_is_fused(c.ws.cfg, r.spec_cap >= 0)) {
-    const size_t smem = publish_smem > count_smem ? publish_smem : count_smem;
+    const size_t smem = publish_smem + count_smem;  // count_smem holds the scan's E_local too
     if (cudaError_t e = allow_dynamic_smem(layout_fused_kernel, smem)) return e;
     return launch_kernel(c, layout_fused_kernel, dim3(cpc, c.world), kLayoutThreads, smem, s, c, h, r, out);
   }
   if (cudaError_t e = launch_kernel(c, publish_kernel, cpc, kLayoutThreads, publish_smem, s, c, h, r)) return e;
   if (cudaError_t e = launch_kernel(c, count_kernel, dim3(cpc, c.world), kLayoutThreads, count_smem, s, c, h, r))
     return e;
-  return launch_kernel(c, scan_kernel, 1, kScanThreads, 0, s, c, h, out, r.spec_cap >= 0 ? 1 : 0);
+  const size_t scan_smem = c.ws.cfg.num_local_experts * sizeof(int);  // first row per expert
+  if (cudaError_t e = allow_dynamic_smem(scan_kernel, scan_smem)) return e;
+  return launch_kernel(c, scan_kernel, 1, kScanThreads, scan_smem, s, c, h, out, r.spec_cap >= 0 ? 1 : 0);
 }
 
 }  // namespace mok
