@@ -47,7 +47,7 @@ __device__ bool publish_copy(const CommContext& c, const RoutingArgs& r,
   __syncthreads();
   if (meta_seq >= static_cast<uint64_t>(M) && threadIdx.x < W) {
     if (!wait_geq(c, ws.meta_released_at(me, threadIdx.x) + slot, meta_seq - M + 1, threadIdx.x,
-                  kWaitRoutingReleased, slot))
+                  kWaitRoutingReleased, slot, kPollSleepLayoutNs))
       ok = false;
   }
   __syncthreads();
@@ -111,17 +111,18 @@ __device__ bool publish_copy(const CommContext& c, const RoutingArgs& r,
   return true;
 }
 
-// publish_send_side: my send-side layout, from publish_copy's token masks: for each destination
-// d, the index of each token among this chunk's tokens that go to d (send_pos), the chunk's
-// count per destination, then (the last block to arrive) their prefixes over the chunks
-// (send_base, send_count). Only this rank's transfer and combine read them.
-__device__ void publish_send_side(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
-                                  const unsigned long long* token_ranks) {
+// My send-side layout, from publish_copy's token masks. publish_send_counts (block j): for each
+// destination d, the index of each token among chunk j's tokens that go to d (send_pos), the
+// chunk's count per destination (send_base, turned into prefixes below) and its readers.
+// publish_send_prefixes (one block, after every chunk's counts): the counts' exclusive prefixes
+// over the chunks, per destination (send_base), and the totals (send_count). Only this rank's
+// transfer and combine read them, so nothing that peers wait for comes after them.
+__device__ void publish_send_counts(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
+                                    const unsigned long long* token_ranks) {
   using Scan = cub::BlockScan<int, kLayoutThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ unsigned long long readers;
   __shared__ int chunk_count[kMaxRanks];
-  __shared__ bool last;
   const int W = c.world, C = c.ws.cfg.chunk_tokens, T = r.num_tokens, j = blockIdx.x;
   const int t_end = min(T, (j + 1) * C);
   if (threadIdx.x == 0) readers = 0;
@@ -149,31 +150,45 @@ __device__ void publish_send_side(const CommContext& c, const HandleArrays& h, c
   if (threadIdx.x == 0) h.chunk_readers[j] = readers;
   __syncthreads();
   layout_stamp(c, 0, kStPubSendScan);
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const uint32_t done = atomicAdd(&c.counters()->publish_blocks_done, 1u) + 1;
-    last = done == gridDim.x;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  // Exclusive prefix over the chunks, per destination: a block scan per tile of chunks (one
-  // thread walking all chunks was a chain of dependent loads and stores, ~6 us at 64 chunks).
+}
+
+__device__ void publish_send_prefixes(const CommContext& c, const HandleArrays& h) {
+  using Scan = cub::BlockScan<int, kLayoutThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  const int W = c.world, n_chunks = HandleArrays::chunks_per_call(c.ws.cfg);
+  // A block scan per tile of chunks (one thread walking all chunks was a chain of dependent
+  // loads and stores, ~6 us at 64 chunks).
   for (int d = 0; d < W; ++d) {
     int carry = 0;  // the same value in every thread
-    for (int base = 0; base < static_cast<int>(gridDim.x); base += blockDim.x) {
+    for (int base = 0; base < n_chunks; base += blockDim.x) {
       const int jj = base + threadIdx.x;
-      const int n = jj < static_cast<int>(gridDim.x) ? h.send_base[jj * W + d] : 0;
+      const int n = jj < n_chunks ? h.send_base[jj * W + d] : 0;
       int pos, total;
       Scan(scan_tmp).ExclusiveSum(n, pos, total);
-      if (jj < static_cast<int>(gridDim.x)) h.send_base[jj * W + d] = carry + pos;
+      if (jj < n_chunks) h.send_base[jj * W + d] = carry + pos;
       carry += total;
       __syncthreads();  // scan_tmp is reused
     }
     if (threadIdx.x == 0) h.send_count[d] = carry;
   }
-  if (threadIdx.x == 0) c.counters()->publish_blocks_done = 0;
   layout_stamp(c, 0, kStPubPrefix);
+}
+
+// The publish kernel's send side: counts, then the last block to arrive makes the prefixes.
+__device__ void publish_send_side(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
+                                  const unsigned long long* token_ranks) {
+  __shared__ bool last;
+  publish_send_counts(c, h, r, token_ranks);
+  if (threadIdx.x == 0) {
+    __threadfence();
+    uint32_t* done = &c.counters()->publish_blocks_done;
+    last = atomicAdd(done, 1u) + 1 == gridDim.x;
+    if (last) *done = 0;  // every block has arrived: none reads it again in this launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  publish_send_prefixes(c, h);
 }
 
 // The whole publish (the publish kernel): both halves. The speculative totals that count
@@ -211,7 +226,8 @@ __device__ void count_block(const CommContext& c, const HandleArrays& h, const R
   for (int d = threadIdx.x; d < c.world; d += blockDim.x) dest_hist[d] = 0;
   if (threadIdx.x == 0) {
     tasks = 0;
-    ok = wait_geq(c, ws.meta_ready_at(peer) + slot, meta_seq + 1, s, kWaitRoutingReady, meta_seq);
+    ok = wait_geq(c, ws.meta_ready_at(peer) + slot, meta_seq + 1, s, kWaitRoutingReady, meta_seq,
+                  kPollSleepLayoutNs);
     src_tokens = ok ? *reinterpret_cast<volatile int32_t*>(ws.meta_count_at(peer, slot)) : 0;
     if (chunk == 0) h.src_count[s] = src_tokens;
   }
@@ -415,19 +431,14 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_fused_kernel(CommContex
   unsigned long long* token_ranks = dyn;
   int* ints = reinterpret_cast<int*>(dyn + c.ws.cfg.chunk_tokens);
   __shared__ bool last;
-  __shared__ bool published;
   pdl_wait_then_release_dependents();
   layout_stamp(c, 0, kStEntry);
-  // Row 0: copy and release my chunk of the routing first; my send-side layout comes after the
-  // counts (nobody else waits for it), NOTES (HH).
-  if (blockIdx.y == 0) {
-    const bool ok = publish_copy(c, r, token_ranks);
-    if (threadIdx.x == 0) published = ok;
-  }
+  // Row 0: copy and release my chunk of the routing, then its send-side counts; every block
+  // counts; the last block to arrive makes the send-side prefixes and scans (NOTES (II): one
+  // arrival round for both, and the peers wait only for the copy).
+  if (blockIdx.y == 0 && publish_copy(c, r, token_ranks)) publish_send_counts(c, h, r, token_ranks);
   __syncthreads();
   count_block(c, h, r, blockIdx.x, blockIdx.y, ints);
-  __syncthreads();
-  if (blockIdx.y == 0 && published) publish_send_side(c, h, r, token_ranks);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();  // my counts are visible before my arrival
@@ -438,6 +449,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_fused_kernel(CommContex
   __syncthreads();
   if (!last) return;
   __threadfence();  // every block's counts, before any read of them
+  publish_send_prefixes(c, h);  // (after an error: harmless, the transfers skip the call)
   scan_block<kLayoutThreads, kFusedScanItems>(c, h, out, 0, ints);
 }
 
