@@ -22,18 +22,16 @@ __device__ inline int64_t read_expert(const RoutingArgs& r, int64_t i) {
                      : static_cast<int64_t>(static_cast<const int32_t*>(r.topk_idx)[i]);
 }
 
-// Publish, in two halves, by one block per chunk of my tokens (block j of gridDim.x = chunks
-// per call, kLayoutThreads threads; token_ranks is [C] of dynamic shared memory that must
-// survive from the first half to the second).
-//
-// publish_copy: my chunk's routing into my routing slot (ids checked) and each token's mask of
-// destination ranks; the last block to finish copying releases the slot to the peers at once
-// (NOTES (HH): the peers' counts need only the routing, so my send-side layout below is no
-// longer between my routing and their counts). Returns false (every thread alike) when the
-// slot's previous readers never released it (the error is reported).
-__device__ bool publish_copy(const CommContext& c, const RoutingArgs& r,
-                             unsigned long long* token_ranks /* [C] ranks holding rows of each token */) {
-  __shared__ bool ok;
+// One block per chunk of my tokens; the last block to finish publishes the slot. Called by
+// kLayoutThreads threads of block j of gridDim.x = chunks per call; token_ranks is [C] of
+// dynamic shared memory. Returns early (every thread alike) when a wait failed.
+__device__ void publish_block(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
+                              unsigned long long* token_ranks /* [C] ranks holding rows of each token */) {
+  using Scan = cub::BlockScan<int, kLayoutThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ unsigned long long readers;
+  __shared__ int chunk_count[kMaxRanks];
+  __shared__ bool ok, last;
   const Workspace& ws = c.ws;
   char* me = c.local();
   const int M = ws.cfg.meta_slots, W = c.world, K = ws.cfg.topk, C = ws.cfg.chunk_tokens;
@@ -41,24 +39,30 @@ __device__ bool publish_copy(const CommContext& c, const RoutingArgs& r,
   const uint64_t meta_seq = c.counters()->meta_seq;
   const int slot = static_cast<int>(meta_seq % M);
 
-  // The slot's previous routing must have been read by every rank (lazy check: only once the
-  // meta ring has wrapped).
-  if (threadIdx.x == 0) ok = true;
+  // Phase 1: the slot's previous routing must have been read by every rank (lazy check:
+  // only once the meta ring has wrapped).
+  if (threadIdx.x == 0) {
+    ok = true;
+    readers = 0;
+  }
+  if (threadIdx.x < W) chunk_count[threadIdx.x] = 0;
+  // Speculative: count's blocks add every rank's rows here (this kernel ends before count runs).
+  if (r.spec_cap >= 0 && j == 0 && threadIdx.x < W) h.dest_total[threadIdx.x] = 0;
   __syncthreads();
   if (meta_seq >= static_cast<uint64_t>(M) && threadIdx.x < W) {
     if (!wait_geq(c, ws.meta_released_at(me, threadIdx.x) + slot, meta_seq - M + 1, threadIdx.x,
-                  kWaitRoutingReleased, slot, kPollSleepLayoutNs))
+                  kWaitRoutingReleased, slot))
       ok = false;
   }
   __syncthreads();
-  if (!ok) return false;
+  if (!ok) return;
   layout_stamp(c, 0, kStPubSlotFree);
 
-  // One (token, k) slot per thread, so every thread's loads are independent and coalesced (a
-  // thread per token walked its K slots one dependent load after another: NOTES #41), and
-  // each thread loads its batch of slots before it stores any (the stores could alias the
-  // routing for the compiler, which would then wait for each load in turn: NOTES (HH)); each
-  // slot marks its rank in the token's mask in shared memory.
+  // Phase 2: copy this chunk's routing into the slot (ids checked), and its send-side layout:
+  // for each destination d, the index of each token among this chunk's tokens that go to d.
+  // The copy goes one (token, k) slot per thread, so every thread's loads are independent and
+  // coalesced (a thread per token walked its K slots one dependent load after another: NOTES
+  // #41); each slot marks its rank in the token's mask in shared memory.
   int32_t* m_idx = ws.meta_idx_at(me, slot);
   float* m_w = ws.meta_weights_at(me, slot);
   const int t_end = min(T, (j + 1) * C);
@@ -66,68 +70,19 @@ __device__ bool publish_copy(const CommContext& c, const RoutingArgs& r,
   __syncthreads();
   const int64_t s0 = static_cast<int64_t>(j) * C * K;  // the chunk's first slot
   const int n_slots = max(0, t_end - j * C) * K;        // 32-bit: i / K below is no subroutine
-  constexpr int kBatch = 4;
-  for (int i0 = threadIdx.x; i0 < n_slots; i0 += kBatch * blockDim.x) {
-    int64_t e[kBatch];
-    float wt[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int i = i0 + u * static_cast<int>(blockDim.x);
-      e[u] = i < n_slots ? read_expert(r, s0 + i) : -1;
-      wt[u] = i < n_slots ? r.topk_weights[s0 + i] : 0.f;
+  for (int i = threadIdx.x; i < n_slots; i += blockDim.x) {
+    int64_t e = read_expert(r, s0 + i);
+    const float wt = r.topk_weights[s0 + i];
+    if (e < -1 || e >= r.num_experts) {
+      report_error(c, kBadExpert, -1, kWaitNone, s0 + i);
+      e = -1;
     }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int i = i0 + u * static_cast<int>(blockDim.x);
-      if (i >= n_slots) continue;
-      if (e[u] < -1 || e[u] >= r.num_experts) {
-        report_error(c, kBadExpert, -1, kWaitNone, s0 + i);
-        e[u] = -1;
-      }
-      m_idx[s0 + i] = static_cast<int32_t>(e[u]);
-      m_w[s0 + i] = wt[u];
-      if (e[u] >= 0) atomicOr(&token_ranks[i / K], 1ull << (e[u] / E_local));
-    }
+    m_idx[s0 + i] = static_cast<int32_t>(e);
+    m_w[s0 + i] = wt;
+    if (e >= 0) atomicOr(&token_ranks[i / K], 1ull << (e / E_local));
   }
   __syncthreads();
   layout_stamp(c, 0, kStPubCopied);
-  // The last block to finish copying publishes: readiness flows producer -> consumer, one
-  // release store, nobody is waited for. Its own arrival counter (not the send-side one below:
-  // one counter for both rounds let a fast block's second arrival count as a slow block's
-  // first, NOTES (AA)).
-  if (threadIdx.x == 0) {
-    __threadfence();  // my chunk's routing is visible before my arrival
-    uint32_t* copied = &c.counters()->publish_copied;
-    if (atomicAdd(copied, 1u) + 1 == gridDim.x) {
-      *copied = 0;  // every block has arrived: none reads it again in this launch
-      __threadfence();  // every block's routing, before the release below
-      *ws.meta_count_at(me, slot) = T;
-      *ws.meta_spec_cap_at(me, slot) = r.spec_cap;
-      __threadfence_system();
-      st_release_sys(ws.meta_ready_at(me) + slot, meta_seq + 1);
-    }
-  }
-  layout_stamp(c, 0, kStPubReleased);
-  return true;
-}
-
-// My send-side layout, from publish_copy's token masks. publish_send_counts (block j): for each
-// destination d, the index of each token among chunk j's tokens that go to d (send_pos), the
-// chunk's count per destination (send_base, turned into prefixes below) and its readers.
-// publish_send_prefixes (one block, after every chunk's counts): the counts' exclusive prefixes
-// over the chunks, per destination (send_base), and the totals (send_count). Only this rank's
-// transfer and combine read them, so nothing that peers wait for comes after them.
-__device__ void publish_send_counts(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
-                                    const unsigned long long* token_ranks) {
-  using Scan = cub::BlockScan<int, kLayoutThreads>;
-  __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ unsigned long long readers;
-  __shared__ int chunk_count[kMaxRanks];
-  const int W = c.world, C = c.ws.cfg.chunk_tokens, T = r.num_tokens, j = blockIdx.x;
-  const int t_end = min(T, (j + 1) * C);
-  if (threadIdx.x == 0) readers = 0;
-  if (threadIdx.x < W) chunk_count[threadIdx.x] = 0;
-  __syncthreads();
   for (int base = j * C; base < (j + 1) * C; base += blockDim.x) {
     const int t = base + threadIdx.x;
     uint64_t mask = 0;
@@ -148,55 +103,44 @@ __device__ void publish_send_counts(const CommContext& c, const HandleArrays& h,
   }
   if (threadIdx.x < W) h.send_base[j * W + threadIdx.x] = chunk_count[threadIdx.x];  // counts for now
   if (threadIdx.x == 0) h.chunk_readers[j] = readers;
+
+  // Phase 3: the last block turns chunk counts into prefixes and publishes. Readiness flows
+  // producer -> consumer: one release store, nobody is waited for.
   __syncthreads();
   layout_stamp(c, 0, kStPubSendScan);
-}
-
-__device__ void publish_send_prefixes(const CommContext& c, const HandleArrays& h) {
-  using Scan = cub::BlockScan<int, kLayoutThreads>;
-  __shared__ typename Scan::TempStorage scan_tmp;
-  const int W = c.world, n_chunks = HandleArrays::chunks_per_call(c.ws.cfg);
-  // A block scan per tile of chunks (one thread walking all chunks was a chain of dependent
-  // loads and stores, ~6 us at 64 chunks).
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t done = atomicAdd(&c.counters()->publish_blocks_done, 1u) + 1;
+    last = done == gridDim.x;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // Exclusive prefix over the chunks, per destination: a block scan per tile of chunks (one
+  // thread walking all chunks was a chain of dependent loads and stores, ~6 us at 64 chunks).
   for (int d = 0; d < W; ++d) {
     int carry = 0;  // the same value in every thread
-    for (int base = 0; base < n_chunks; base += blockDim.x) {
+    for (int base = 0; base < static_cast<int>(gridDim.x); base += blockDim.x) {
       const int jj = base + threadIdx.x;
-      const int n = jj < n_chunks ? h.send_base[jj * W + d] : 0;
+      const int n = jj < static_cast<int>(gridDim.x) ? h.send_base[jj * W + d] : 0;
       int pos, total;
       Scan(scan_tmp).ExclusiveSum(n, pos, total);
-      if (jj < n_chunks) h.send_base[jj * W + d] = carry + pos;
+      if (jj < static_cast<int>(gridDim.x)) h.send_base[jj * W + d] = carry + pos;
       carry += total;
       __syncthreads();  // scan_tmp is reused
     }
     if (threadIdx.x == 0) h.send_count[d] = carry;
   }
-  layout_stamp(c, 0, kStPubPrefix);
-}
-
-// The publish kernel's send side: counts, then the last block to arrive makes the prefixes.
-__device__ void publish_send_side(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
-                                  const unsigned long long* token_ranks) {
-  __shared__ bool last;
-  publish_send_counts(c, h, r, token_ranks);
-  if (threadIdx.x == 0) {
-    __threadfence();
-    uint32_t* done = &c.counters()->publish_blocks_done;
-    last = atomicAdd(done, 1u) + 1 == gridDim.x;
-    if (last) *done = 0;  // every block has arrived: none reads it again in this launch
-  }
   __syncthreads();
-  if (!last) return;
-  __threadfence();
-  publish_send_prefixes(c, h);
-}
-
-// The whole publish (the publish kernel): both halves. The speculative totals that count
-// blocks of every source add to are zeroed here, before the count kernel starts.
-__device__ void publish_block(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
-                              unsigned long long* token_ranks) {
-  if (r.spec_cap >= 0 && blockIdx.x == 0 && threadIdx.x < c.world) h.dest_total[threadIdx.x] = 0;
-  if (publish_copy(c, r, token_ranks)) publish_send_side(c, h, r, token_ranks);
+  layout_stamp(c, 0, kStPubPrefix);
+  if (threadIdx.x == 0) {
+    c.counters()->publish_blocks_done = 0;
+    *ws.meta_count_at(me, slot) = T;
+    *ws.meta_spec_cap_at(me, slot) = r.spec_cap;
+    __threadfence_system();
+    st_release_sys(ws.meta_ready_at(me) + slot, meta_seq + 1);
+  }
+  layout_stamp(c, 0, kStPubReleased);
 }
 
 __global__ void __launch_bounds__(kLayoutThreads) publish_kernel(CommContext c, HandleArrays h,
@@ -226,8 +170,7 @@ __device__ void count_block(const CommContext& c, const HandleArrays& h, const R
   for (int d = threadIdx.x; d < c.world; d += blockDim.x) dest_hist[d] = 0;
   if (threadIdx.x == 0) {
     tasks = 0;
-    ok = wait_geq(c, ws.meta_ready_at(peer) + slot, meta_seq + 1, s, kWaitRoutingReady, meta_seq,
-                  kPollSleepLayoutNs);
+    ok = wait_geq(c, ws.meta_ready_at(peer) + slot, meta_seq + 1, s, kWaitRoutingReady, meta_seq);
     src_tokens = ok ? *reinterpret_cast<volatile int32_t*>(ws.meta_count_at(peer, slot)) : 0;
     if (chunk == 0) h.src_count[s] = src_tokens;
   }
@@ -280,13 +223,10 @@ __global__ void __launch_bounds__(kLayoutThreads) count_kernel(CommContext c, Ha
 // The thread-contiguous version (each thread summing its own run of n / 1024 entries, then
 // rewriting it) made every warp load 32 scattered words per step, one step after another:
 // 25.7 us for the 16 K entries of the standard shape on 2 GPUs (run s8-1). Returns the total.
-// THREADS is the block size, ITEMS the entries per thread of a tile. Reads `in`, writes `out`
-// (the same array for an in-place scan) and hands each entry's index and exclusive prefix to
-// `on_item` while it is still in registers (the callers' per-expert and per-source firsts, which
-// were a second global round trip each: NOTES (HH)).
+// THREADS is the block size, ITEMS the entries per thread of a tile.
 constexpr int kScanItems = 4;
-template <int THREADS, int ITEMS, typename OnItem>
-__device__ int block_exclusive_scan(const int32_t* in, int32_t* out, int n, OnItem on_item) {
+template <int THREADS, int ITEMS>
+__device__ int block_exclusive_scan(int32_t* a, int n) {
   using Load = cub::BlockLoad<int, THREADS, ITEMS, cub::BLOCK_LOAD_WARP_TRANSPOSE>;
   using Store = cub::BlockStore<int, THREADS, ITEMS, cub::BLOCK_STORE_WARP_TRANSPOSE>;
   using Scan = cub::BlockScan<int, THREADS>;
@@ -300,19 +240,14 @@ __device__ int block_exclusive_scan(const int32_t* in, int32_t* out, int n, OnIt
   for (int base = 0; base < n; base += kTile) {
     const int valid = min(kTile, n - base);
     int v[ITEMS];
-    Load(tmp.load).Load(in + base, v, valid, 0);
+    Load(tmp.load).Load(a + base, v, valid, 0);
     __syncthreads();
     int total;  // every thread gets the tile's total
     Scan(tmp.scan).ExclusiveSum(v, v, total);
     __syncthreads();
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      v[i] += carry;
-      // A warp-transposed load leaves a blocked arrangement: thread t holds entries t * ITEMS + i.
-      const int at = static_cast<int>(threadIdx.x) * ITEMS + i;
-      if (at < valid) on_item(base + at, v[i]);
-    }
-    Store(tmp.store).Store(out + base, v, valid);  // (transposes v in place: after on_item)
+    for (int i = 0; i < ITEMS; ++i) v[i] += carry;
+    Store(tmp.store).Store(a + base, v, valid);
     __syncthreads();
     carry += total;
   }
@@ -332,10 +267,8 @@ __device__ void write_host_report(const CommContext& c, int32_t* report, const i
 // The layout's scan, by one whole block of THREADS threads (ITEMS entries per thread per tile).
 // Every exit goes through the host report at the end (an eager dispatch's host reads it
 // instead of a copy): an aborted call must report its error, not the last call's R.
-// expert_first: [E_local] ints of shared memory (each expert's first row, from the scan).
 template <int THREADS, int ITEMS>
-__device__ void scan_block(const CommContext& c, const HandleArrays& h, const RowOutputs& out, int spec,
-                           int* expert_first) {
+__device__ void scan_block(const CommContext& c, const HandleArrays& h, const RowOutputs& out, int spec) {
   __shared__ bool stop;
   __shared__ int over;
   __shared__ int32_t totals[4];
@@ -348,44 +281,41 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
   if (!stop) {
     const int W = c.world, E = c.ws.cfg.num_local_experts;
     const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
-    const uint64_t meta_seq = c.counters()->meta_seq;
-    const int slot = static_cast<int>(meta_seq % c.ws.cfg.meta_slots);
-    // Every rank's published capacity (speculative calls; -1 otherwise), read now so that the
-    // (remote) loads overlap the scans; W <= 64 < THREADS.
-    const int64_t cap_d = static_cast<int>(threadIdx.x) < W
-        ? *reinterpret_cast<volatile int64_t*>(c.ws.meta_spec_cap_at(c.peers.base[threadIdx.x], slot))
-        : 0;
-    // Rows in contract order: expert, then source, then chunk (then token, then k: fill). Groups
-    // are expert-major, W * cpc per expert: an expert's first group holds its first row.
-    const int per_expert = W * cpc;
-    const int rows = block_exclusive_scan<THREADS, ITEMS>(
-        h.chunk_rows, h.chunk_rows, E * per_expert, [&](int g, int v) {
-          if (g % per_expert == 0) expert_first[g / per_expert] = v;
-        });
+    // Rows in contract order: expert, then source, then chunk (then token, then k: fill).
+    const int rows = block_exclusive_scan<THREADS, ITEMS>(h.chunk_rows, E * W * cpc);
     layout_stamp(c, 0, kStScanRows);
-    // tokens_per_expert: the distance between consecutive experts' first rows (the scan's last
-    // barrier published expert_first to the block).
-    for (int e = threadIdx.x; e < E; e += blockDim.x)
-      out.tokens_per_expert[e] = (e + 1 < E ? expert_first[e + 1] : rows) - expert_first[e];
-    // Tasks in (source, chunk) order; each source's first task as it goes by.
-    const int tasks = block_exclusive_scan<THREADS, ITEMS>(h.chunk_tasks, h.task_base, W * cpc, [&](int i, int v) {
-      if (i % cpc == 0) {
-        h.task_off[i / cpc] = v;
-        h.fill_done[i / cpc] = 0;
-      }
-    });
+    // tokens_per_expert: the distance between consecutive experts' first rows.
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      const int first = h.chunk_rows[HandleArrays::group(c.ws.cfg, e, 0, 0)];
+      const int next = e + 1 < E ? h.chunk_rows[HandleArrays::group(c.ws.cfg, e + 1, 0, 0)] : rows;
+      out.tokens_per_expert[e] = next - first;
+    }
+    // Tasks in (source, chunk) order.
+    for (int i = threadIdx.x; i < W * cpc; i += blockDim.x) h.task_base[i] = h.chunk_tasks[i];
+    __syncthreads();
+    const int tasks = block_exclusive_scan<THREADS, ITEMS>(h.task_base, W * cpc);
     layout_stamp(c, 0, kStScanTasks);
+    for (int s = threadIdx.x; s < W; s += blockDim.x) {
+      h.task_off[s] = h.task_base[s * cpc];
+      h.fill_done[s] = 0;
+    }
     // Speculative eager dispatch: every rank sums every rank's rows from the same published
     // routing and reads every rank's published capacity, so every rank reaches the same verdict
     // on whether ANY rank's rows overflowed its capacity (then all redo the transfer together).
     // Every rank checks that all ranks made the same choice: a speculative rank may make two
     // transfers per dispatch, and the rings pair calls by number, so a mix would pair a rank's
     // transfer with another call's staged tokens. A mismatch stops every rank's kernels.
-    if (const int d = threadIdx.x; d < W) {
-      if ((cap_d >= 0) != (spec != 0))
-        report_error(c, kConfigMismatch, d, kWaitNone, cap_d);
-      else if (spec && h.dest_total[d] > cap_d)
-        atomicOr(&over, 1);
+    {
+      const uint64_t meta_seq = c.counters()->meta_seq;
+      const int slot = static_cast<int>(meta_seq % c.ws.cfg.meta_slots);
+      for (int d = threadIdx.x; d < W; d += blockDim.x) {
+        const int64_t cap_d = *reinterpret_cast<volatile int64_t*>(c.ws.meta_spec_cap_at(c.peers.base[d], slot));
+        if ((cap_d >= 0) != (spec != 0)) {
+          report_error(c, kConfigMismatch, d, kWaitNone, cap_d);
+          continue;
+        }
+        if (spec && h.dest_total[d] > cap_d) atomicOr(&over, 1);
+      }
     }
     __syncthreads();
     // A mismatch (here or on a peer): the fill and the transfers must not run either.
@@ -407,9 +337,8 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
 
 __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, HandleArrays h,
                                                              RowOutputs out, int spec) {
-  extern __shared__ int expert_first[];  // [E_local]
   pdl_wait_then_release_dependents();
-  scan_block<kScanThreads, kScanItems>(c, h, out, spec, expert_first);
+  scan_block<kScanThreads, kScanItems>(c, h, out, spec);
 }
 
 // Small layouts in one launch (NOTES #45): publish, count and scan of the three kernels above,
@@ -425,20 +354,13 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(CommContext c, Handl
 constexpr int kFusedScanItems = 8;  // 2048 entries per tile at kLayoutThreads threads
 __global__ void __launch_bounds__(kLayoutThreads) layout_fused_kernel(CommContext c, HandleArrays h,
                                                                        RoutingArgs r, RowOutputs out) {
-  // Dynamic shared memory: publish's [C] token masks (kept from the copy to the send side), then
-  // count's ints (reused by the scan's per-expert first rows).
-  extern __shared__ unsigned long long dyn[];
-  unsigned long long* token_ranks = dyn;
-  int* ints = reinterpret_cast<int*>(dyn + c.ws.cfg.chunk_tokens);
+  extern __shared__ unsigned long long dyn[];  // publish's [C] masks, then count's ints
   __shared__ bool last;
   pdl_wait_then_release_dependents();
   layout_stamp(c, 0, kStEntry);
-  // Row 0: copy and release my chunk of the routing, then its send-side counts; every block
-  // counts; the last block to arrive makes the send-side prefixes and scans (NOTES (II): one
-  // arrival round for both, and the peers wait only for the copy).
-  if (blockIdx.y == 0 && publish_copy(c, r, token_ranks)) publish_send_counts(c, h, r, token_ranks);
-  __syncthreads();
-  count_block(c, h, r, blockIdx.x, blockIdx.y, ints);
+  if (blockIdx.y == 0) publish_block(c, h, r, dyn);
+  __syncthreads();  // dynamic shared memory changes hands
+  count_block(c, h, r, blockIdx.x, blockIdx.y, reinterpret_cast<int*>(dyn));
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();  // my counts are visible before my arrival
@@ -449,8 +371,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_fused_kernel(CommContex
   __syncthreads();
   if (!last) return;
   __threadfence();  // every block's counts, before any read of them
-  publish_send_prefixes(c, h);  // (after an error: harmless, the transfers skip the call)
-  scan_block<kLayoutThreads, kFusedScanItems>(c, h, out, 0, ints);
+  scan_block<kLayoutThreads, kFusedScanItems>(c, h, out, 0);
 }
 
 }  // namespace
@@ -476,16 +397,14 @@ cudaError_t launch_dispatch_layout(const CommContext& c, const HandleArrays& h,
   const size_t publish_smem = c.ws.cfg.chunk_tokens * sizeof(unsigned long long);
   const size_t count_smem = (c.ws.cfg.num_local_experts + c.ws.cfg.chunk_tokens * c.ws.cfg.topk) * sizeof(int);
   if (layout_is_fused(c.ws.cfg, r.spec_cap >= 0)) {
-    const size_t smem = publish_smem + count_smem;  // count_smem holds the scan's E_local too
+    const size_t smem = publish_smem > count_smem ? publish_smem : count_smem;
     if (cudaError_t e = allow_dynamic_smem(layout_fused_kernel, smem)) return e;
     return launch_kernel(c, layout_fused_kernel, dim3(cpc, c.world), kLayoutThreads, smem, s, c, h, r, out);
   }
   if (cudaError_t e = launch_kernel(c, publish_kernel, cpc, kLayoutThreads, publish_smem, s, c, h, r)) return e;
   if (cudaError_t e = launch_kernel(c, count_kernel, dim3(cpc, c.world), kLayoutThreads, count_smem, s, c, h, r))
     return e;
-  const size_t scan_smem = c.ws.cfg.num_local_experts * sizeof(int);  // first row per expert
-  if (cudaError_t e = allow_dynamic_smem(scan_kernel, scan_smem)) return e;
-  return launch_kernel(c, scan_kernel, 1, kScanThreads, scan_smem, s, c, h, out, r.spec_cap >= 0 ? 1 : 0);
+  return launch_kernel(c, scan_kernel, 1, kScanThreads, 0, s, c, h, out, r.spec_cap >= 0 ? 1 : 0);
 }
 
 }  // namespace mok

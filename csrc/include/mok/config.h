@@ -89,10 +89,6 @@ constexpr unsigned kPollSleepMinNs = 32;
 #define MOK_POLL_SLEEP_MAX_NS 1024
 #endif
 constexpr unsigned kPollSleepMaxNs = MOK_POLL_SLEEP_MAX_NS;
-// The layout's waits (one thread per block polls a routing flag, a few hundred polls at most):
-// a short cap, since a wait that ends between polls oversleeps by up to the cap (~1 us of
-// each small layout's ~13 us went there: run s13-7, NOTES (II)).
-constexpr unsigned kPollSleepLayoutNs = 128;
 
 // Error codes written to Workspace::error (first one wins); mirrored in Python
 // (megatron_mok/cuda/errors.py).

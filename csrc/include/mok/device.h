@@ -214,8 +214,7 @@ __device__ inline bool aborted(const CommContext& c) {
 // Spin until *flag >= target (acquire, system scope). False on timeout or abort: the caller
 // must stop its work and return.
 __device__ inline bool wait_geq(const CommContext& c, const uint64_t* flag, uint64_t target,
-                                int32_t peer, int32_t what, int64_t detail,
-                                unsigned max_sleep_ns = kPollSleepMaxNs) {
+                                int32_t peer, int32_t what, int64_t detail) {
   if (ld_acquire_sys(flag) >= target) return true;
   const uint64_t start = globaltimer_ns();
   // Back off between polls: hundreds of warps spinning on a peer's flag would otherwise flood
@@ -223,7 +222,7 @@ __device__ inline bool wait_geq(const CommContext& c, const uint64_t* flag, uint
   unsigned sleep_ns = kPollSleepMinNs;
   for (int polls = 1;; ++polls) {
     __nanosleep(sleep_ns);
-    sleep_ns = min(sleep_ns * 2, max_sleep_ns);
+    sleep_ns = min(sleep_ns * 2, kPollSleepMaxNs);
     if (ld_acquire_sys(flag) >= target) return true;
     if (polls % kPollsPerClockRead == 0) {
       if (aborted(c)) {

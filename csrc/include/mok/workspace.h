@@ -71,7 +71,6 @@ struct SeqCounters {
   uint64_t comb_seq;       // combines
   uint32_t meta_blocks_done, disp_warps_done, disp_pull_warps_done, comb_warps_done;
   uint32_t publish_blocks_done, count_blocks_done;  // the latter: the fused layout's arrivals
-  uint32_t publish_copied;  // publish blocks whose chunk of the routing is copied (NOTES (HH))
 };
 
 struct WorkspaceConfig {
