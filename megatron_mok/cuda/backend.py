@@ -304,8 +304,9 @@ class CudaBackend:
         ce_side = self.ce_overlap and not self.speculative
         if static:
             # Every output's size is known before the layout: allocate now, so that layout, fill
-            # and transfer are queued back to back (allocated between the launches, the GPU
-            # waited ~20 us for the host after a 128-token layout: run s13-6, NOTES (GG)).
+            # and transfer are queued with nothing but their launches between them (at 128 tokens
+            # the GPU waited ~20 us for the host between layout and fill; this took 1.5-7 us of
+            # it, the rest is the launches' own host cost: runs s13-6..s13-8, NOTES (GG)).
             tokens = torch.empty(b.max_recv_tokens, b.hidden, dtype=b.dtype, device=x.device)
             probs_all, src_all = self._row_outputs(b.max_recv_tokens, x.device)
         if ce_side:
