@@ -25,17 +25,13 @@ import torch
 from ..comm import all_gather_ints
 from ..handle import DispatchHandle
 from . import library
+from .launch_policy import launch_policy
 from .errors import (ABANDONED_ENTRY_BYTES, ABANDONED_OFFSET, WAIT_KIND_COUNT, MokDeviceError,
                      abandoned_waits, describe)
 from .peer_memory import PeerMemory
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 DEFAULT_NUM_SMS = 24
-# num_sms=None: calls with at most DEFAULT_SMALL_CALL_TOKENS tokens on a rank run their transfer
-# kernels on DEFAULT_SMALL_CALL_SMS SMs (latency-bound calls: more warps finish them sooner;
-# NOTES (EE)); larger calls on DEFAULT_NUM_SMS.
-DEFAULT_SMALL_CALL_SMS = 64
-DEFAULT_SMALL_CALL_TOKENS = 1024
 DEFAULT_RING_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_CHUNK_TOKENS = 64
@@ -138,32 +134,18 @@ class CudaBackend:
             self.num_blocks = max(2, min(self.num_blocks, most))
             buf.group.check_layout_fits(sms, self.num_blocks, -(-buf.max_tokens_per_rank // C))
         _, self.dispatch_producers, self.combine_producers = _roles_for(self.num_blocks)
-        # Programmatic dependent launch (NOTES #48): each kernel of a call's chain (layout, fill,
-        # transfer; combine) is scheduled while the one before it runs and waits for it on the
-        # device, so the launch and block ramp of the next kernel overlap the current one. Its
-        # blocks sit resident but idle meanwhile (a second num_sms-sized grid at most). Off for
-        # loopback groups: there a rank's waiting blocks could take the SMs that a peer rank's
-        # kernel needs to make progress (every rank shares the one GPU; a loopback group of one
-        # rank has no peers, so it keeps PDL). MOK_PDL=0 turns it off, MOK_PDL=1 forces it on
-        # (loopback included: a hang there would end in the timeout error).
-        pdl_env = os.environ.get("MOK_PDL", "")
-        shares_gpu = self.mem.loopback and buf.world_size > 1
-        self.pdl = pdl_env[:1] == "1" or (pdl_env[:1] != "0" and not shares_gpu)
+        # Programmatic dependent launch (NOTES #48: each kernel of a call's chain is scheduled
+        # while the one before it runs, and waits for it on the device; its blocks sit resident
+        # but idle meanwhile) and the SM budget of small calls (NOTES #49: calls of at most
+        # small_call_tokens tokens on this rank run their transfer kernels on small_call_sms
+        # SMs; each rank decides from its own token count, and no kernel assumes that its peers
+        # launch as many blocks as it does, tested with ranks that choose differently; not for
+        # the eager stage-first split, whose two kernels share num_sms): launch_policy.py.
+        policy = launch_policy(os.environ, buf.num_sms, self.mem.loopback and buf.world_size > 1)
+        self.pdl = policy.pdl
         self._check(self.lib.mok_set_pdl(self.ctx, int(self.pdl)))
-        # Small calls' own SM budget: calls with at most MOK_SMALL_CALL_TOKENS tokens on this rank
-        # (default 1024) run their transfer kernels on MOK_SMALL_CALL_SMS SMs instead of num_sms.
-        # Small calls are per-SM store- and latency-bound chains, so more SMs finish them sooner
-        # (run s13-3/s13-4, one GPU, W=1, chains of dispatch + combine pairs: 24 -> 64 SMs
-        # 64 -> 52 us at 128 tokens, 158 -> 96 us at 512, 243 -> 143 us at 1024); large calls keep
-        # num_sms's footprint. Default: 64 SMs when the Buffer was given no num_sms (a num_sms
-        # given is kept for every call) and its ranks do not share one GPU (loopback groups of 2+
-        # ranks fit their ranks' grids into one GPU's SMs); MOK_SMALL_CALL_SMS=0 turns it off, =N sets it.
-        # Each rank decides from its own token count: no kernel assumes that its peers launch as
-        # many blocks as it does (tested with ranks that choose differently). Not for the eager
-        # stage-first split (MOK_EAGER_STAGE_FIRST), whose two kernels share num_sms.
-        default_small = DEFAULT_SMALL_CALL_SMS if buf.num_sms is None and not shares_gpu else 0
-        small = _env_int("MOK_SMALL_CALL_SMS", default_small)
-        self.small_call_tokens = _env_int("MOK_SMALL_CALL_TOKENS", DEFAULT_SMALL_CALL_TOKENS) if small > 0 else -1
+        small = policy.small_call_sms
+        self.small_call_tokens = policy.small_call_tokens
         self.small_roles = (self.num_blocks, self.dispatch_producers, self.combine_producers)
         if small > 0:
             blocks = max(2, min(small, most if self.mem.loopback else sms))
