@@ -25,7 +25,7 @@ import torch
 from ..comm import all_gather_ints
 from ..handle import DispatchHandle
 from . import library
-from .launch_policy import launch_policy
+from .launch_policy import env_int, launch_policy
 from .errors import (ABANDONED_ENTRY_BYTES, ABANDONED_OFFSET, WAIT_KIND_COUNT, MokDeviceError,
                      abandoned_waits, describe)
 from .peer_memory import PeerMemory
@@ -54,8 +54,7 @@ class CudaLayout:
 
 
 def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    return int(v) if v else default
+    return env_int(os.environ, name, default)
 
 
 def _roles_for(blocks: int):

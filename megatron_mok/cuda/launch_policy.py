@@ -26,7 +26,8 @@ class LaunchPolicy:
     small_call_tokens: int  # -1 when small calls have no budget of their own
 
 
-def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+def env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    """``environ[name]`` as an int; ``default`` when unset or empty (a malformed value raises)."""
     v = environ.get(name)
     return int(v) if v else default
 
@@ -49,6 +50,6 @@ def launch_policy(environ: Mapping[str, str], num_sms: Optional[int], shares_gpu
     pdl_env = environ.get("MOK_PDL", "")
     pdl = pdl_env[:1] == "1" or (pdl_env[:1] != "0" and not shares_gpu)
     default_small = DEFAULT_SMALL_CALL_SMS if num_sms is None and not shares_gpu else 0
-    small = max(0, _int(environ, "MOK_SMALL_CALL_SMS", default_small))
-    tokens = _int(environ, "MOK_SMALL_CALL_TOKENS", DEFAULT_SMALL_CALL_TOKENS) if small > 0 else -1
+    small = max(0, env_int(environ, "MOK_SMALL_CALL_SMS", default_small))
+    tokens = env_int(environ, "MOK_SMALL_CALL_TOKENS", DEFAULT_SMALL_CALL_TOKENS) if small > 0 else -1
     return LaunchPolicy(pdl=pdl, small_call_sms=small, small_call_tokens=tokens)
