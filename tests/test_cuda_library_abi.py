@@ -212,3 +212,59 @@ def test_a_library_of_another_abi_version_is_refused(monkeypatch):
     import ctypes
     with pytest.raises(OSError, match="rebuild"):
         bindings.declare(ctypes.CDLL(str(library.library_path())))
+
+
+def _launch(lib, ctx, steps, num_tokens=0, blocks=24, producers=4, mode=0):
+    """mok_dispatch_launch with null tensors (every case below fails in its checks)."""
+    return lib.mok_dispatch_launch(ctx, None, steps, None, None, 0, None, num_tokens, 256, None,
+                                   None, None, None, 1, None, None, 0, blocks, producers, mode)
+
+
+@pytest.mark.parametrize("steps", [0, 16, 1 | 32, -1])
+def test_dispatch_launch_refuses_unknown_steps(steps):
+    lib = library.get()
+    ctx = _with_fake_peers(lib)
+    try:
+        assert _launch(lib, ctx, steps) != 0
+        assert "MOK_STEP_" in lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(ctx)
+
+
+@pytest.mark.parametrize("steps, kwargs, message", [
+    # A bad transfer behind a valid layout and fill: refused before the layout is launched (a
+    # launch on this GPU-less machine would fail with "dispatch layout launch: ..." instead).
+    (1 | 2 | 8, dict(producers=24), "1 <= num_producers < num_blocks"),
+    (1 | 2 | 8, dict(mode=3), "mode must be 0 (both roles)"),
+    (1 | 2 | 4 | 8, dict(num_tokens=4097), "num_tokens outside"),
+    (2 | 8, dict(blocks=0, producers=0, mode=2), "num_blocks >= 1"),
+])
+def test_dispatch_launch_checks_every_step_before_launching_any(steps, kwargs, message):
+    lib = library.get()
+    ctx = _with_fake_peers(lib)
+    try:
+        assert _launch(lib, ctx, steps, **kwargs) != 0
+        assert message in lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(ctx)
+
+
+def test_dispatch_launch_staging_needs_a_ring_that_holds_a_call():
+    lib = library.get()
+    short = _with_fake_peers(lib, disp_chunks=63)
+    try:
+        assert _launch(lib, short, 1 | 2 | 4 | 8, num_tokens=128, mode=8) != 0
+        assert "holds a whole call" in lib.mok_last_error().decode()
+        assert _launch(lib, None, 1) != 0 and "null MokContext" in lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(short)
+
+
+def test_dispatch_launch_before_peers_are_set_fails_cleanly():
+    lib = library.get()
+    ctx = _create(lib)
+    try:
+        assert _launch(lib, ctx, 1 | 2 | 8) != 0
+        assert "mok_set_peers" in lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(ctx)

@@ -17,7 +17,7 @@ so the loopback machinery (threads, hub, all_gather) is checked on every CI run.
 import pytest
 import torch
 
-from harness import run_loopback
+from harness import _buffer, contract_cases, run_loopback
 from test_cuda_backend import (ALT_SCHEDULES, CASE_NAMES, FILL_PASS_CONFIGS, SPLIT_SCHEDULES, _fill_passes_calls, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
                                _missing_peer, _overflow_cuda, _repeats_and_sms, _ring_wrap,
                                _ring_reused_every_call, _scan_tiles_calls, _speculative_calls, _speculative_mismatch,
@@ -197,17 +197,27 @@ def test_loopback_too_many_sms_is_an_error():
     assert run_loopback(make, 8, timeout=120) == [True] * 8
 
 
-def _pdl_of_new_buffer(rank, world_size):
-    """Whether a new CUDA Buffer of this rank launches with programmatic dependent launch."""
+def _launch_settings(rank, world_size, **kw):
+    """What a new CUDA Buffer of this rank chose: ``pdl`` (programmatic dependent launch, as the
+    library reports it), ``small_blocks`` (blocks of a small call's transfer kernels; its
+    ``num_blocks`` when there is no small-call budget), ``small_tokens`` (-1: no small-call
+    budget) and the GPU's ``sms``."""
     from harness import _buffer, contract_cases
     from megatron_mok.cuda import library
 
-    buf = _buffer(contract_cases(world_size)["random"], torch.bfloat16, "cuda", device="cuda")
+    buf = _buffer(contract_cases(world_size)["random"], torch.bfloat16, "cuda", device="cuda", **kw)
     impl = buf._get_backend("cuda")
-    on = bool(library.get().mok_pdl(impl.ctx))
-    assert on == impl.pdl, "the library's flag and the backend's disagree"
+    lib = library.get()
+    out = dict(pdl=bool(lib.mok_pdl(impl.ctx)), small_tokens=impl.small_call_tokens,
+               small_blocks=impl.small_roles[0] if impl.small_call_tokens >= 0 else impl.num_blocks,
+               sms=lib.mok_sm_count(torch.cuda.current_device()))
+    assert out["pdl"] == impl.pdl, "the library's flag and the backend's disagree"
     buf.destroy()
-    return on
+    return out
+
+
+def _pdl_of_new_buffer(rank, world_size):
+    return _launch_settings(rank, world_size)["pdl"]
 
 
 def _pdl_calls(rank, world_size, pdl_expected):
@@ -240,17 +250,9 @@ def test_pdl_is_off_for_ranks_sharing_a_gpu_unless_forced(monkeypatch):
 
 
 def _small_call_budget(rank, world_size, **kw):
-    """(blocks of a small call's transfer kernels, token threshold; -1: no small-call budget)
-    of a new CUDA Buffer of this rank."""
-    from harness import _buffer, contract_cases
-    from megatron_mok.cuda import library
-
-    buf = _buffer(contract_cases(world_size)["random"], torch.bfloat16, "cuda", device="cuda", **kw)
-    impl = buf._get_backend("cuda")
-    sms = library.get().mok_sm_count(torch.cuda.current_device())
-    out = (impl.small_roles[0] if impl.small_call_tokens >= 0 else impl.num_blocks, impl.small_call_tokens, sms)
-    buf.destroy()
-    return out
+    """(small-call blocks, token threshold, SMs) of a new CUDA Buffer of this rank."""
+    got = _launch_settings(rank, world_size, **kw)
+    return got["small_blocks"], got["small_tokens"], got["sms"]
 
 
 @gpu
@@ -401,3 +403,41 @@ def test_loopback_refuses_layouts_that_cannot_all_be_resident():
     with pytest.raises(ValueError, match="lower max_tokens_per_rank"):
         g.check_layout_fits(132, 10, 16)            # 1024 blocks: a rank could starve
     assert g.max_sms_per_rank(132) == (132 - loopback.SPARE_SMS) // 8
+
+
+def _failed_launch_launches_nothing(rank, world_size):
+    """A ``mok_dispatch_launch`` whose transfer arguments are bad (producers = blocks), on a live
+    Buffer with real tensors: it must fail before the layout and the fill are launched (their
+    outputs keep a sentinel), and the Buffer must go on working (a pass against the reference)."""
+    from megatron_mok.cuda import bindings, library
+
+    case = contract_cases(world_size)["mixed"]
+    buf = _buffer(case, torch.bfloat16, "cuda", device="cuda", max_recv_tokens=4096)
+    impl = buf._get_backend("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    T, K, E, H, rows = case["T_max"], case["K"], case["E"], case["H"], 4096
+    x = torch.randn(T, H, dtype=torch.bfloat16, device=dev)
+    idx = torch.randint(0, E, (T, K), dtype=torch.int64, device=dev)
+    w = torch.rand(T, K, dtype=torch.float32, device=dev)
+    scratch = torch.empty(impl.scratch_bytes, dtype=torch.uint8, device=dev)
+    tpe = torch.full((buf.num_local_experts + 1,), -7, dtype=torch.int64, device=dev)
+    probs = torch.full((rows,), -7.0, dtype=torch.float32, device=dev)
+    src = torch.full((2, rows), -7, dtype=torch.int64, device=dev)
+    out = torch.empty(rows, H, dtype=torch.bfloat16, device=dev)
+    steps = bindings.STEP_LAYOUT | bindings.STEP_FILL | bindings.STEP_TRANSFER
+    lib = library.get()
+    rc = lib.mok_dispatch_launch(impl.ctx, impl._stream(), steps, scratch.data_ptr(), idx.data_ptr(), 1,
+                                 w.data_ptr(), T, E, tpe.data_ptr(), src[0].data_ptr(),
+                                 src[1].data_ptr(), probs.data_ptr(), 1, x.data_ptr(), out.data_ptr(),
+                                 rows, 24, 24, 0)
+    assert rc != 0 and "num_producers" in lib.mok_last_error().decode()
+    torch.cuda.synchronize()
+    assert (tpe == -7).all() and (probs == -7).all() and (src == -7).all(), "a step was launched"
+    buf.destroy()
+    _backend_vs_reference(rank, world_size, "mixed", 17)
+    return True
+
+
+@gpu
+def test_failed_dispatch_launch_launches_nothing():
+    assert run_loopback(_failed_launch_launches_nothing, 1, timeout=300) == [True]

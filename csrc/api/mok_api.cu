@@ -1,11 +1,49 @@
 // C ABI entry points: check arguments, build the kernel contexts, launch.
 #include "api/mok_api.h"
 
+#include <mutex>
 #include <string>
 
 #include "mok/launch.h"
 
 using namespace mok;
+
+namespace mok {
+
+namespace {
+struct SmemGrant {
+  const void* kernel;
+  int device;
+  size_t smem;
+};
+std::mutex g_smem_mutex;
+SmemGrant g_smem_grants[256];
+int g_smem_count = 0;
+}  // namespace
+
+bool smem_already_allowed(const void* kernel, size_t smem) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  std::lock_guard<std::mutex> lock(g_smem_mutex);
+  for (int i = 0; i < g_smem_count; ++i)
+    if (g_smem_grants[i].kernel == kernel && g_smem_grants[i].device == dev) return g_smem_grants[i].smem >= smem;
+  return false;
+}
+
+void remember_smem_allowed(const void* kernel, size_t smem) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return;
+  std::lock_guard<std::mutex> lock(g_smem_mutex);
+  for (int i = 0; i < g_smem_count; ++i) {
+    if (g_smem_grants[i].kernel == kernel && g_smem_grants[i].device == dev) {
+      if (smem > g_smem_grants[i].smem) g_smem_grants[i].smem = smem;
+      return;
+    }
+  }
+  if (g_smem_count < 256) g_smem_grants[g_smem_count++] = SmemGrant{kernel, dev, smem};  // full: ask each time
+}
+
+}  // namespace mok
 
 struct MokContext {
   CommContext comm;
@@ -31,6 +69,76 @@ int check_ready(const MokContext* ctx) {
   if (ctx == nullptr) return fail("null MokContext");
   if (!ctx->peers_set) return fail("mok_set_peers was not called");
   return 0;
+}
+
+// Argument checks and launches of the dispatch steps, shared by the one-step entry points and
+// mok_dispatch_launch (which checks every step before launching any).
+int check_layout(const MokContext* ctx, int num_tokens, int write_report) {
+  if (num_tokens < 0 || num_tokens > ctx->comm.ws.cfg.max_tokens)
+    return fail("num_tokens outside [0, max_tokens]");
+  if (write_report && ctx->host_report_dev == nullptr)
+    return fail("mok_dispatch_layout: write_report needs mok_set_host_report first");
+  return 0;
+}
+
+int check_stage_copy(const MokContext* ctx, int num_tokens) {
+  if (num_tokens < 0 || num_tokens > ctx->comm.ws.cfg.max_tokens)
+    return fail("num_tokens outside [0, max_tokens]");
+  if (!dispatch_call_fits_ring(ctx->comm.ws))
+    return fail("copy-engine staging needs a dispatch ring that holds a whole call");
+  return 0;
+}
+
+int check_transfer(const MokContext* ctx, int num_blocks, int num_producers, int mode) {
+  const int roles = mode & ~(kTransferNoPad | kTransferCeStaged);
+  const bool ce = (mode & kTransferCeStaged) != 0;
+  if (roles != kTransferBoth && roles != kTransferStage && roles != kTransferPull)
+    return fail("dispatch transfer mode must be 0 (both roles), 1 (stage) or 2 (pull), "
+                "optionally | 4 (no zero padding); | 8 (copy-engine staged) only with 0");
+  if (ce && roles != kTransferBoth)
+    return fail("dispatch transfer mode 8 (copy-engine staged) only goes with 0 (both roles)");
+  if (ce && !dispatch_call_fits_ring(ctx->comm.ws))
+    return fail("copy-engine staging needs a dispatch ring that holds a whole call");
+  if (roles == kTransferBoth && !ce && (num_producers < 1 || num_blocks <= num_producers))
+    return fail("dispatch transfer needs 1 <= num_producers < num_blocks");
+  if (num_blocks < 1) return fail("dispatch transfer needs num_blocks >= 1");
+  return 0;
+}
+
+int layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx, int idx_is_64,
+           const float* topk_weights, int num_tokens, int num_experts, int64_t* tokens_per_expert,
+           int64_t row_cap, int64_t spec_cap, int write_report) {
+  HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
+  RoutingArgs r{topk_idx, idx_is_64, topk_weights, num_tokens, num_experts, spec_cap};
+  RowOutputs out{nullptr, nullptr, nullptr, tokens_per_expert, row_cap, 0,
+                 write_report ? ctx->host_report_dev : nullptr};
+  return check_launch(launch_dispatch_layout(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
+                      "dispatch layout launch");
+}
+
+int fill(MokContext* ctx, void* stream, void* scratch, int64_t* src_rank, int64_t* src_token,
+         float* probs, int64_t row_cap, int pad) {
+  HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
+  RoutingArgs r{nullptr, 0, nullptr, 0, 0, -1};
+  RowOutputs out{src_rank, src_token, probs, nullptr, row_cap, pad};
+  return check_launch(launch_dispatch_fill(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
+                      "dispatch fill launch");
+}
+
+int stage_copy(MokContext* ctx, void* stream, const void* x, int num_tokens) {
+  return check_launch(launch_dispatch_stage_copy(ctx->comm, x, num_tokens, ctx->comm.ws.cfg.elem_bytes,
+                                                 static_cast<cudaStream_t>(stream)),
+                      "dispatch stage copy");
+}
+
+int transfer(MokContext* ctx, void* stream, void* scratch, const void* x, int num_tokens,
+             void* out_rows, int64_t row_cap, int num_blocks, int num_producers, int mode) {
+  if ((mode & kTransferCeStaged) != 0) num_producers = 0;
+  HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
+  TransferArgs t{num_tokens, num_blocks, num_producers, row_cap, mode};
+  return check_launch(launch_dispatch_transfer(ctx->comm, h, t, x, out_rows, ctx->comm.ws.cfg.elem_bytes,
+                                               static_cast<cudaStream_t>(stream)),
+                      "dispatch transfer launch");
 }
 
 }  // namespace
@@ -121,62 +229,62 @@ int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void
                         int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap,
                         int write_report) {
   if (int e = check_ready(ctx)) return e;
-  if (num_tokens < 0 || num_tokens > ctx->comm.ws.cfg.max_tokens)
-    return fail("num_tokens outside [0, max_tokens]");
-  if (write_report && ctx->host_report_dev == nullptr)
-    return fail("mok_dispatch_layout: write_report needs mok_set_host_report first");
-  HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
-  RoutingArgs r{topk_idx, idx_is_64, topk_weights, num_tokens, num_experts, spec_cap};
-  RowOutputs out{nullptr, nullptr, nullptr, tokens_per_expert, row_cap, 0,
-                 write_report ? ctx->host_report_dev : nullptr};
-  return check_launch(launch_dispatch_layout(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
-                      "dispatch layout launch");
+  if (int e = check_layout(ctx, num_tokens, write_report)) return e;
+  return layout(ctx, stream, scratch, topk_idx, idx_is_64, topk_weights, num_tokens, num_experts,
+                tokens_per_expert, row_cap, spec_cap, write_report);
 }
 
 int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
                       int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap,
                       int pad) {
   if (int e = check_ready(ctx)) return e;
-  HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
-  RoutingArgs r{nullptr, 0, nullptr, 0, 0, -1};
-  RowOutputs out{src_rank, src_token, probs, nullptr, row_cap, pad};
-  return check_launch(launch_dispatch_fill(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
-                      "dispatch fill launch");
+  return fill(ctx, stream, scratch, src_rank, src_token, probs, row_cap, pad);
 }
 
 int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const void* x,
                           int num_tokens, void* out_rows, int64_t row_cap,
                           int num_blocks, int num_producers, int mode) {
   if (int e = check_ready(ctx)) return e;
-  const int roles = mode & ~(kTransferNoPad | kTransferCeStaged);
-  const bool ce = (mode & kTransferCeStaged) != 0;
-  if (roles != kTransferBoth && roles != kTransferStage && roles != kTransferPull)
-    return fail("dispatch transfer mode must be 0 (both roles), 1 (stage) or 2 (pull), "
-                "optionally | 4 (no zero padding); | 8 (copy-engine staged) only with 0");
-  if (ce && roles != kTransferBoth)
-    return fail("dispatch transfer mode 8 (copy-engine staged) only goes with 0 (both roles)");
-  if (ce && !dispatch_call_fits_ring(ctx->comm.ws))
-    return fail("copy-engine staging needs a dispatch ring that holds a whole call");
-  if (ce) num_producers = 0;
-  if (roles == kTransferBoth && !ce && (num_producers < 1 || num_blocks <= num_producers))
-    return fail("dispatch transfer needs 1 <= num_producers < num_blocks");
-  if (num_blocks < 1) return fail("dispatch transfer needs num_blocks >= 1");
-  HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
-  TransferArgs t{num_tokens, num_blocks, num_producers, row_cap, mode};
-  return check_launch(launch_dispatch_transfer(ctx->comm, h, t, x, out_rows, ctx->comm.ws.cfg.elem_bytes,
-                                               static_cast<cudaStream_t>(stream)),
-                      "dispatch transfer launch");
+  if (int e = check_transfer(ctx, num_blocks, num_producers, mode)) return e;
+  return transfer(ctx, stream, scratch, x, num_tokens, out_rows, row_cap, num_blocks, num_producers, mode);
 }
 
 int mok_dispatch_stage_copy(MokContext* ctx, void* stream, const void* x, int num_tokens) {
   if (int e = check_ready(ctx)) return e;
-  if (num_tokens < 0 || num_tokens > ctx->comm.ws.cfg.max_tokens)
-    return fail("num_tokens outside [0, max_tokens]");
-  if (!dispatch_call_fits_ring(ctx->comm.ws))
-    return fail("copy-engine staging needs a dispatch ring that holds a whole call");
-  return check_launch(launch_dispatch_stage_copy(ctx->comm, x, num_tokens, ctx->comm.ws.cfg.elem_bytes,
-                                                 static_cast<cudaStream_t>(stream)),
-                      "dispatch stage copy");
+  if (int e = check_stage_copy(ctx, num_tokens)) return e;
+  return stage_copy(ctx, stream, x, num_tokens);
+}
+
+int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
+                        const void* topk_idx, int idx_is_64, const float* topk_weights,
+                        int num_tokens, int num_experts, int64_t* tokens_per_expert,
+                        int64_t* src_rank, int64_t* src_token, float* probs, int pad,
+                        const void* x, void* out_rows, int64_t row_cap,
+                        int num_blocks, int num_producers, int transfer_mode) {
+  if (int e = check_ready(ctx)) return e;
+  if (steps <= 0 || (steps & ~(MOK_STEP_LAYOUT | MOK_STEP_FILL | MOK_STEP_STAGE_COPY | MOK_STEP_TRANSFER)) != 0)
+    return fail("mok_dispatch_launch: steps must be a non-empty or of MOK_STEP_* flags");
+  // Every check first: a call that fails launches nothing (a half-launched call would leave
+  // this rank's ring out of step with its peers').
+  if (steps & MOK_STEP_LAYOUT)
+    if (int e = check_layout(ctx, num_tokens, 0)) return e;
+  if (steps & MOK_STEP_STAGE_COPY)
+    if (int e = check_stage_copy(ctx, num_tokens)) return e;
+  if (steps & MOK_STEP_TRANSFER)
+    if (int e = check_transfer(ctx, num_blocks, num_producers, transfer_mode)) return e;
+  if (steps & MOK_STEP_LAYOUT)
+    if (int e = layout(ctx, stream, scratch, topk_idx, idx_is_64, topk_weights, num_tokens, num_experts,
+                       tokens_per_expert, row_cap, -1, 0))
+      return e;
+  if (steps & MOK_STEP_FILL)
+    if (int e = fill(ctx, stream, scratch, src_rank, src_token, probs, row_cap, pad)) return e;
+  // A world of one rank has no readers of its ring: nothing to copy (every block still pulls).
+  if ((steps & MOK_STEP_STAGE_COPY) && ctx->comm.world > 1)
+    if (int e = stage_copy(ctx, stream, x, num_tokens)) return e;
+  if (steps & MOK_STEP_TRANSFER)
+    return transfer(ctx, stream, scratch, x, num_tokens, out_rows, row_cap, num_blocks, num_producers,
+                    transfer_mode);
+  return 0;
 }
 
 int mok_dispatch_ce_stage_supported(const MokContext* ctx) {

@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 7
+#define MOK_ABI_VERSION 8
 int mok_abi_version(void);
 
 MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int partial_bytes, int topk,
@@ -63,6 +63,25 @@ int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const vo
  * rank of a group must use it for every dispatch or for none (the slots are fixed with it). */
 int mok_dispatch_stage_copy(MokContext* ctx, void* stream, const void* x, int num_tokens);
 int mok_dispatch_ce_stage_supported(const MokContext* ctx);
+/* Several steps of one dispatch queued by one call (benchmarks/NOTES.md #51): the steps or'ed
+ * in `steps` run in the order layout, fill, copy-engine staging, transfer, each exactly as the
+ * one-step function above with the same-named arguments (the layout with spec_cap = -1 and
+ * write_report = 0, i.e. as a static-shape or fill-after-read dispatch; row_cap is the layout's,
+ * the fill's and the transfer's). Every step's arguments are checked before the first launch,
+ * so a call that fails launches nothing. Staging in a world of one rank copies nothing (no
+ * peer reads the ring). The backend queues a static-shape dispatch (all four steps), the
+ * second half of an eager one (fill, staging, transfer) and a cached one (staging, transfer)
+ * with one host crossing each. */
+#define MOK_STEP_LAYOUT 1
+#define MOK_STEP_FILL 2
+#define MOK_STEP_STAGE_COPY 4
+#define MOK_STEP_TRANSFER 8
+int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
+                        const void* topk_idx, int idx_is_64, const float* topk_weights,
+                        int num_tokens, int num_experts, int64_t* tokens_per_expert,
+                        int64_t* src_rank, int64_t* src_token, float* probs, int pad,
+                        const void* x, void* out_rows, int64_t row_cap,
+                        int num_blocks, int num_producers, int transfer_mode);
 /* 1 when mok_dispatch_layout runs publish, count and scan as one kernel (small layouts: at most
  * MOK_LAYOUT_FUSED_MAX_GROUPS, default 8192, (local expert, source, chunk) groups; not for
  * speculative calls, spec_cap >= 0; never with MOK_LAYOUT_FUSED=0), 0 when as three. Reads the

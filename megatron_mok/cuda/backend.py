@@ -24,7 +24,7 @@ import torch
 
 from ..comm import all_gather_ints
 from ..handle import DispatchHandle
-from . import library
+from . import bindings, library
 from .launch_policy import env_int, launch_policy
 from .errors import (ABANDONED_ENTRY_BYTES, ABANDONED_OFFSET, WAIT_KIND_COUNT, MokDeviceError,
                      abandoned_waits, describe)
@@ -44,6 +44,7 @@ BAD_EXPERT = 2  # ErrorCode kBadExpert (csrc/include/mok/config.h): a data error
 # of the last SPEC_HISTORY calls, plus one chunk of slack.
 SPEC_MARGIN, SPEC_HISTORY = 1.10, 8
 META_SLOTS = 16
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 @dataclass
@@ -214,16 +215,16 @@ class CudaBackend:
         if rc != 0:
             raise RuntimeError(f"megatron_mok CUDA call failed: {self.lib.mok_last_error().decode()}")
 
-    def _stream(self):
-        # The raw-pointer query skips building a Stream object (a few us per call).
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if raw is not None:
-            return ctypes.c_void_p(raw(self.device.index))
-        return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+    def _stream(self) -> int:
+        # The raw-pointer query skips building a Stream object (a few us per call). Pointers go
+        # to the library as plain ints (ctypes converts them for its c_void_p arguments).
+        if _RAW_STREAM is not None:
+            return _RAW_STREAM(self.device.index)
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     @staticmethod
-    def _ptr(t: Optional[torch.Tensor]):
-        return ctypes.c_void_p(t.data_ptr() if t is not None and t.numel() else 0)
+    def _ptr(t: Optional[torch.Tensor]) -> int:
+        return t.data_ptr() if t is not None and t.numel() else 0
 
     def _alive(self):
         if self.broken:
@@ -281,13 +282,14 @@ class CudaBackend:
         layout_cap = b.max_recv_tokens if static else (1 << 62)
         if self.speculative and not static:
             return self._dispatch_speculative(x, T, idx, w, scratch, tpe, stream)
-        main = torch.cuda.current_stream(self.device)
         ce_side = self.ce_overlap and not self.speculative
+        if static and not ce_side:
+            return self._dispatch_static(x, T, idx, w, scratch, tpe, stream)
+        main = torch.cuda.current_stream(self.device)
         if static:
-            # Every output's size is known before the layout: allocate now, so that layout, fill
-            # and transfer are queued with nothing but their launches between them (at 128 tokens
-            # the GPU waited ~20 us for the host between layout and fill; this took 1.5-7 us of
-            # it, the rest is the launches' own host cost: runs s13-6..s13-8, NOTES (GG)).
+            # (A static dispatch staged beside the layout, MOK_DISPATCH_CE_OVERLAP=1: the transfer
+            # waits for the side stream, so its launches stay separate.) Every output's size is
+            # known before the layout: allocate now (NOTES (GG)).
             tokens = torch.empty(b.max_recv_tokens, b.hidden, dtype=b.dtype, device=x.device)
             probs_all, src_all = self._row_outputs(b.max_recv_tokens, x.device)
         if ce_side:
@@ -325,21 +327,27 @@ class CudaBackend:
         else:
             if not static:
                 probs_all, src_all = self._row_outputs(cap, x.device)
-            # Written in full by the fill kernel (padding rows included): no memsets here.
-            self._fill(stream, scratch, probs_all, src_all, cap, pad=True)
-        if staged is None:
-            if ce_side:
-                main.wait_event(self._ce_done)
-            self._transfer(x, T, scratch, tokens, cap, staged=ce_side or (self.ce_stage and not static))
-        else:
-            self._check(self.lib.mok_dispatch_transfer(
-                self.ctx, stream, self._ptr(scratch), self._ptr(x), T, self._ptr(tokens), cap,
-                self.num_blocks - self.dispatch_producers, 0, 2))
-            # Later work on this stream (an in-place update of x, the next call) comes after
-            # the staging.
-            main.wait_event(staged)
-        if not fill_first:
             probs, src_rank, src_token = probs_all, src_all[0], src_all[1]
+        if not (static or fill_first or ce_side or self.stage_first):
+            # The usual eager dispatch: fill and transfer in one library call (its copy-engine
+            # staging, if any, was queued before the read).
+            self._launch(bindings.STEP_FILL | bindings.STEP_TRANSFER, stream, scratch, x, T, None,
+                         None, None, probs_all, src_all, tokens, cap, 8 if self.ce_stage else 0)
+        else:
+            if not fill_first:
+                # Written in full by the fill kernel (padding rows included): no memsets here.
+                self._fill(stream, scratch, probs_all, src_all, cap, pad=True)
+            if staged is None:
+                if ce_side:
+                    main.wait_event(self._ce_done)
+                self._transfer(x, T, scratch, tokens, cap, staged=ce_side or (self.ce_stage and not static))
+            else:
+                self._check(self.lib.mok_dispatch_transfer(
+                    self.ctx, stream, self._ptr(scratch), self._ptr(x), T, self._ptr(tokens), cap,
+                    self.num_blocks - self.dispatch_producers, 0, 2))
+                # Later work on this stream (an in-place update of x, the next call) comes after
+                # the staging.
+                main.wait_event(staged)
         if not static and self.host_report[4] == BAD_EXPERT:
             # A bad expert id (dropped like -1) leaves the protocol intact and only this rank
             # knows: its transfer is launched like its peers' (they wait for its staged tokens),
@@ -350,6 +358,38 @@ class CudaBackend:
             src_token=src_token, tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
             state=CudaLayout(scratch=scratch))
         return tokens, probs, handle
+
+    def _dispatch_static(self, x, T, idx, w, scratch, tpe, stream):
+        """A static-shape dispatch (``max_recv_tokens``): every output is allocated first, then
+        layout, fill, copy-engine staging and transfer are queued by ONE library call
+        (``mok_dispatch_launch``): nothing but that call's own host time between the launches
+        (NOTES #51). Reads nothing on the host; graph-capturable."""
+        b = self.buf
+        cap = b.max_recv_tokens
+        tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
+        probs, src = self._row_outputs(cap, x.device)
+        steps = bindings.STEP_LAYOUT | bindings.STEP_FILL | bindings.STEP_TRANSFER
+        if self.ce_stage:
+            steps |= bindings.STEP_STAGE_COPY
+        self._launch(steps, stream, scratch, x, T, idx, w, tpe, probs, src, tokens, cap,
+                     8 if self.ce_stage else 0)
+        handle = DispatchHandle(
+            buffer_id=id(b), num_tokens=T, num_rows=None, num_out_rows=cap, src_rank=src[0],
+            src_token=src[1], tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
+            state=CudaLayout(scratch=scratch))
+        return tokens, probs, handle
+
+    def _launch(self, steps, stream, scratch, x, T, idx, w, tpe, probs, src, out, cap, mode) -> None:
+        """``mok_dispatch_launch``: the ``steps`` of a dispatch (layout, fill, copy-engine
+        staging, transfer; ``bindings.STEP_*``) queued by one library call. Fill pads rows
+        [R, cap); the transfer's blocks come from the call's size (``_roles``)."""
+        blocks, producers, _ = self._roles(T)
+        ptr = self._ptr
+        self._check(self.lib.mok_dispatch_launch(
+            self.ctx, stream, steps, scratch.data_ptr(), ptr(idx),
+            int(idx is not None and idx.dtype == torch.int64), ptr(w), T, self.buf.num_experts,
+            ptr(tpe), ptr(src[0]) if src is not None else 0, ptr(src[1]) if src is not None else 0,
+            ptr(probs), 1, ptr(x), ptr(out), cap, blocks, producers, mode))
 
     def _dispatch_speculative(self, x, T, idx, w, scratch, tpe, stream):
         """Eager dispatch in the issue's order: allocate, launch, then read R.
@@ -479,7 +519,12 @@ class CudaBackend:
     def dispatch_cached(self, x, handle: DispatchHandle):
         self._alive()
         out = torch.empty(handle.num_out_rows, self.buf.hidden, dtype=self.buf.dtype, device=x.device)
-        self._transfer(x, handle.num_tokens, handle.state.scratch, out, handle.num_out_rows)
+        if self.ce_stage:   # staging and transfer in one library call
+            self._launch(bindings.STEP_STAGE_COPY | bindings.STEP_TRANSFER, self._stream(),
+                         handle.state.scratch, x, handle.num_tokens, None, None, None, None, None,
+                         out, handle.num_out_rows, 8)
+        else:
+            self._transfer(x, handle.num_tokens, handle.state.scratch, out, handle.num_out_rows)
         return out
 
     # ----------------------------------------------------------------------------- combine

@@ -1,0 +1,160 @@
+"""Host cost of small calls at world size 1, and graph replays timed with and without the
+graph's own launch, on ONE GPU.
+
+    python scripts/profile_host_calls.py --out DIR [--tokens 128,512] [--calls 200]
+                                         [--root CHECKOUT] [--tag NAME] [--commit C]
+
+``--root`` imports ``megatron_mok`` from another checkout (with its own built library): a
+same-machine A/B of two trees' host paths, one process each, run alternately by the caller
+(``scripts/device_runs/s14_host_calls_1gpu.sh``). Per token count, with the Buffer's default
+SM budget (no ``num_sms``), an eager Buffer and a static-shape one (``max_recv_tokens`` = the
+rows + 8), it measures, each the median over ``--calls`` calls after warm-up:
+
+- ``host_<mode>_<op>_us``: the time the Python call takes to return (the host's share: its
+  launches are queued, not waited for; an eager dispatch includes its one read of R), with
+  a stream sync after each call, outside the timed part;
+- ``latency_<mode>_<op>_us``: call start to stream synchronised (what a lone call costs);
+- ``loop_<mode>_pair_us``: wall time per dispatch + combine pair over ``--calls`` pairs back
+  to back, one sync at the end (the rate a host-bound loop reaches);
+- ``graph_<op>_us`` / ``graph_busy_<op>_us``: one static call captured in a CUDA graph and
+  replayed between CUDA events, first on an idle GPU (the start event then also counts the
+  host's graph launch, as ``bench_small_batch.py --worlds 1`` and ``profile_graph_chain.py``'s
+  single-call columns do), then with the GPU held busy by a sleep kernel queued before the
+  start event, so that the launch is hidden and only device time is counted.
+
+Writes ``host_calls.json`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H, E, K = 7168, 256, 8
+BUSY_CYCLES = 200_000   # ~100 us at H200 clocks: longer than any graph launch's host time
+
+
+def median_us(samples) -> float:
+    """Median of ``samples`` (seconds) in microseconds, 2 decimals."""
+    return round(statistics.median(samples) * 1e6, 2)
+
+
+def host_and_latency(fn, calls, sync):
+    """(host seconds per call, latency seconds per call) lists: ``fn()`` timed to its return,
+    and to ``sync()`` after it."""
+    host, lat = [], []
+    for _ in range(calls):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        host.append(t1 - t0)
+        lat.append(t2 - t0)
+    return host, lat
+
+
+def loop_time(fn, calls, sync) -> float:
+    """Seconds per call of ``calls`` back-to-back calls of ``fn`` with one sync at the end."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / calls
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", default="128,512")
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--root", default=_ROOT, help="checkout to import megatron_mok from")
+    ap.add_argument("--tag", default="", help="label of this run in the JSON (e.g. base / new)")
+    ap.add_argument("--commit", default=None)
+    a = ap.parse_args(argv)
+    sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.abspath(a.root))
+    import common  # noqa: E402  (the no-multicast environment before torch loads)
+    import torch  # noqa: E402
+
+    import megatron_mok as mok  # noqa: E402
+    if not torch.cuda.is_available():
+        sys.exit("profile_host_calls.py needs a CUDA GPU")
+    print(f"megatron_mok from {os.path.dirname(mok.__file__)}", flush=True)
+    dev = torch.device("cuda", 0)
+    stream = torch.cuda.current_stream(dev)
+    sync = stream.synchronize
+    cases = []
+    for T in (int(v) for v in a.tokens.split(",")):
+        shape = common.Shape(f"t{T}", T, H, experts=E, topk=K, seed=1237 + T)
+        idx, w = common.make_routing(shape, 0, 1, dev)
+        x = common.make_x(shape, 0, dev)
+        kw = dict(num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T, backend="cuda")
+        eager = mok.Buffer(None, **kw)
+        rows = eager.dispatch(x, idx, w).tokens.shape[0]
+        static = mok.Buffer(None, max_recv_tokens=rows + 8, **kw)
+        case = {"tokens": T, "rows": rows}
+        for mode, buf in (("eager", eager), ("static", static)):
+            res = buf.dispatch(x, idx, w)
+
+            def d(buf=buf):
+                return buf.dispatch(x, idx, w)
+
+            def c(buf=buf, res=res):
+                return buf.combine(res.tokens, res.handle)
+
+            def pair(buf=buf):
+                r = buf.dispatch(x, idx, w)
+                buf.combine(r.tokens, r.handle)
+
+            for _ in range(a.warmup):
+                pair()
+            for op, fn in (("dispatch", d), ("combine", c)):
+                host, lat = host_and_latency(fn, a.calls, sync)
+                case[f"host_{mode}_{op}_us"] = median_us(host)
+                case[f"latency_{mode}_{op}_us"] = median_us(lat)
+            case[f"loop_{mode}_pair_us"] = round(loop_time(pair, a.calls, sync) * 1e6, 2)
+        gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        sync()
+        with torch.cuda.graph(gd):
+            gres = static.dispatch(x, idx, w)
+        with torch.cuda.graph(gc):
+            static.combine(gres.tokens, gres.handle)
+        for name, g in (("dispatch", gd), ("combine", gc)):
+            for busy in (False, True):
+                samples = []
+                for i in range(a.warmup + a.calls):
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    if busy:
+                        torch.cuda._sleep(BUSY_CYCLES)
+                    s.record(stream)
+                    g.replay()
+                    e.record(stream)
+                    e.synchronize()
+                    if i >= a.warmup:
+                        samples.append(s.elapsed_time(e) * 1e-3)
+                case[f"graph_{'busy_' if busy else ''}{name}_us"] = median_us(samples)
+        static.check_errors()
+        for b in (eager, static):
+            b.destroy()
+        cases.append(case)
+        print(f"T={T} rows={rows} " + ", ".join(f"{k} {v}" for k, v in case.items()
+                                                  if k.endswith("_us")), flush=True)
+    info = common.env_info(sys.argv, a.commit, 1, "none")
+    info.update(tag=a.tag, root=os.path.abspath(a.root), calls=a.calls, warmup=a.warmup, hidden=H,
+                experts=E, topk=K, note="world size 1 on one GPU: host-side times and graph replays")
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "host_calls.json")
+    common.write_json(path, {"schema": "mok-host-calls/1", "env": info, "cases": cases})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""CPU checks of scripts/profile_host_calls.py's timing helpers (fake calls and syncs)."""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+import profile_host_calls as phc  # noqa: E402
+
+
+def test_host_time_stops_at_the_return_and_latency_at_the_sync():
+    # A call that takes 2 ms on the host and leaves 6 ms of "device work" for the sync.
+    syncs = []
+
+    def fn():
+        time.sleep(0.002)
+
+    def sync():
+        syncs.append(1)
+        time.sleep(0.006)
+
+    host, lat = phc.host_and_latency(fn, 3, sync)
+    assert len(host) == len(lat) == 3 and len(syncs) == 6      # one sync before, one after
+    assert all(0.0018 < h < 0.0055 for h in host)
+    assert all(l - h >= 0.0055 for h, l in zip(host, lat))
+
+
+def test_loop_time_syncs_once_before_and_once_after():
+    syncs, calls = [], []
+    per_call = phc.loop_time(lambda: (calls.append(1), time.sleep(0.001)), 10,
+                             lambda: (syncs.append(1), time.sleep(0.01)))
+    assert len(calls) == 10 and len(syncs) == 2
+    assert 0.001 < per_call < 0.0035    # (10 x 1 ms + one 10 ms sync) / 10
+
+
+def test_median_in_microseconds():
+    assert phc.median_us([3e-6, 1e-6, 2e-6]) == 2.0
+    assert phc.median_us([1.5e-6, 2.5e-6]) == 2.0
