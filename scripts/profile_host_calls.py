@@ -69,6 +69,33 @@ def loop_time(fn, calls, sync) -> float:
     return (time.perf_counter() - t0) / calls
 
 
+def process_probes(torch, dev, lib, n=2000):
+    """Host speed of this process on work that is the same in every tree (medians of 9 runs,
+    us per item): a pure-Python loop, a ctypes call that returns at once
+    (``mok_abi_version``), one into the CUDA runtime (``mok_sm_count``: an attribute query)
+    and a ``torch.empty`` on the GPU. Two processes that differ here differ in the machine's
+    state, not in the code under test."""
+    out = {}
+
+    def py():
+        acc = 0
+        for i in range(100):
+            acc += i * i
+        return acc
+
+    for name, fn in (("python_loop100", py), ("ctypes_return", lib.mok_abi_version),
+                     ("ctypes_cuda_attribute", lambda: lib.mok_sm_count(0)),
+                     ("torch_empty", lambda: torch.empty(256, device=dev))):
+        runs = []
+        for _ in range(9):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            runs.append((time.perf_counter() - t0) / n)
+        out[name] = median_us(runs)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -91,6 +118,9 @@ def main(argv=None):
     dev = torch.device("cuda", 0)
     stream = torch.cuda.current_stream(dev)
     sync = stream.synchronize
+    from megatron_mok.cuda import library
+    probes = process_probes(torch, dev, library.get())
+    print("process probes (us): " + ", ".join(f"{k} {v}" for k, v in probes.items()), flush=True)
     cases = []
     for T in (int(v) for v in a.tokens.split(",")):
         shape = common.Shape(f"t{T}", T, H, experts=E, topk=K, seed=1237 + T)
@@ -152,7 +182,7 @@ def main(argv=None):
                 experts=E, topk=K, note="world size 1 on one GPU: host-side times and graph replays")
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "host_calls.json")
-    common.write_json(path, {"schema": "mok-host-calls/1", "env": info, "cases": cases})
+    common.write_json(path, {"schema": "mok-host-calls/1", "env": info, "probes": probes, "cases": cases})
     print(f"wrote {path}")
 
 

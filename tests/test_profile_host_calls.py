@@ -37,3 +37,24 @@ def test_loop_time_syncs_once_before_and_once_after():
 def test_median_in_microseconds():
     assert phc.median_us([3e-6, 1e-6, 2e-6]) == 2.0
     assert phc.median_us([1.5e-6, 2.5e-6]) == 2.0
+
+
+def test_process_probes_time_each_fixed_workload():
+    import torch
+
+    class FakeLib:
+        calls = {"abi": 0, "sms": 0}
+
+        def mok_abi_version(self):
+            self.calls["abi"] += 1
+            return 8
+
+        def mok_sm_count(self, dev):
+            self.calls["sms"] += 1
+            return 132
+
+    lib = FakeLib()
+    probes = phc.process_probes(torch, torch.device("cpu"), lib, n=10)
+    assert set(probes) == {"python_loop100", "ctypes_return", "ctypes_cuda_attribute", "torch_empty"}
+    assert all(v > 0 for v in probes.values())
+    assert lib.calls == {"abi": 90, "sms": 90}     # 9 runs of n calls each

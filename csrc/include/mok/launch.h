@@ -97,6 +97,10 @@ cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
 // Whether (kernel, current device) was already allowed at least `smem` bytes of dynamic shared
 // memory; `remember` records a grant. A small locked table: the attribute call costs ~1.5 us of
 // host time per launch (torch profiler, run s11-3) and its value never shrinks.
+// Build switch MOK_CACHE_SMEM_GRANTS=0: ask on every launch, as before #51 (for A/Bs).
+#ifndef MOK_CACHE_SMEM_GRANTS
+#define MOK_CACHE_SMEM_GRANTS 1
+#endif
 bool smem_already_allowed(const void* kernel, size_t smem);
 void remember_smem_allowed(const void* kernel, size_t smem);
 
@@ -106,7 +110,9 @@ template <typename Kernel>
 inline cudaError_t allow_dynamic_smem(Kernel kernel, size_t smem) {
   if (smem <= 48 * 1024) return cudaSuccess;
   const void* key = reinterpret_cast<const void*>(kernel);
+#if MOK_CACHE_SMEM_GRANTS
   if (smem_already_allowed(key, smem)) return cudaSuccess;
+#endif
   const cudaError_t e =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e == cudaSuccess) remember_smem_allowed(key, smem);
