@@ -10,7 +10,10 @@ read of the row count, kernel launches. This script separates host from device t
 - ``graph``: the static calls captured in a CUDA graph each and replayed, timed with CUDA
   events: device time only (the kernel chain and the gaps between its kernels); with 2
   loopback ranks one thread replays both ranks' graphs back to back, so the two start
-  together.
+  together. Each replay's stream is first held busy by a sleep kernel, queued for every
+  rank before any start event, so the events do not also count the host's graph launch and
+  stream switch (on an idle GPU they did: ~18 us more than device time at W=1 / 128 tokens
+  in run s14-1; NOTES (KK)).
 
 Two ways to run it:
 
@@ -51,6 +54,9 @@ import megatron_mok as mok  # noqa: E402
 from megatron_mok import loopback  # noqa: E402
 
 H, E, K = 7168, 256, 8
+# Sleep queued before timed graph replays (~200 us at H200 clocks): longer than the host's
+# launches of every rank's replay, so they happen while the GPU is busy.
+BUSY_CYCLES = 400_000
 
 
 def _median_us(samples):
@@ -106,13 +112,17 @@ def _rank(rank, world, tokens, iters, warmup, sms, grp=None):
         result = None
         if rank == 0:
             def replay_all(marks=None):
+                if marks:   # every stream busy first: the launches below are then off the clock
+                    for _, st in graphs:
+                        with torch.cuda.stream(st):
+                            torch.cuda._sleep(BUSY_CYCLES)
                 for r, (gr, st) in enumerate(graphs):
-                    if marks:
-                        marks[0][r].record(st)
                     with torch.cuda.stream(st):
+                        if marks:
+                            marks[0][r].record(st)
                         gr.replay()
-                    if marks:
-                        marks[1][r].record(st)
+                        if marks:
+                            marks[1][r].record(st)
             for _ in range(warmup):
                 replay_all()
             for _, st in graphs:
