@@ -3,6 +3,7 @@ graph's own launch, on ONE GPU.
 
     python scripts/profile_host_calls.py --out DIR [--tokens 128,512] [--calls 200]
                                          [--root CHECKOUT] [--tag NAME] [--commit C]
+    python scripts/profile_host_calls.py --out DIR --ab [--blocks 20] [--calls 400] ...
 
 ``--root`` imports ``megatron_mok`` from another checkout (with its own built library): a
 same-machine A/B of two trees' host paths, one process each, run alternately by the caller
@@ -21,6 +22,13 @@ rows + 8), it measures, each the median over ``--calls`` calls after warm-up:
   host's graph launch, as ``bench_small_batch.py --worlds 1`` and ``profile_graph_chain.py``'s
   single-call columns do), then with the GPU held busy by a sleep kernel queued before the
   start event, so that the launch is hidden and only device time is counted.
+
+``--ab`` instead compares, in one process, a dispatch queued by one library call (#51) with
+the same dispatch's launches issued one call each (the backend's ``separate_launches``), eager
+and static, one Buffer per variant, in ``--blocks`` alternating blocks: this machine's host
+speed drifts by up to 2x between and within processes (run s14-2's process probes), which
+swamps a one-process-per-tree A/B; ``paired_change_*`` is the median over blocks of the
+one-call block median minus the separate one.
 
 Writes ``host_calls.json`` in ``--out``.
 """
@@ -96,6 +104,64 @@ def process_probes(torch, dev, lib, n=2000):
     return out
 
 
+def alternating_blocks(variants, blocks, per_block, sync):
+    """Same-process A/B of host paths on a host whose speed drifts (run s14-2: a fixed Python
+    loop took 2.9-6.9 us from one process to the next, and moved within processes too).
+    ``variants``: name -> call. In each of ``blocks`` blocks every variant makes ``per_block``
+    calls (``host_and_latency``), the order rotating from block to block, so a drift hits
+    all alike. Returns name -> {"host": [...], "latency": [...]} (seconds, every call) and
+    name -> [median host seconds per block] for paired comparisons."""
+    names = list(variants)
+    calls = {n: {"host": [], "latency": []} for n in names}
+    per_block_host = {n: [] for n in names}
+    for b in range(blocks):
+        for n in names[b % len(names):] + names[:b % len(names)]:
+            host, lat = host_and_latency(variants[n], per_block, sync)
+            calls[n]["host"] += host
+            calls[n]["latency"] += lat
+            per_block_host[n].append(statistics.median(host))
+    return calls, per_block_host
+
+
+def paired_change_us(per_block_host, base, new) -> float:
+    """Median over blocks of (new - base) block medians, in us: the change with the drift that
+    both saw in the same block taken out."""
+    return round(statistics.median(n - b for b, n in zip(per_block_host[base], per_block_host[new])) * 1e6, 2)
+
+
+def ab_case(mok, common, torch, dev, T, blocks, per_block, warmup, sync):
+    """#51 against its own separate launches (``separate_launches``) in one process: eager and
+    static dispatches, each variant with its own Buffer, alternating blocks."""
+    shape = common.Shape(f"t{T}", T, H, experts=E, topk=K, seed=1237 + T)
+    idx, w = common.make_routing(shape, 0, 1, dev)
+    x = common.make_x(shape, 0, dev)
+    kw = dict(num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T, backend="cuda")
+    probe = mok.Buffer(None, **kw)
+    rows = probe.dispatch(x, idx, w).tokens.shape[0]
+    probe.destroy()
+    bufs, variants = [], {}
+    for mode, extra in (("eager", {}), ("static", {"max_recv_tokens": rows + 8})):
+        for launch in ("one_call", "separate"):
+            buf = mok.Buffer(None, **kw, **extra)
+            buf._get_backend("cuda").separate_launches = launch == "separate"
+            bufs.append(buf)
+            for _ in range(warmup):
+                r = buf.dispatch(x, idx, w)
+                buf.combine(r.tokens, r.handle)
+            variants[f"{mode}_{launch}"] = (lambda buf=buf: buf.dispatch(x, idx, w))
+    calls, per_block = alternating_blocks(variants, blocks, per_block, sync)
+    case = {"tokens": T, "rows": rows, "blocks": blocks, "per_block": len(calls[next(iter(calls))]["host"]) // blocks}
+    for n, c in calls.items():
+        case[f"host_{n}_dispatch_us"] = median_us(c["host"])
+        case[f"latency_{n}_dispatch_us"] = median_us(c["latency"])
+    for mode in ("eager", "static"):
+        case[f"paired_change_{mode}_dispatch_us"] = paired_change_us(per_block, f"{mode}_separate", f"{mode}_one_call")
+    for b in bufs:
+        b.check_errors()
+        b.destroy()
+    return case
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -105,6 +171,10 @@ def main(argv=None):
     ap.add_argument("--root", default=_ROOT, help="checkout to import megatron_mok from")
     ap.add_argument("--tag", default="", help="label of this run in the JSON (e.g. base / new)")
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--ab", action="store_true",
+                    help="instead: one call per dispatch (#51) against separate launches, in this "
+                         "process, --blocks alternating blocks of --calls / --blocks calls")
+    ap.add_argument("--blocks", type=int, default=20)
     a = ap.parse_args(argv)
     sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
     sys.path.insert(0, os.path.abspath(a.root))
@@ -122,7 +192,12 @@ def main(argv=None):
     probes = process_probes(torch, dev, library.get())
     print("process probes (us): " + ", ".join(f"{k} {v}" for k, v in probes.items()), flush=True)
     cases = []
-    for T in (int(v) for v in a.tokens.split(",")):
+    for T in (int(v) for v in a.tokens.split(",") if a.ab):
+        case = ab_case(mok, common, torch, dev, T, a.blocks, max(1, a.calls // a.blocks), a.warmup, sync)
+        cases.append(case)
+        print(f"T={T} rows={case['rows']} " + ", ".join(f"{k} {v}" for k, v in case.items()
+                                                         if k.endswith("_us")), flush=True)
+    for T in (int(v) for v in a.tokens.split(",") if not a.ab):
         shape = common.Shape(f"t{T}", T, H, experts=E, topk=K, seed=1237 + T)
         idx, w = common.make_routing(shape, 0, 1, dev)
         x = common.make_x(shape, 0, dev)

@@ -441,3 +441,35 @@ def _failed_launch_launches_nothing(rank, world_size):
 @gpu
 def test_failed_dispatch_launch_launches_nothing():
     assert run_loopback(_failed_launch_launches_nothing, 1, timeout=300) == [True]
+
+
+def _one_call_and_separate_launches(rank, world_size):
+    """The same dispatches (eager and static, random routing with unrouted slots) queued by one
+    library call and by separate launches (``separate_launches``): bitwise the same outputs,
+    and the same combine of them."""
+    case = contract_cases(world_size)["mixed"]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    T, K, E, H = case["T_max"], case["K"], case["E"], case["H"]
+    g = torch.Generator(device="cpu").manual_seed(5)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.randint(-1, E, (T, K), generator=g).to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    for extra in ({}, {"max_recv_tokens": T * K + 3}):
+        outs = []
+        for separate in (False, True):
+            buf = _buffer(case, torch.bfloat16, "cuda", device="cuda", **extra)
+            buf._get_backend("cuda").separate_launches = separate
+            r = buf.dispatch(x, idx, w)
+            y = buf.combine(r.tokens, r.handle)
+            buf.check_errors()
+            outs.append([t.clone() for t in (r.tokens, r.probs, r.src_rank, r.src_token, r.tokens_per_expert, y)])
+            buf.destroy()
+        for a, b in zip(*outs):
+            assert a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
+                                                      b.view(torch.uint8) if b.is_floating_point() else b)
+    return True
+
+
+@gpu
+def test_one_call_dispatch_matches_separate_launches_bitwise():
+    assert run_loopback(_one_call_and_separate_launches, 1, timeout=300) == [True]

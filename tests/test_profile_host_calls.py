@@ -58,3 +58,28 @@ def test_process_probes_time_each_fixed_workload():
     assert set(probes) == {"python_loop100", "ctypes_return", "ctypes_cuda_attribute", "torch_empty"}
     assert all(v > 0 for v in probes.values())
     assert lib.calls == {"abi": 90, "sms": 90}     # 9 runs of n calls each
+
+
+def test_alternating_blocks_rotate_the_order_and_pair_by_block():
+    order = []
+
+    def make(name, cost):
+        def fn():
+            order.append(name)
+            time.sleep(cost)
+        return fn
+
+    variants = {"a": make("a", 0.001), "b": make("b", 0.003)}
+    calls, per_block = phc.alternating_blocks(variants, 4, 2, lambda: None)
+    assert [order[i] for i in range(0, 16, 2)] == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert len(calls["a"]["host"]) == len(calls["b"]["latency"]) == 8
+    assert len(per_block["a"]) == len(per_block["b"]) == 4
+    change = phc.paired_change_us(per_block, "b", "a")      # a is ~2 ms faster than b
+    assert -2600 < change < -1500
+
+
+def test_paired_change_takes_out_a_drift_both_variants_saw():
+    # Block medians drift from 10 to 40 us; the new variant is always 3 us faster.
+    base = [10e-6, 20e-6, 40e-6, 30e-6]
+    new = [b - 3e-6 for b in base]
+    assert phc.paired_change_us({"base": base, "new": new}, "base", "new") == -3.0

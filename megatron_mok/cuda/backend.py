@@ -194,6 +194,9 @@ class CudaBackend:
         # side stream, beside the layout kernels (NOTES #35). Off by default: not yet measured on
         # 2 GPUs, and a one-GPU loopback benchmark hung once with it (NOTES #35, s9-9).
         self.ce_overlap = self.ce_stage and buf.world_size > 1 and _env_int("MOK_DISPATCH_CE_OVERLAP", 0) != 0
+        # Diagnostics (scripts/profile_host_calls.py --ab): True issues a dispatch's launches one
+        # library call each, as before NOTES #51, instead of mok_dispatch_launch's one call.
+        self.separate_launches = False
         self._ce_fork = torch.cuda.Event()
         self._ce_done = torch.cuda.Event()
 
@@ -283,7 +286,7 @@ class CudaBackend:
         if self.speculative and not static:
             return self._dispatch_speculative(x, T, idx, w, scratch, tpe, stream)
         ce_side = self.ce_overlap and not self.speculative
-        if static and not ce_side:
+        if static and not ce_side and not self.separate_launches:
             return self._dispatch_static(x, T, idx, w, scratch, tpe, stream)
         main = torch.cuda.current_stream(self.device)
         if static:
@@ -328,7 +331,7 @@ class CudaBackend:
             if not static:
                 probs_all, src_all = self._row_outputs(cap, x.device)
             probs, src_rank, src_token = probs_all, src_all[0], src_all[1]
-        if not (static or fill_first or ce_side or self.stage_first):
+        if not (static or fill_first or ce_side or self.stage_first or self.separate_launches):
             # The usual eager dispatch: fill and transfer in one library call (its copy-engine
             # staging, if any, was queued before the read).
             self._launch(bindings.STEP_FILL | bindings.STEP_TRANSFER, stream, scratch, x, T, None,
