@@ -9,7 +9,8 @@ CPU (gloo, reference backend; runs in CI):
 
 GPU (NCCL, CUDA backend; ``MOK_BACKEND=cuda`` so a missing build fails instead of falling
 back): the same round trip and layout on 2 GPUs, and the full layer against ``alltoall`` over
-the same EP=2 group in bf16.
+the same EP=2 group in bf16. The same three at EP = 1 on ONE GPU (world size 1: every path of
+the adapter and the CUDA backend except the NVLink exchange), for machines with one GPU.
 """
 
 from __future__ import annotations
@@ -63,3 +64,23 @@ def test_dispatcher_layout_and_grads_gpu():
 def test_full_moe_layer_mok_vs_alltoall_gpu():
     reports = run_distributed(W.layer_mok_vs_alltoall_gpu, 2, backend="nccl")
     assert "output" in reports[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topk", [2, 3])
+def test_dropless_roundtrip_one_gpu(topk):
+    rows = run_distributed(W.megatron_dropless_roundtrip, 1, 1, "bf16", topk, 16, backend_env="cuda",
+                           backend="nccl")
+    assert rows == [64 * topk]
+
+
+@pytest.mark.gpu
+def test_dispatcher_layout_and_grads_one_gpu():
+    tpe = run_distributed(W.dispatcher_layout_and_grads, 1, 1, "bf16", backend_env="cuda", backend="nccl")
+    assert len(tpe[0]) == 4
+
+
+@pytest.mark.gpu
+def test_full_moe_layer_mok_vs_alltoall_one_gpu():
+    reports = run_distributed(W.layer_mok_vs_alltoall_gpu, 1, backend="nccl")
+    assert "output" in reports[0] and any(k.startswith("grad:") for k in reports[0])
