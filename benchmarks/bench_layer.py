@@ -129,7 +129,7 @@ def run(args):
 
     mm.install()
     harness.init_parallel(world, seed=args.seed)
-    harness.enable_cpu_megatron()
+    harness.enable_cpu_megatron(on_cpu=device.type == "cpu")
 
     wanted = [d for d in args.dispatchers.split(",") if d]
     skipped = {}

@@ -187,7 +187,7 @@ def main(argv=None):
     from megatron_mok.megatron import harness
 
     harness.init_parallel(args.expert_model_parallel_size, seed=args.seed)
-    harness.enable_cpu_megatron()
+    harness.enable_cpu_megatron(on_cpu=device.type == "cpu")
     torch.manual_seed(args.seed)
     model, config = build_model(args, device)
     model.train()

@@ -248,40 +248,56 @@ def enable_cpu_alltoall() -> None:
     mappings._AllToAll.forward = staticmethod(_a2a_forward)
 
 
-def enable_cpu_megatron() -> None:
-    """Everything a CPU-only run of the example / benchmark needs (no-op parts with CUDA):
-    :func:`fix_megatron_without_te`, :func:`enable_cpu_alltoall`, Megatron's
-    ``GlobalMemoryBuffer`` (attention scratch) allocating on the CPU instead of
-    ``torch.cuda.current_device()``, and the CUDA RNG tracker's ``fork`` as a no-op (CPU
-    runs use no dropout). None of it touches the MoE dispatch path."""
+# Whether the current run's tensors are on the CPU (enable_cpu_megatron): read by the patches
+# below at every call, so one process can run on the CPU, then on a GPU.
+_CPU_RUN = {"on": False}
+
+
+def enable_cpu_megatron(on_cpu: Optional[bool] = None) -> None:
+    """Everything a CPU run of the example / benchmark needs: :func:`fix_megatron_without_te`,
+    :func:`enable_cpu_alltoall`, Megatron's ``GlobalMemoryBuffer`` (attention scratch)
+    allocating on the CPU instead of ``torch.cuda.current_device()``, and the CUDA RNG
+    tracker's ``fork`` as a no-op (CPU runs use no dropout). None of it touches the MoE
+    dispatch path.
+
+    ``on_cpu``: whether this run's tensors are on the CPU (default: no CUDA device). A gloo
+    run on a machine with GPUs passes True: the scratch must follow the run's tensors, not the
+    visible GPU (run s14-5: the example's CPU test on a GPU host failed in attention with
+    "batch1 is on cpu, different from other tensors on cuda:0"). The patches are installed
+    once and follow the latest ``on_cpu``: a later GPU run in the same process
+    (``on_cpu=False``) gets Megatron's own allocation and RNG fork back."""
     fix_megatron_without_te()
     enable_cpu_alltoall()
-    if torch.cuda.is_available():
-        return
+    _CPU_RUN["on"] = (not torch.cuda.is_available()) if on_cpu is None else bool(on_cpu)
     from megatron.core import utils as mutils
+    from megatron.core.tensor_parallel import random as mrandom
 
     cls = mutils.GlobalMemoryBuffer
     if getattr(cls, "_mok_cpu_compat", False):
         return
+    orig_get, orig_fork = cls.get_tensor, mrandom.CudaRNGStatesTracker.fork
 
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+    def get_tensor(self, tensor_shape, dtype, name, *args, **kwargs):
+        if not _CPU_RUN["on"]:
+            return orig_get(self, tensor_shape, dtype, name, *args, **kwargs)
         n = 1
         for d in tensor_shape:
             n *= d
         buf = self.buffer.get((name, dtype))
-        if buf is None or buf.numel() < n:
+        if buf is None or buf.numel() < n or buf.is_cuda:
             buf = self.buffer[(name, dtype)] = torch.empty(n, dtype=dtype)
         return buf[:n].view(*tensor_shape)
 
+    def fork(self, *args, **kwargs):
+        if not _CPU_RUN["on"]:
+            return orig_fork(self, *args, **kwargs)
+        import contextlib
+
+        return contextlib.nullcontext()
+
     cls.get_tensor = get_tensor
+    mrandom.CudaRNGStatesTracker.fork = fork
     cls._mok_cpu_compat = True
-
-    # Attention dropout forks Megatron's CUDA RNG tracker; on CPU there is no CUDA RNG.
-    import contextlib
-
-    from megatron.core.tensor_parallel import random as mrandom
-
-    mrandom.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
 
 
 def dist_env_defaults() -> None:

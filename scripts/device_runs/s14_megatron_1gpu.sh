@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run s14-5 (benchmarks/results/README.md): the Megatron adapter on megatron-core 0.19.2 (a
+# Runs s14-5, s14-6 (benchmarks/results/README.md): the Megatron adapter on megatron-core 0.19.2 (a
 # carried wheel, .whl/) on ONE GPU, its first GPU run since session 4: tests/megatron (the CPU
 # tests on 0.19.2, and the new world-size-1 GPU tests: dropless round trip, exact layout and
 # gradients, full MoELayer mok vs alltoall), then benchmarks/bench_layer.py at world size 1.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -48,3 +49,40 @@ def test_bench_layer_tiny_writes_report(tmp_path):
     assert report["gpu_count"] == 0 and report["world_size"] == 2
     assert report["command"] and report["date"]
     assert "commit" in report
+
+
+CPU_RUN_PROBE = """
+import torch
+from megatron.core import utils as mutils
+from megatron.core.tensor_parallel import random as mrandom
+from megatron_mok.megatron import harness
+
+buf, tracker = mutils.GlobalMemoryBuffer(), mrandom.CudaRNGStatesTracker()
+harness.enable_cpu_megatron(on_cpu=True)
+t = buf.get_tensor((3, 4), torch.float32, "probe")
+assert t.device.type == "cpu" and t.shape == (3, 4), t
+with tracker.fork():                       # a no-op on CPU runs, even with a GPU visible
+    pass
+harness.enable_cpu_megatron(on_cpu=False)  # a GPU run next: Megatron's own code again
+try:
+    t = buf.get_tensor((3, 4), torch.float32, "probe_gpu")   # a new name: a new allocation
+    print("gpu_run_buffer", t.device.type)
+except (AssertionError, RuntimeError) as e:   # no CUDA on this machine: Megatron's own call
+    print("gpu_run_buffer raised", type(e).__name__)
+"""
+
+
+def test_cpu_run_scratch_follows_the_run_not_the_visible_gpu():
+    # Run s14-5: the example's gloo test on a GPU host put Megatron's attention scratch on
+    # cuda:0. enable_cpu_megatron(on_cpu=True) must give CPU scratch wherever it runs, and
+    # on_cpu=False must hand the allocation back to Megatron (CUDA, or its error without one).
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", CPU_RUN_PROBE], capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    import torch
+    want = "gpu_run_buffer cuda" if torch.cuda.is_available() else "gpu_run_buffer raised"
+    assert want in out.stdout, out.stdout + out.stderr[-2000:]
