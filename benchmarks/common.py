@@ -90,6 +90,48 @@ SHAPES_BY_NAME = {s.name: s for s in GPU_SHAPES + CPU_SHAPES}
 
 
 # ------------------------------------------------------------------------- environment
+def parse_settings(text: str):
+    """``"A=1,B=2;C=0;"`` -> ``[{"A": "1", "B": "2"}, {"C": "0"}, {}]`` (an empty item: defaults):
+    the environment settings that the one-process A/B tools (scripts/profile_graph_chain.py,
+    scripts/profile_host_calls.py) create one Buffer each under."""
+    out = []
+    for item in text.split(";"):
+        env = {}
+        for pair in filter(None, (p.strip() for p in item.split(","))):
+            if "=" not in pair:
+                raise ValueError(f"setting {pair!r} is not VAR=value")
+            k, v = pair.split("=", 1)
+            env[k.strip()] = v.strip()
+        out.append(env)
+    return out
+
+
+def settings_label(env) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(env.items())) or "defaults"
+
+
+class with_env:
+    """``with with_env({"MOK_PDL": "0"}): buf = Buffer(...)``: the variables set inside, the
+    previous values (or their absence) restored after. The backend reads its switches when a
+    Buffer is created, so Buffers made under different settings live side by side."""
+
+    def __init__(self, env):
+        self.env = dict(env)
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        return self
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        return False
+
+
 def git_commit() -> str:
     # MOK_COMMIT wins: a lent GPU machine gets a copy of the working tree whose .git may be a
     # stale snapshot, so the launcher passes the commit it sent.

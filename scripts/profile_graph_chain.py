@@ -44,22 +44,8 @@ import megatron_mok as mok  # noqa: E402
 H, E, K = 7168, 256, 8
 
 
-def parse_settings(text: str):
-    """``"A=1,B=2;C=0;"`` -> ``[{"A": "1", "B": "2"}, {"C": "0"}, {}]`` (an empty item: defaults)."""
-    out = []
-    for item in text.split(";"):
-        env = {}
-        for pair in filter(None, (p.strip() for p in item.split(","))):
-            if "=" not in pair:
-                raise ValueError(f"setting {pair!r} is not VAR=value")
-            k, v = pair.split("=", 1)
-            env[k.strip()] = v.strip()
-        out.append(env)
-    return out
-
-
-def label(env) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(env.items())) or "defaults"
+parse_settings = common.parse_settings
+label = common.settings_label
 
 
 def kernel_gaps(kernels):
@@ -129,17 +115,9 @@ def measure(buf, x, idx, w, calls, iters, stream):
 
 
 def make_buffer(env, T, rows, sms):
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with common.with_env(env):
         return mok.Buffer(None, num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T, backend="cuda",
                           num_sms=sms, max_recv_tokens=rows + 8)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main(argv=None):

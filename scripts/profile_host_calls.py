@@ -27,8 +27,10 @@ rows + 8), it measures, each the median over ``--calls`` calls after warm-up:
 the same dispatch's launches issued one call each (the backend's ``separate_launches``), eager
 and static, one Buffer per variant, in ``--blocks`` alternating blocks: this machine's host
 speed drifts by up to 2x between and within processes (run s14-2's process probes), which
-swamps a one-process-per-tree A/B; ``paired_change_*`` is the median over blocks of the
-one-call block median minus the separate one.
+swamps a one-process-per-tree A/B; ``paired_change_<variant>_vs_<base>_us`` is the median
+over blocks of the variant's block median minus its mode's first variant's (run s14-4, which
+printed the one-call minus the separate variant as ``paired_change_<mode>_dispatch_us``). ``--ab --settings "A=1;B=0;"`` compares eager
+Buffers made under those environment settings (the first is the base of every paired change).
 
 Writes ``host_calls.json`` in ``--out``.
 """
@@ -129,9 +131,21 @@ def paired_change_us(per_block_host, base, new) -> float:
     return round(statistics.median(n - b for b, n in zip(per_block_host[base], per_block_host[new])) * 1e6, 2)
 
 
-def ab_case(mok, common, torch, dev, T, blocks, per_block, warmup, sync):
-    """#51 against its own separate launches (``separate_launches``) in one process: eager and
-    static dispatches, each variant with its own Buffer, alternating blocks."""
+def ab_variants(settings, parse_settings, settings_label):
+    """(name, mode, environment, separate launches) of every variant of an ``--ab`` run.
+    No ``settings``: #51 against its separate launches, eager and static (``<mode>_one_call``,
+    ``<mode>_separate``). ``settings`` (``"A=1;B=0;"``, as ``profile_graph_chain.py``): one eager
+    Buffer per setting, named ``eager[<label>]``, e.g. the opt-in eager schedules against the
+    default."""
+    if not settings:
+        return [(f"{m}_{l}", m, {}, l == "separate") for m in ("eager", "static")
+                for l in ("one_call", "separate")]
+    return [(f"eager[{settings_label(env)}]", "eager", env, False) for env in parse_settings(settings)]
+
+
+def ab_case(mok, common, torch, dev, T, blocks, per_block, warmup, sync, settings=""):
+    """Host paths side by side in one process (``ab_variants``), each with its own Buffer,
+    alternating blocks. Paired changes: each variant against the first of its mode."""
     shape = common.Shape(f"t{T}", T, H, experts=E, topk=K, seed=1237 + T)
     idx, w = common.make_routing(shape, 0, 1, dev)
     x = common.make_x(shape, 0, dev)
@@ -139,23 +153,25 @@ def ab_case(mok, common, torch, dev, T, blocks, per_block, warmup, sync):
     probe = mok.Buffer(None, **kw)
     rows = probe.dispatch(x, idx, w).tokens.shape[0]
     probe.destroy()
-    bufs, variants = [], {}
-    for mode, extra in (("eager", {}), ("static", {"max_recv_tokens": rows + 8})):
-        for launch in ("one_call", "separate"):
-            buf = mok.Buffer(None, **kw, **extra)
-            buf._get_backend("cuda").separate_launches = launch == "separate"
-            bufs.append(buf)
-            for _ in range(warmup):
-                r = buf.dispatch(x, idx, w)
-                buf.combine(r.tokens, r.handle)
-            variants[f"{mode}_{launch}"] = (lambda buf=buf: buf.dispatch(x, idx, w))
+    bufs, variants, first_of = [], {}, {}
+    for name, mode, env, separate in ab_variants(settings, common.parse_settings, common.settings_label):
+        with common.with_env(env):
+            buf = mok.Buffer(None, **kw, **({"max_recv_tokens": rows + 8} if mode == "static" else {}))
+        buf._get_backend("cuda").separate_launches = separate
+        bufs.append(buf)
+        for _ in range(warmup):
+            r = buf.dispatch(x, idx, w)
+            buf.combine(r.tokens, r.handle)
+        variants[name] = (lambda buf=buf: buf.dispatch(x, idx, w))
+        first_of.setdefault(mode, name)
     calls, per_block = alternating_blocks(variants, blocks, per_block, sync)
     case = {"tokens": T, "rows": rows, "blocks": blocks, "per_block": len(calls[next(iter(calls))]["host"]) // blocks}
     for n, c in calls.items():
         case[f"host_{n}_dispatch_us"] = median_us(c["host"])
         case[f"latency_{n}_dispatch_us"] = median_us(c["latency"])
-    for mode in ("eager", "static"):
-        case[f"paired_change_{mode}_dispatch_us"] = paired_change_us(per_block, f"{mode}_separate", f"{mode}_one_call")
+    for name, mode, _, _ in ab_variants(settings, common.parse_settings, common.settings_label):
+        if name != first_of[mode]:
+            case[f"paired_change_{name}_vs_{first_of[mode]}_us"] = paired_change_us(per_block, first_of[mode], name)
     for b in bufs:
         b.check_errors()
         b.destroy()
@@ -175,6 +191,9 @@ def main(argv=None):
                     help="instead: one call per dispatch (#51) against separate launches, in this "
                          "process, --blocks alternating blocks of --calls / --blocks calls")
     ap.add_argument("--blocks", type=int, default=20)
+    ap.add_argument("--settings", default="",
+                    help="with --ab: eager Buffers under these environment settings instead "
+                         "(';'-separated, each ','-separated VAR=value; empty item = defaults)")
     a = ap.parse_args(argv)
     sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
     sys.path.insert(0, os.path.abspath(a.root))
@@ -193,7 +212,8 @@ def main(argv=None):
     print("process probes (us): " + ", ".join(f"{k} {v}" for k, v in probes.items()), flush=True)
     cases = []
     for T in (int(v) for v in a.tokens.split(",") if a.ab):
-        case = ab_case(mok, common, torch, dev, T, a.blocks, max(1, a.calls // a.blocks), a.warmup, sync)
+        case = ab_case(mok, common, torch, dev, T, a.blocks, max(1, a.calls // a.blocks), a.warmup, sync,
+                       a.settings)
         cases.append(case)
         print(f"T={T} rows={case['rows']} " + ", ".join(f"{k} {v}" for k, v in case.items()
                                                          if k.endswith("_us")), flush=True)

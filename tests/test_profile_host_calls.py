@@ -83,3 +83,26 @@ def test_paired_change_takes_out_a_drift_both_variants_saw():
     base = [10e-6, 20e-6, 40e-6, 30e-6]
     new = [b - 3e-6 for b in base]
     assert phc.paired_change_us({"base": base, "new": new}, "base", "new") == -3.0
+
+
+def test_ab_variants_default_pairs_and_settings():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import common
+
+    default = phc.ab_variants("", common.parse_settings, common.settings_label)
+    assert [v[0] for v in default] == ["eager_one_call", "eager_separate", "static_one_call", "static_separate"]
+    assert [v[3] for v in default] == [False, True, False, True]
+    got = phc.ab_variants(";MOK_EAGER_FILL_FIRST=1", common.parse_settings, common.settings_label)
+    assert got == [("eager[defaults]", "eager", {}, False),
+                   ("eager[MOK_EAGER_FILL_FIRST=1]", "eager", {"MOK_EAGER_FILL_FIRST": "1"}, False)]
+
+
+def test_with_env_restores_set_and_unset_variables(monkeypatch):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import common
+
+    monkeypatch.setenv("MOK_A", "old")
+    monkeypatch.delenv("MOK_B", raising=False)
+    with common.with_env({"MOK_A": "new", "MOK_B": "1"}):
+        assert os.environ["MOK_A"] == "new" and os.environ["MOK_B"] == "1"
+    assert os.environ["MOK_A"] == "old" and "MOK_B" not in os.environ
