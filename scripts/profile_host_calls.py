@@ -131,6 +131,15 @@ def paired_change_us(per_block_host, base, new) -> float:
     return round(statistics.median(n - b for b, n in zip(per_block_host[base], per_block_host[new])) * 1e6, 2)
 
 
+def call_inputs(common, dev, T):
+    """(x, topk_idx, topk_weights, Buffer keywords) of a T-token call at world size 1: the
+    benchmark suite's routing and tokens for that size (same seeds as the other tools)."""
+    shape = common.Shape(f"t{T}", T, H, experts=E, topk=K, seed=1237 + T)
+    idx, w = common.make_routing(shape, 0, 1, dev)
+    x = common.make_x(shape, 0, dev)
+    return x, idx, w, dict(num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T, backend="cuda")
+
+
 def ab_variants(settings, parse_settings, settings_label):
     """(name, mode, environment, separate launches) of every variant of an ``--ab`` run.
     No ``settings``: #51 against its separate launches, eager and static (``<mode>_one_call``,
@@ -146,10 +155,7 @@ def ab_variants(settings, parse_settings, settings_label):
 def ab_case(mok, common, torch, dev, T, blocks, per_block, warmup, sync, settings=""):
     """Host paths side by side in one process (``ab_variants``), each with its own Buffer,
     alternating blocks. Paired changes: each variant against the first of its mode."""
-    shape = common.Shape(f"t{T}", T, H, experts=E, topk=K, seed=1237 + T)
-    idx, w = common.make_routing(shape, 0, 1, dev)
-    x = common.make_x(shape, 0, dev)
-    kw = dict(num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T, backend="cuda")
+    x, idx, w, kw = call_inputs(common, dev, T)
     probe = mok.Buffer(None, **kw)
     rows = probe.dispatch(x, idx, w).tokens.shape[0]
     probe.destroy()
@@ -218,10 +224,7 @@ def main(argv=None):
         print(f"T={T} rows={case['rows']} " + ", ".join(f"{k} {v}" for k, v in case.items()
                                                          if k.endswith("_us")), flush=True)
     for T in (int(v) for v in a.tokens.split(",") if not a.ab):
-        shape = common.Shape(f"t{T}", T, H, experts=E, topk=K, seed=1237 + T)
-        idx, w = common.make_routing(shape, 0, 1, dev)
-        x = common.make_x(shape, 0, dev)
-        kw = dict(num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T, backend="cuda")
+        x, idx, w, kw = call_inputs(common, dev, T)
         eager = mok.Buffer(None, **kw)
         rows = eager.dispatch(x, idx, w).tokens.shape[0]
         static = mok.Buffer(None, max_recv_tokens=rows + 8, **kw)

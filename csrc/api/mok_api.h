@@ -70,8 +70,8 @@ int mok_dispatch_ce_stage_supported(const MokContext* ctx);
  * the fill's and the transfer's). Every step's arguments are checked before the first launch,
  * so a call that fails launches nothing. Staging in a world of one rank copies nothing (no
  * peer reads the ring). The backend queues a static-shape dispatch (all four steps), the
- * second half of an eager one (fill, staging, transfer) and a cached one (staging, transfer)
- * with one host crossing each. */
+ * second half of an eager one (fill and transfer: its staging was queued before the host read
+ * of R) and a staged cached one (staging, transfer) with one host crossing each. */
 #define MOK_STEP_LAYOUT 1
 #define MOK_STEP_FILL 2
 #define MOK_STEP_STAGE_COPY 4
