@@ -4,6 +4,7 @@ graph's own launch, on ONE GPU.
     python scripts/profile_host_calls.py --out DIR [--tokens 128,512] [--calls 200]
                                          [--root CHECKOUT] [--tag NAME] [--commit C]
     python scripts/profile_host_calls.py --out DIR --ab [--blocks 20] [--calls 400] ...
+    torchrun --nproc-per-node 2 scripts/profile_host_calls.py --out DIR --ab ...   (2 GPUs)
 
 ``--root`` imports ``megatron_mok`` from another checkout (with its own built library): a
 same-machine A/B of two trees' host paths, one process each, run alternately by the caller
@@ -131,12 +132,12 @@ def paired_change_us(per_block_host, base, new) -> float:
     return round(statistics.median(n - b for b, n in zip(per_block_host[base], per_block_host[new])) * 1e6, 2)
 
 
-def call_inputs(common, dev, T):
-    """(x, topk_idx, topk_weights, Buffer keywords) of a T-token call at world size 1: the
-    benchmark suite's routing and tokens for that size (same seeds as the other tools)."""
+def call_inputs(common, dev, T, rank=0, world=1):
+    """(x, topk_idx, topk_weights, Buffer keywords) of this rank's T-token call: the benchmark
+    suite's routing and tokens for that size (same seeds as the other tools)."""
     shape = common.Shape(f"t{T}", T, H, experts=E, topk=K, seed=1237 + T)
-    idx, w = common.make_routing(shape, 0, 1, dev)
-    x = common.make_x(shape, 0, dev)
+    idx, w = common.make_routing(shape, rank, world, dev)
+    x = common.make_x(shape, rank, dev)
     return x, idx, w, dict(num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T, backend="cuda")
 
 
@@ -152,13 +153,19 @@ def ab_variants(settings, parse_settings, settings_label):
     return [(f"eager[{settings_label(env)}]", "eager", env, False) for env in parse_settings(settings)]
 
 
-def ab_case(mok, common, torch, dev, T, blocks, per_block, warmup, sync, settings=""):
+def ab_case(mok, common, torch, dev, T, blocks, per_block, warmup, sync, settings="", rank=0, world=1):
     """Host paths side by side in one process (``ab_variants``), each with its own Buffer,
-    alternating blocks. Paired changes: each variant against the first of its mode."""
-    x, idx, w, kw = call_inputs(common, dev, T)
+    alternating blocks. Paired changes: each variant against the first of its mode. Under
+    torchrun every rank runs the same variants in the same order (each call is collective), and
+    the static Buffers are sized by the largest rank's rows."""
+    x, idx, w, kw = call_inputs(common, dev, T, rank, world)
     probe = mok.Buffer(None, **kw)
     rows = probe.dispatch(x, idx, w).tokens.shape[0]
     probe.destroy()
+    if torch.distributed.is_initialized():
+        most = torch.tensor([rows], device=dev)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        rows = int(most.item())
     bufs, variants, first_of = [], {}, {}
     for name, mode, env, separate in ab_variants(settings, common.parse_settings, common.settings_label):
         with common.with_env(env):
@@ -182,6 +189,24 @@ def ab_case(mok, common, torch, dev, T, blocks, per_block, warmup, sync, setting
         b.check_errors()
         b.destroy()
     return case
+
+
+def gather_objects(torch, obj, world):
+    out = [None] * world
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def merge_ranks(per_rank):
+    """One case from every rank's: each ``*_us`` value is the largest over the ranks (the
+    slowest rank's time, the suite's rule; for a paired change, the smallest gain), and
+    ``per_rank`` keeps them all."""
+    merged = {k: v for k, v in per_rank[0].items() if not k.endswith("_us")}
+    for k in per_rank[0]:
+        if k.endswith("_us"):
+            merged[k] = max(c[k] for c in per_rank)
+    merged["per_rank"] = per_rank
+    return merged
 
 
 def main(argv=None):
@@ -210,7 +235,15 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("profile_host_calls.py needs a CUDA GPU")
     print(f"megatron_mok from {os.path.dirname(mok.__file__)}", flush=True)
-    dev = torch.device("cuda", 0)
+    rank, world, distributed = 0, 1, "RANK" in os.environ
+    if distributed:   # torchrun: one rank per GPU, --ab only
+        if not a.ab:
+            sys.exit("under torchrun, profile_host_calls.py runs --ab only (the other columns are "
+                     "world-size-1 measures)")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group("nccl")
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.current_stream(dev)
     sync = stream.synchronize
     from megatron_mok.cuda import library
@@ -219,10 +252,13 @@ def main(argv=None):
     cases = []
     for T in (int(v) for v in a.tokens.split(",") if a.ab):
         case = ab_case(mok, common, torch, dev, T, a.blocks, max(1, a.calls // a.blocks), a.warmup, sync,
-                       a.settings)
+                       a.settings, rank, world)
+        if distributed:
+            case = merge_ranks(gather_objects(torch, case, world))
         cases.append(case)
-        print(f"T={T} rows={case['rows']} " + ", ".join(f"{k} {v}" for k, v in case.items()
-                                                         if k.endswith("_us")), flush=True)
+        if rank == 0:
+            print(f"T={T} rows={case['rows']} " + ", ".join(
+                f"{k} {v}" for k, v in case.items() if k.endswith("_us")), flush=True)
     for T in (int(v) for v in a.tokens.split(",") if not a.ab):
         x, idx, w, kw = call_inputs(common, dev, T)
         eager = mok.Buffer(None, **kw)
@@ -275,13 +311,18 @@ def main(argv=None):
         cases.append(case)
         print(f"T={T} rows={rows} " + ", ".join(f"{k} {v}" for k, v in case.items()
                                                   if k.endswith("_us")), flush=True)
-    info = common.env_info(sys.argv, a.commit, 1, "none")
+    if rank != 0:
+        torch.distributed.destroy_process_group()
+        return
+    info = common.env_info(sys.argv, a.commit, world, "nccl" if world > 1 else "none")
     info.update(tag=a.tag, root=os.path.abspath(a.root), calls=a.calls, warmup=a.warmup, hidden=H,
                 experts=E, topk=K, note="world size 1 on one GPU: host-side times and graph replays")
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "host_calls.json")
     common.write_json(path, {"schema": "mok-host-calls/1", "env": info, "probes": probes, "cases": cases})
     print(f"wrote {path}")
+    if distributed:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -106,3 +106,11 @@ def test_with_env_restores_set_and_unset_variables(monkeypatch):
     with common.with_env({"MOK_A": "new", "MOK_B": "1"}):
         assert os.environ["MOK_A"] == "new" and os.environ["MOK_B"] == "1"
     assert os.environ["MOK_A"] == "old" and "MOK_B" not in os.environ
+
+
+def test_merge_ranks_takes_the_slowest_rank_and_keeps_all():
+    a = {"tokens": 128, "rows": 1000, "host_x_us": 10.0, "paired_change_y_vs_x_us": -3.0}
+    b = {"tokens": 128, "rows": 1010, "host_x_us": 12.5, "paired_change_y_vs_x_us": -5.0}
+    m = phc.merge_ranks([a, b])
+    assert m["host_x_us"] == 12.5 and m["paired_change_y_vs_x_us"] == -3.0
+    assert m["tokens"] == 128 and m["rows"] == 1000 and m["per_rank"] == [a, b]

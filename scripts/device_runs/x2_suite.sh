@@ -13,7 +13,10 @@
 #    (MOK_COMBINE_OWN_STAGED=0, NOTES #38) and with the small layouts unfused
 #    (MOK_LAYOUT_FUSED=0, NOTES #45): the 2-GPU outcomes those one-GPU changes lack;
 #    with AB=2 instead: plain launches (MOK_PDL=0, NOTES #48) and small calls on num_sms
-#    (MOK_SMALL_CALL_SMS=0, NOTES #49) against the defaults.
+#    (MOK_SMALL_CALL_SMS=0, NOTES #49) against the defaults; with AB=3: the host paths in one
+#    process per rank (scripts/profile_host_calls.py --ab under torchrun): #51's one call
+#    against separate launches, and the opt-in eager schedules against the default (NOTES (LL),
+#    next experiments after session 14, item 2).
 # Everything lands in $OUT/r.tgz; assemble with scripts/results_json.py.
 set -uo pipefail
 C=${1:?commit}; AB=${2:-1}
@@ -47,5 +50,10 @@ elif [ "$AB" = 2 ]; then
     else MOK_SMALL_CALL_SMS=0 step small_sms_${v}_$i 60 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_small_batch.py --out $R/small_sms_${v}_$i --commit $C --tokens 128,512; fi
     grep -E "^\| 2 " $R/small_sms_${v}_$i.log
   done; done
+elif [ "$AB" = 3 ]; then
+  step host_ab_launch 120 python3 -m torch.distributed.run --nproc-per-node 2 scripts/profile_host_calls.py --ab --out $R/host_ab_launch --commit $C --tokens 128,512 --calls 1600 --blocks 40
+  grep -E "^T=" $R/host_ab_launch.log
+  step host_ab_eager 150 python3 -m torch.distributed.run --nproc-per-node 2 scripts/profile_host_calls.py --ab --settings ";MOK_EAGER_FILL_FIRST=1;MOK_EAGER_SPECULATIVE=1" --out $R/host_ab_eager --commit $C --tokens 128,512 --calls 1600 --blocks 40
+  grep -E "^T=" $R/host_ab_eager.log
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r
