@@ -314,7 +314,7 @@ def main(argv=None):
     if rank != 0:
         torch.distributed.destroy_process_group()
         return
-    info = common.env_info(sys.argv, a.commit, world, "nccl" if world > 1 else "none")
+    info = common.env_info(sys.argv, a.commit, world, "nccl" if distributed else "none")
     info.update(tag=a.tag, root=os.path.abspath(a.root), calls=a.calls, warmup=a.warmup, hidden=H,
                 experts=E, topk=K, note="world size 1 on one GPU: host-side times and graph replays")
     os.makedirs(a.out, exist_ok=True)
