@@ -22,7 +22,8 @@ Two ways to run it:
   instead of NVLink). These bound what is host overhead; they are NOT the 2-GPU figures;
 - under torchrun, one process per GPU (the figures the targets are about): every rank times
   its own calls; graph replays are timed like the benchmark suite times every op (a device
-  barrier, then CUDA events around the replay, per call the slowest rank, the median).
+  barrier, then CUDA events around the replay, per call the slowest rank, the median), with a
+  sleep kernel between the barrier and the start event (the launch off the clock, as above).
 
     python benchmarks/bench_small_batch.py --out benchmarks/results [--tokens 128,512] [--worlds 1,2]
     torchrun --nproc-per-node 2 benchmarks/bench_small_batch.py --out DIR [--tokens 128,512]
@@ -103,8 +104,10 @@ def _rank(rank, world, tokens, iters, warmup, sms, grp=None):
 
     def graph_time(g):
         if getattr(grp, "distributed", False):
-            # Real ranks: each replays its own graph after a device barrier (common.time_op).
-            return round(common.time_op(g.replay, None, dev, iters, warmup)["median_us"], 1)
+            # Real ranks: each replays its own graph after a device barrier and a sleep kernel
+            # (common.time_op, busy_cycles): the replay's launch is off the clock, as below.
+            t = common.time_op(g.replay, None, dev, iters, warmup, busy_cycles=BUSY_CYCLES)
+            return round(t["median_us"], 1)
         # Rank 0 replays every rank's graph back to back from its one thread, so the ranks'
         # kernels start a graph launch (~microseconds) apart; threads woken by a barrier start
         # tens of microseconds apart, and a rank waiting for a late peer would count that.

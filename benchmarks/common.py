@@ -478,10 +478,14 @@ def _barrier(group, device) -> None:
         dist.barrier(group=group)
 
 
-def time_op(fn: Callable[[], object], group, device, iters: int, warmup: int) -> Dict:
+def time_op(fn: Callable[[], object], group, device, iters: int, warmup: int,
+            busy_cycles: int = 0) -> Dict:
     """Per-call time on the slowest rank: each call is timed on every rank (CUDA events,
     or the host clock on CPU) after a barrier; per call the MAX over ranks is taken; the
-    median of those is reported. Host synchronisations inside ``fn`` are part of its time."""
+    median of those is reported. Host synchronisations inside ``fn`` are part of its time.
+    ``busy_cycles`` (CUDA): a sleep kernel of that many cycles is queued after the barrier and
+    before the start event, so the host's launch of ``fn`` happens while the GPU is busy and
+    the events count device time only (graph replays: NOTES (KK))."""
     device = torch.device(device)
     for _ in range(warmup):
         fn()
@@ -491,6 +495,8 @@ def time_op(fn: Callable[[], object], group, device, iters: int, warmup: int) ->
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         for i in range(iters):
             _barrier(group, device)
+            if busy_cycles:
+                torch.cuda._sleep(busy_cycles)
             starts[i].record()
             fn()
             ends[i].record()
