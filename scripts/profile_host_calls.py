@@ -30,8 +30,10 @@ and static, one Buffer per variant, in ``--blocks`` alternating blocks: this mac
 speed drifts by up to 2x between and within processes (run s14-2's process probes), which
 swamps a one-process-per-tree A/B; ``paired_change_<variant>_vs_<base>_us`` is the median
 over blocks of the variant's block median minus its mode's first variant's (run s14-4, which
-printed the one-call minus the separate variant as ``paired_change_<mode>_dispatch_us``). ``--ab --settings "A=1;B=0;"`` compares eager
-Buffers made under those environment settings (the first is the base of every paired change).
+printed the one-call minus the separate variant as ``paired_change_<mode>_dispatch_us``).
+``--ab --settings "A=1;B=0;"`` compares eager Buffers made under those environment settings
+(the first is the base of every paired change). Under torchrun (``--ab`` only) every rank runs
+the same blocks in the same order and the slowest rank's figures are reported.
 
 Writes ``host_calls.json`` in ``--out``.
 """

@@ -202,7 +202,6 @@ def _launch_settings(rank, world_size, **kw):
     library reports it), ``small_blocks`` (blocks of a small call's transfer kernels; its
     ``num_blocks`` when there is no small-call budget), ``small_tokens`` (-1: no small-call
     budget) and the GPU's ``sms``."""
-    from harness import _buffer, contract_cases
     from megatron_mok.cuda import library
 
     buf = _buffer(contract_cases(world_size)["random"], torch.bfloat16, "cuda", device="cuda", **kw)
