@@ -229,6 +229,13 @@ class CudaBackend:
     def _ptr(t: Optional[torch.Tensor]) -> int:
         return t.data_ptr() if t is not None and t.numel() else 0
 
+    @staticmethod
+    def _row_ptrs(src: Optional[torch.Tensor]):
+        """``(_ptr(src[0]), _ptr(src[1]))`` of a ``[2, n]`` tensor (the per-row source ranks and
+        tokens), without the two indexing ops (host time per call; the handle takes the views)."""
+        first = CudaBackend._ptr(src)
+        return first, (first + src.stride(0) * src.element_size() if first else 0)
+
     def _alive(self):
         if self.broken:
             raise MokDeviceError(self.broken)
@@ -388,11 +395,11 @@ class CudaBackend:
         [R, cap); the transfer's blocks come from the call's size (``_roles``)."""
         blocks, producers, _ = self._roles(T)
         ptr = self._ptr
+        src_rank, src_token = self._row_ptrs(src)
         self._check(self.lib.mok_dispatch_launch(
             self.ctx, stream, steps, scratch.data_ptr(), ptr(idx),
             int(idx is not None and idx.dtype == torch.int64), ptr(w), T, self.buf.num_experts,
-            ptr(tpe), ptr(src[0]) if src is not None else 0, ptr(src[1]) if src is not None else 0,
-            ptr(probs), 1, ptr(x), ptr(out), cap, blocks, producers, mode))
+            ptr(tpe), src_rank, src_token, ptr(probs), 1, ptr(x), ptr(out), cap, blocks, producers, mode))
 
     def _dispatch_speculative(self, x, T, idx, w, scratch, tpe, stream):
         """Eager dispatch in the issue's order: allocate, launch, then read R.
