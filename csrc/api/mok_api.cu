@@ -73,17 +73,21 @@ int check_ready(const MokContext* ctx) {
 
 // Argument checks and launches of the dispatch steps, shared by the one-step entry points and
 // mok_dispatch_launch (which checks every step before launching any).
-int check_layout(const MokContext* ctx, int num_tokens, int write_report) {
+int check_tokens(const MokContext* ctx, int num_tokens) {
   if (num_tokens < 0 || num_tokens > ctx->comm.ws.cfg.max_tokens)
     return fail("num_tokens outside [0, max_tokens]");
+  return 0;
+}
+
+int check_layout(const MokContext* ctx, int num_tokens, int write_report) {
+  if (int e = check_tokens(ctx, num_tokens)) return e;
   if (write_report && ctx->host_report_dev == nullptr)
     return fail("mok_dispatch_layout: write_report needs mok_set_host_report first");
   return 0;
 }
 
 int check_stage_copy(const MokContext* ctx, int num_tokens) {
-  if (num_tokens < 0 || num_tokens > ctx->comm.ws.cfg.max_tokens)
-    return fail("num_tokens outside [0, max_tokens]");
+  if (int e = check_tokens(ctx, num_tokens)) return e;
   if (!dispatch_call_fits_ring(ctx->comm.ws))
     return fail("copy-engine staging needs a dispatch ring that holds a whole call");
   return 0;
