@@ -55,9 +55,6 @@ import megatron_mok as mok  # noqa: E402
 from megatron_mok import loopback  # noqa: E402
 
 H, E, K = 7168, 256, 8
-# Sleep queued before timed graph replays (~200 us at H200 clocks): longer than the host's
-# launches of every rank's replay, so they happen while the GPU is busy.
-BUSY_CYCLES = 400_000
 
 
 def _median_us(samples):
@@ -106,7 +103,7 @@ def _rank(rank, world, tokens, iters, warmup, sms, grp=None):
         if getattr(grp, "distributed", False):
             # Real ranks: each replays its own graph after a device barrier and a sleep kernel
             # (common.time_op, busy_cycles): the replay's launch is off the clock, as below.
-            t = common.time_op(g.replay, None, dev, iters, warmup, busy_cycles=BUSY_CYCLES)
+            t = common.time_op(g.replay, None, dev, iters, warmup, busy_cycles=common.BUSY_CYCLES)
             return round(t["median_us"], 1)
         # Rank 0 replays every rank's graph back to back from its one thread, so the ranks'
         # kernels start a graph launch (~microseconds) apart; threads woken by a barrier start
@@ -118,7 +115,7 @@ def _rank(rank, world, tokens, iters, warmup, sms, grp=None):
                 if marks:   # every stream busy first: the launches below are then off the clock
                     for _, st in graphs:
                         with torch.cuda.stream(st):
-                            torch.cuda._sleep(BUSY_CYCLES)
+                            torch.cuda._sleep(common.BUSY_CYCLES)
                 for r, (gr, st) in enumerate(graphs):
                     with torch.cuda.stream(st):
                         if marks:

@@ -90,6 +90,13 @@ SHAPES_BY_NAME = {s.name: s for s in GPU_SHAPES + CPU_SHAPES}
 
 
 # ------------------------------------------------------------------------- environment
+# A sleep kernel of this many cycles (~200 us at H200 clocks), queued before a timed graph
+# replay's start event, keeps the GPU busy while the host launches the replay, so the events
+# count device time only (benchmarks/NOTES.md (KK); longer than the launches of every rank's
+# replay from one thread).
+BUSY_CYCLES = 400_000
+
+
 def parse_settings(text: str):
     """``"A=1,B=2;C=0;"`` -> ``[{"A": "1", "B": "2"}, {"C": "0"}, {}]`` (an empty item: defaults):
     the environment settings that the one-process A/B tools (scripts/profile_graph_chain.py,

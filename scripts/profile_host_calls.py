@@ -48,7 +48,6 @@ import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H, E, K = 7168, 256, 8
-BUSY_CYCLES = 200_000   # ~100 us at H200 clocks: longer than any graph launch's host time
 
 
 def median_us(samples) -> float:
@@ -299,7 +298,7 @@ def main(argv=None):
                 for i in range(a.warmup + a.calls):
                     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     if busy:
-                        torch.cuda._sleep(BUSY_CYCLES)
+                        torch.cuda._sleep(common.BUSY_CYCLES)
                     s.record(stream)
                     g.replay()
                     e.record(stream)
