@@ -2,8 +2,12 @@
 
     torchrun --nproc-per-node 2 benchmarks/bench_layer.py --tokens 4096 --hidden 2048
     torchrun --nproc-per-node 2 benchmarks/bench_layer.py --tiny        # CPU / gloo smoke
+    torchrun --nproc-per-node 2 benchmarks/bench_layer.py --shared-ffn 2048 \
+        --dispatchers alltoall,alltoall:overlap,mok,mok:overlap         # + a shared expert
 
-Dispatchers: ``alltoall``, ``flex`` (only when ``deep_ep`` imports) and ``mok``. Every layer
+Dispatchers: ``alltoall``, ``flex`` (only when ``deep_ep`` imports) and ``mok``; a name with
+``:overlap`` runs that dispatcher with ``moe_shared_expert_overlap`` (needs ``--shared-ffn``:
+the shared expert on its own stream beside the dispatch and the combine). Every layer
 gets the same router / expert weights (Megatron's local ``SequentialMLP`` experts) and the
 same per-rank input. Each timed iteration is one forward + backward of the layer; time is
 CUDA events on GPU (``perf_counter`` on CPU), median over ``--iters`` (>= 20) iterations after
@@ -41,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--ffn-hidden", type=int, default=1024)
     p.add_argument("--num-experts", type=int, default=16)
     p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--shared-ffn", type=int, default=0,
+                   help="a shared expert of this FFN size in every layer (0: none)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--iters", type=int, default=20)
@@ -55,6 +61,8 @@ def parse_args(argv=None):
         args.tokens, args.hidden, args.ffn_hidden, args.num_experts, args.topk = 64, 32, 64, 4, 2
     if args.iters < 20:
         p.error("--iters must be >= 20")
+    if any(d.endswith(":overlap") for d in args.dispatchers.split(",")) and args.shared_ffn <= 0:
+        p.error("':overlap' dispatchers overlap a shared expert: give --shared-ffn")
     return args
 
 
@@ -133,17 +141,23 @@ def run(args):
 
     wanted = [d for d in args.dispatchers.split(",") if d]
     skipped = {}
-    if "flex" in wanted and importlib.util.find_spec("deep_ep") is None:
-        wanted.remove("flex")
-        skipped["flex"] = "deep_ep is not importable"
-    if "flex" in wanted and device.type != "cuda":
-        wanted.remove("flex")
-        skipped["flex"] = "needs CUDA"
+    for d in [d for d in wanted if d.split(":")[0] == "flex"]:
+        if importlib.util.find_spec("deep_ep") is None:
+            wanted.remove(d)
+            skipped[d] = "deep_ep is not importable"
+        elif device.type != "cuda":
+            wanted.remove(d)
+            skipped[d] = "needs CUDA"
+    for d in [d for d in wanted if d.endswith(":overlap") and device.type != "cuda"]:
+        wanted.remove(d)   # Megatron's SharedExpertMLP makes a CUDA stream for the overlap
+        skipped[d] = "the shared expert overlap needs CUDA"
 
     kw = dict(num_experts=args.num_experts, topk=args.topk, hidden=args.hidden,
               ffn_hidden=args.ffn_hidden, dtype=dtype,
               moe_router_load_balancing_type="aux_loss" if device.type == "cuda" else "none",
               moe_aux_loss_coeff=1e-2 if device.type == "cuda" else 0.0)
+    if args.shared_ffn > 0:
+        kw["moe_shared_expert_intermediate_size"] = args.shared_ffn
     g = torch.Generator().manual_seed(args.seed + rank)
     x = torch.randn(args.tokens, 1, args.hidden, generator=g).to(dtype).to(device)
     gy = torch.randn(args.tokens, 1, args.hidden, generator=g).to(dtype).to(device)
@@ -151,8 +165,13 @@ def run(args):
     state, results = None, {}
     for d in wanted:
         torch.manual_seed(args.seed)
-        extra = {"moe_flex_dispatcher_backend": "deepep"} if d == "flex" else {}
-        cfg = harness.moe_config(d, ep_size=world, **kw, **extra)
+        name, _, mode = d.partition(":")
+        if mode not in ("", "overlap"):
+            raise SystemExit(f"unknown dispatcher variant {d!r} (NAME or NAME:overlap)")
+        extra = {"moe_flex_dispatcher_backend": "deepep"} if name == "flex" else {}
+        if mode == "overlap":
+            extra["moe_shared_expert_overlap"] = True
+        cfg = harness.moe_config(name, ep_size=world, **kw, **extra)
         layer = harness.build_moe_layer(cfg, device=device, dtype=dtype)
         if state is None:
             state = layer.state_dict()
@@ -169,7 +188,7 @@ def run(args):
                       "iters": args.iters, "warmup": args.warmup, "mok_backend": backend}
         del layer
         if rank == 0:
-            print(f"{d:<9} fwd+bwd median {results[d]['median_ms_slowest_rank']:9.3f} ms "
+            print(f"{d:<16} fwd+bwd median {results[d]['median_ms_slowest_rank']:9.3f} ms "
                   f"(slowest of {world} ranks)" + (f"  [mok backend: {backend}]" if backend else ""),
                   flush=True)
         dist.barrier()
@@ -188,7 +207,8 @@ def run(args):
         "backend": dist.get_backend(), "dtype": str(dtype).replace("torch.", ""),
         "shape": {"tokens_per_rank": args.tokens, "hidden": args.hidden,
                   "ffn_hidden": args.ffn_hidden, "num_experts": args.num_experts,
-                  "topk": args.topk, "experts": "SequentialMLP (Megatron local spec)"},
+                  "topk": args.topk, "shared_ffn": args.shared_ffn,
+                  "experts": "SequentialMLP (Megatron local spec)"},
         "versions": {"torch": torch.__version__, "megatron_core": package_info.__version__},
         "results": results, "skipped": skipped,
     }

@@ -7,10 +7,13 @@ Three narrow, reversible changes, all on class attributes (no file is edited):
    ``--moe-token-dispatcher-type``'s choices from that annotation when it builds its argument
    parser (``ArgumentGroupFactory``), so ``mok`` becomes a valid command-line choice.
 2. ``TransformerConfig.__post_init__`` runs :func:`~megatron_mok.megatron.config.check_config`
-   first: unsupported combinations fail at config time with what to change.
+   first: unsupported combinations fail at config time with what to change. A ``mok`` config
+   with ``moe_shared_expert_overlap`` is then validated as ``alltoall``'s (Megatron allows the
+   overlap for its own two dispatchers only).
 3. ``MoELayer.__init__`` builds the layer as for ``allgather`` (a dispatcher with no
    communication and no CUDA state in its constructor), then puts a ``MokTokenDispatcher`` in
-   its place. Everything else in the layer (router, experts, shared experts) is Megatron's.
+   its place (handing it the shared experts when they overlap with the dispatch). Everything
+   else in the layer (router, experts, shared experts) is Megatron's.
 """
 
 from __future__ import annotations
@@ -48,9 +51,9 @@ def _extend_literal(tp):
 
 
 @contextlib.contextmanager
-def _as_allgather(config):
-    """Let Megatron's constructor take its ``allgather`` branch for a ``mok`` config."""
-    config.moe_token_dispatcher_type = "allgather"
+def _as_dispatcher(config, name: str):
+    """Let Megatron's code take its ``name`` branch for a ``mok`` config, then restore it."""
+    config.moe_token_dispatcher_type = name
     try:
         yield
     finally:
@@ -73,6 +76,14 @@ def _patch_config(saved):
 
     def __post_init__(self, *args, **kwargs):
         check_config(self)
+        if (getattr(self, "moe_token_dispatcher_type", None) == DISPATCHER_NAME
+                and getattr(self, "moe_shared_expert_overlap", False)):
+            # Megatron accepts moe_shared_expert_overlap for its alltoall and flex dispatchers
+            # only; MoK drives the same SharedExpertMLP overlap hooks (dispatcher.py), so the
+            # config is validated as alltoall's (which also keeps Megatron's own checks of the
+            # overlap, e.g. against recomputing the shared experts).
+            with _as_dispatcher(self, "alltoall"):
+                return orig_post_init(self, *args, **kwargs)
         return orig_post_init(self, *args, **kwargs)
 
     __post_init__.__wrapped__ = orig_post_init
@@ -93,13 +104,16 @@ def _patch_moe_layer(saved):
         if getattr(config, "moe_token_dispatcher_type", None) != DISPATCHER_NAME:
             return orig_init(self, config, *args, **kwargs)
         check_config(config)
-        with _as_allgather(config):
+        with _as_dispatcher(config, "allgather"):
             orig_init(self, config, *args, **kwargs)
         placeholder = self.token_dispatcher
         self.token_dispatcher = MokTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config=config,
             pg_collection=_pg_collection_of(placeholder))
         self.token_dispatcher.configure_for_experts(self.experts)
+        # moe_shared_expert_overlap: Megatron gave the shared experts to the placeholder.
+        if getattr(placeholder, "shared_experts", None) is not None:
+            self.token_dispatcher.set_shared_experts(placeholder.shared_experts)
         # 0.19 inference-optimized layers keep the training dispatcher aside.
         if getattr(self, "_training_token_dispatcher", None) is placeholder:
             self._training_token_dispatcher = self.token_dispatcher

@@ -55,10 +55,6 @@ def config_problems(config) -> list:
         p.append("moe_router_padding_for_quantization / moe_router_padding_for_fp8 is set; MoK "
                  "does not pad expert rows: unset it (the experts pad for FP8 themselves), or "
                  "use 'alltoall'")
-    if getattr(config, "moe_shared_expert_overlap", False):
-        p.append("moe_shared_expert_overlap is set; MoK does not overlap the shared expert with "
-                 "its communication yet: unset moe_shared_expert_overlap (the shared expert "
-                 "still runs, just not overlapped)")
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
         p.append("overlap_moe_expert_parallel_comm is set; MoK has no split 1F1B A2A overlap "
                  "schedule yet: unset overlap_moe_expert_parallel_comm")

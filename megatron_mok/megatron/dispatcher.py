@@ -17,6 +17,11 @@ in the order Megatron's experts want (local expert ascending, then source rank, 
 and sums them back per token itself. Probabilities are applied by the experts (Megatron's
 convention), so combine is unweighted.
 
+With ``moe_shared_expert_overlap`` the shared experts run on their own stream: input copy and
+fc1 beside the dispatch, fc2 beside the combine, their output added in ``combine_postprocess``
+(Megatron's ``SharedExpertMLP`` overlap hooks, as its ``alltoall`` and ``flex`` dispatchers
+call them).
+
 One Buffer is shared by every MoE layer with the same (group, experts, hidden, top-k,
 dtype) -- as Megatron's DeepEP path shares one ``deep_ep.Buffer`` -- so the CUDA workspace
 is allocated once per process, not once per layer.
@@ -145,8 +150,9 @@ class MokTokenDispatcher(MoETokenDispatcher):
         self.tokens_per_expert_on_host = type(experts).__name__ == "GroupedMLP"
 
     def set_shared_experts(self, shared_experts):
-        raise MokConfigError("moe_shared_expert_overlap is not supported by the MoK dispatcher; "
-                             "unset moe_shared_expert_overlap")
+        """``moe_shared_expert_overlap``: run ``shared_experts`` (Megatron's ``SharedExpertMLP``)
+        on its own stream beside the dispatch and the combine (see :meth:`token_dispatch`)."""
+        super().set_shared_experts(shared_experts)   # checks the config flag, keeps the module
 
     def _get_buffer(self, hidden: torch.Tensor):
         import megatron_mok as mok
@@ -223,8 +229,20 @@ class MokTokenDispatcher(MoETokenDispatcher):
         return hidden_states, topk_weights
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """``Buffer.dispatch``: returns expert-major ``(tokens [R, H], probs [R] float32)``."""
+        """``Buffer.dispatch``: returns expert-major ``(tokens [R, H], probs [R] float32)``.
+
+        With overlapped shared experts, their input copy and fc1 are queued on the shared
+        experts' stream first: the eager dispatch blocks the host at its one read of ``R``,
+        so work queued before it runs beside the layout and the transfer kernels (Megatron's
+        ``alltoall`` queues fc1 after its token all-to-all, where the host does not block).
+        MoK's kernels take ``num_sms`` SMs; the shared experts' GEMMs get the rest.
+        """
         hidden_states = hidden_states.contiguous()
+        shared = self.shared_experts
+        if shared is not None:
+            # pre_forward_comm makes the shared stream wait for the current one (the input).
+            shared.pre_forward_comm(hidden_states.view(self.hidden_shape))
+            shared.linear_fc1_forward_and_act()
         self.buffer = self._get_buffer(hidden_states)
         res = self.buffer.dispatch(hidden_states, self._topk_idx, probs)
         self._topk_idx = None
@@ -257,11 +275,32 @@ class MokTokenDispatcher(MoETokenDispatcher):
         if self._handle is None:
             raise RuntimeError("MoK: token_combine called without a preceding token_dispatch")
         handle, self._handle = self._handle, None
+        shared = self.shared_experts
+        if shared is not None:
+            # fc2 after the routed experts (they should not share the SMs with it: alltoall and
+            # flex wait the same way), beside the combine kernel.
+            _shared_stream_waits_for_current(shared)
+            shared.linear_fc2_forward()
+            shared.post_forward_comm()
         return self.buffer.combine(hidden_states, handle)
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
-        """Back to the layer's input shape."""
-        return hidden_states.view(self.hidden_shape)
+        """Back to the layer's input shape, plus the overlapped shared experts' output (the
+        current stream waits for theirs; the same sum as ``MoELayer``'s unoverlapped path)."""
+        out = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts.get_output()
+        return out
+
+
+def _shared_stream_waits_for_current(shared) -> None:
+    """``SharedExpertMLP.wait_current_stream()`` (megatron-core 0.19); 0.16 has no such method
+    and its ``pre_forward_comm`` does the same inline."""
+    wait = getattr(shared, "wait_current_stream", None)
+    if wait is not None:
+        wait()
+    else:
+        shared.stream.wait_stream(torch.cuda.current_stream())
 
 
 def reset_buffers() -> None:

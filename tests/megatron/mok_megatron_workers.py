@@ -313,6 +313,166 @@ def layer_mok_vs_alltoall_gpu(rank, world, backend_env="cuda"):
         h.destroy_parallel()
 
 
+# ------------------------------------------------------------- overlapped shared experts
+class _RecordingSharedExpert(torch.nn.Module):
+    """Stands in for Megatron's ``SharedExpertMLP`` overlap hooks (CPU: no streams): a small
+    MLP computed across the hooks, each call appended to ``calls``."""
+
+    def __init__(self, hidden, calls):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.w1 = torch.nn.Parameter(torch.randn(hidden, 2 * hidden, generator=g) / hidden ** 0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(2 * hidden, hidden, generator=g) / hidden ** 0.5)
+        self.calls = calls
+        self._x = self._h = self._out = None
+
+    def reference(self, x):
+        return torch.relu(x @ self.w1) @ self.w2
+
+    def wait_current_stream(self):
+        self.calls.append("wait_current_stream")
+
+    def pre_forward_comm(self, x):
+        self.calls.append("pre_forward_comm")
+        self._x = x
+
+    def linear_fc1_forward_and_act(self, overlapped_comm_output=None):
+        self.calls.append("fc1")
+        self._h, self._x = torch.relu(self._x @ self.w1), None
+
+    def linear_fc2_forward(self, overlapped_comm_output=None):
+        self.calls.append("fc2")
+        self._out, self._h = self._h @ self.w2, None
+
+    def post_forward_comm(self):
+        self.calls.append("post_forward_comm")
+
+    def get_output(self):
+        self.calls.append("get_output")
+        out, self._out = self._out, None
+        return out
+
+
+def shared_expert_overlap_hooks_cpu(rank, world):
+    """``moe_shared_expert_overlap`` on the reference backend: the dispatcher calls the shared
+    expert's hooks in Megatron's order around its own communication (input copy and fc1
+    before the dispatch, fc2 after the routed experts and before the combine, the output
+    added last); the layer's output is the routed part plus the shared expert's, bitwise (the
+    same sum as Megatron's unoverlapped path), and so is the input gradient up to the order
+    of its terms."""
+    import megatron_mok as mok
+
+    h = _setup(world)
+    try:
+        kw = dict(num_experts=4 * world, topk=2, hidden=32, moe_router_load_balancing_type="none",
+                  moe_aux_loss_coeff=0.0)
+        torch.manual_seed(0)
+        # The flag alone (no shared expert of Megatron's): the stub is handed over below.
+        layer = h.build_moe_layer(h.moe_config("mok", ep_size=world, moe_shared_expert_overlap=True,
+                                               **kw))
+        disp = layer.token_dispatcher
+        assert disp.shared_experts is None
+        g = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(8, 3, 32, generator=g)
+        gy = torch.randn(8, 3, 32, generator=g)
+        y_routed, dx_routed, _ = _run_layer(layer, x, gy)
+
+        calls = []
+        stub = _RecordingSharedExpert(32, calls)
+        disp.set_shared_experts(stub)
+        orig_dispatch, orig_combine = mok.Buffer.dispatch, mok.Buffer.combine
+
+        def dispatch(self, *a, **k):
+            calls.append("mok.dispatch")
+            return orig_dispatch(self, *a, **k)
+
+        def combine(self, *a, **k):
+            calls.append("mok.combine")
+            return orig_combine(self, *a, **k)
+
+        mok.Buffer.dispatch, mok.Buffer.combine = dispatch, combine
+        try:
+            xx = x.clone().requires_grad_(True)
+            y, _ = layer(xx)
+            y.backward(gy)
+        finally:
+            mok.Buffer.dispatch, mok.Buffer.combine = orig_dispatch, orig_combine
+        forward_calls = calls[:]
+        expected = ["pre_forward_comm", "fc1", "mok.dispatch", "wait_current_stream", "fc2",
+                    "post_forward_comm", "mok.combine", "get_output"]
+        # the backward runs Megatron's own ops (combine backward = cached dispatch, etc.)
+        assert forward_calls[:len(expected)] == expected, forward_calls
+        assert "pre_forward_comm" not in forward_calls[len(expected):], forward_calls
+
+        xs = x.clone().requires_grad_(True)
+        shared_out = stub.reference(xs)
+        _assert_bitwise(y.detach(), y_routed + shared_out.detach(), "output = routed + shared")
+        shared_out.backward(gy)
+        # x's gradient has three terms (router, routed experts, shared expert) that autograd
+        # adds in its own order: equal up to that order (Megatron documents the same for
+        # its overlap: TransformerConfig.moe_shared_expert_intermediate_size)
+        torch.testing.assert_close(xx.grad, dx_routed + xs.grad, atol=1e-6, rtol=1e-6)
+        assert stub.w1.grad is not None and float(stub.w1.grad.abs().sum()) > 0
+        assert float(shared_out.abs().sum()) > 0
+        return forward_calls
+    finally:
+        h.destroy_parallel()
+
+
+def layer_shared_expert_overlap_gpu(rank, world, gate=False, backend_env="cuda"):
+    """``moe_shared_expert_overlap`` with Megatron's ``SharedExpertMLP`` on its own CUDA stream,
+    bf16: the ``mok`` layer with the overlap gives bitwise the output and parameter gradients
+    of the same layer without it (the shared expert computes the same GEMMs, on another
+    stream), its input gradient up to the order of its terms, bitwise again when repeated; and
+    it agrees with Megatron's ``alltoall`` with the overlap within bf16 tolerance."""
+    h = _setup(world, backend_env)
+    try:
+        dev = _device()
+        kw = dict(num_experts=8 * world, topk=4, hidden=256, ffn_hidden=512,
+                  moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+                  moe_shared_expert_intermediate_size=384, moe_shared_expert_gate=gate,
+                  dtype=torch.bfloat16)
+        torch.manual_seed(0)
+        layers = {}
+        for name, disp, overlap in (("mok", "mok", False), ("mok_overlap", "mok", True),
+                                    ("alltoall_overlap", "alltoall", True)):
+            cfg = h.moe_config(disp, ep_size=world, moe_shared_expert_overlap=overlap, **kw)
+            layers[name] = h.build_moe_layer(cfg, device=dev, dtype=torch.bfloat16)
+        sd = layers["mok"].state_dict()
+        for name in ("mok_overlap", "alltoall_overlap"):
+            layers[name].load_state_dict(sd)
+        over = layers["mok_overlap"]
+        assert over.token_dispatcher.shared_experts is over.shared_experts is not None
+        assert layers["mok"].token_dispatcher.shared_experts is None
+        g = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(512, 2, 256, generator=g).to(dev, torch.bfloat16)
+        gy = torch.randn(512, 2, 256, generator=g).to(dev, torch.bfloat16)
+
+        y0, dx0, g0 = _run_layer(layers["mok"], x, gy)
+        y1, dx1, g1 = _run_layer(over, x, gy)
+        y2, dx2, g2 = _run_layer(over, x, gy)
+        ya, dxa, ga = _run_layer(layers["alltoall_overlap"], x, gy)
+        _assert_bitwise(y1, y0, "mok output, overlapped shared expert vs not")
+        for k in g0:
+            _assert_bitwise(g1[k], g0[k], f"mok grad {k}, overlapped shared expert vs not")
+        torch.testing.assert_close(dx1, dx0, atol=2e-2, rtol=2e-2)
+        _assert_bitwise(y2, y1, "mok overlap output, run 2 vs run 1")
+        _assert_bitwise(dx2, dx1, "mok overlap input grad, run 2 vs run 1")
+        for k in g1:
+            _assert_bitwise(g2[k], g1[k], f"mok overlap grad {k}, run 2 vs run 1")
+        report = {}
+        for name, m, a in [("output", y1, ya), ("input_grad", dx1, dxa)] + \
+                [(f"grad:{k}", g1[k], ga[k]) for k in g1]:
+            torch.testing.assert_close(m.float(), a.float(), atol=2e-2, rtol=2e-2,
+                                       msg=lambda s: f"{name}: mok vs alltoall (overlap): {s}")
+            report[name] = (m.float() - a.float()).abs().max().item()
+        assert any(k.startswith("shared_experts.") for k in g1), sorted(g1)
+        assert all(float(v.abs().sum()) > 0 for k, v in g1.items() if k.startswith("shared_experts."))
+        return report
+    finally:
+        h.destroy_parallel()
+
+
 # ------------------------------------------------------------------- example and benchmark
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -6,11 +6,15 @@ CPU (gloo, reference backend; runs in CI):
   rank's seeded routing, and the gradients to ``x`` and the dense ``probs``.
 - A full ``MoELayer`` with ``mok`` over EP=2 against Megatron's ``alltoall`` (EP=1, all
   experts local): outputs and all gradients agree; two ``mok`` runs are bitwise equal.
+- ``moe_shared_expert_overlap``: the shared expert's overlap hooks are called in Megatron's
+  order around the dispatch and the combine (a recording stand-in: CPU has no streams).
 
 GPU (NCCL, CUDA backend; ``MOK_BACKEND=cuda`` so a missing build fails instead of falling
 back): the same round trip and layout on 2 GPUs, and the full layer against ``alltoall`` over
 the same EP=2 group in bf16. The same three at EP = 1 on ONE GPU (world size 1: every path of
 the adapter and the CUDA backend except the NVLink exchange), for machines with one GPU.
+Megatron's ``SharedExpertMLP`` overlapped on its own stream: bitwise the outputs and parameter
+gradients of the unoverlapped layer, close to ``alltoall`` with the same overlap.
 """
 
 from __future__ import annotations
@@ -45,6 +49,12 @@ def test_dispatcher_layout_and_grads_cpu(ep_size, world, dtype):
 def test_full_moe_layer_mok_vs_alltoall_cpu():
     names = run_distributed(W.layer_mok_vs_alltoall_cpu, 2)
     assert "router.weight" in names[0] and any("experts" in n for n in names[0])
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_shared_expert_overlap_hooks_cpu(world):
+    calls = run_distributed(W.shared_expert_overlap_hooks_cpu, world)
+    assert all(c[2] == "mok.dispatch" for c in calls)
 
 
 @pytest.mark.multigpu
@@ -84,3 +94,16 @@ def test_dispatcher_layout_and_grads_one_gpu():
 def test_full_moe_layer_mok_vs_alltoall_one_gpu():
     reports = run_distributed(W.layer_mok_vs_alltoall_gpu, 1, backend="nccl")
     assert "output" in reports[0] and any(k.startswith("grad:") for k in reports[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", [False, True])
+def test_shared_expert_overlap_one_gpu(gate):
+    reports = run_distributed(W.layer_shared_expert_overlap_gpu, 1, gate, backend="nccl")
+    assert "output" in reports[0] and any(k.startswith("grad:shared_experts.") for k in reports[0])
+
+
+@pytest.mark.multigpu
+def test_shared_expert_overlap_gpu():
+    reports = run_distributed(W.layer_shared_expert_overlap_gpu, 2, backend="nccl")
+    assert "output" in reports[0]

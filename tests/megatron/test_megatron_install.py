@@ -82,8 +82,6 @@ def test_uninstall_restores_and_reinstall_works():
      "expert_tensor_parallel_size=1"),
     (dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
      "unset it"),
-    (dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True),
-     "unset moe_shared_expert_overlap"),
     (dict(moe_router_padding_for_quantization=True, fp8="hybrid"),
      "moe_router_padding_for_quantization"),
     (dict(num_moe_experts=None), "num_moe_experts"),
@@ -103,6 +101,23 @@ def test_supported_variants_build_configs():
     # other dispatchers are untouched by the MoK checks
     _cfg(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=32,
          moe_shared_expert_overlap=True)
+
+
+def test_shared_expert_overlap_config_is_validated_as_alltoall():
+    # Megatron allows the overlap for alltoall / flex only; a mok config passes its checks as
+    # alltoall's and stays mok afterwards (also through dataclasses.replace)
+    cfg = _cfg(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True)
+    assert cfg.moe_token_dispatcher_type == "mok" and cfg.moe_shared_expert_overlap
+    assert dataclasses.replace(cfg, moe_router_topk=4).moe_token_dispatcher_type == "mok"
+    # ... and Megatron's own checks of the overlap still run: with the type left as 'mok'
+    # Megatron would reject the overlap itself; as alltoall it rejects recomputing it
+    with pytest.raises(ValueError, match="moe-shared-expert-overlap"):
+        _cfg(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True,
+             recompute_granularity="selective", recompute_modules=["shared_experts"])
+    # a failed validation leaves no config with a borrowed type behind either
+    with pytest.raises(mm.MokConfigError):
+        _cfg(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True,
+             moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
 
 
 def test_version_gate():
