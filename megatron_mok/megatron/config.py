@@ -110,6 +110,11 @@ class MokOptions:
             experts: ``auto`` (host only for experts that need it, see docs/MEGATRON.md),
             ``device`` or ``host``.
         num_sms, ring_bytes, timeout_s: CUDA backend knobs, passed through to the Buffer.
+        comm_stream: ``MOK_COMM_STREAM``: the stream MoK's kernels run on. ``current`` (the
+            layer's stream), ``high`` (a high-priority stream of the dispatcher's, joined to
+            the layer's stream by events before and after each call, so MoK's blocks take SMs
+            before other streams' pending blocks), or ``auto``: ``high`` when the shared
+            experts overlap with the dispatch, else ``current``.
     """
 
     backend: str = "auto"
@@ -119,6 +124,7 @@ class MokOptions:
     num_sms: Optional[int] = None
     ring_bytes: Optional[int] = None
     timeout_s: Optional[float] = None
+    comm_stream: str = "auto"
 
     @classmethod
     def from_config(cls, config=None) -> "MokOptions":
@@ -139,6 +145,10 @@ class MokOptions:
                 raise MokConfigError(f"MOK_COMBINE_PARTIAL_DTYPE must be one of "
                                      f"{sorted(_DTYPES)}, got {partial!r}")
             partial = _DTYPES[partial]
+        comm_stream = str(_knob(config, "comm_stream", "auto"))
+        if comm_stream not in ("auto", "current", "high"):
+            raise MokConfigError(
+                f"MOK_COMM_STREAM must be auto, current or high, got {comm_stream!r}")
         timeout = _knob(config, "timeout_s")
         t_max = opt_int("max_tokens_per_rank")
         if t_max is not None and t_max <= 0:
@@ -146,4 +156,5 @@ class MokOptions:
         return cls(backend=backend, max_tokens_per_rank=t_max, combine_partial_dtype=partial,
                    tokens_per_expert=tpe, num_sms=opt_int("num_sms"),
                    ring_bytes=opt_int("ring_bytes"),
-                   timeout_s=None if timeout is None else float(timeout))
+                   timeout_s=None if timeout is None else float(timeout),
+                   comm_stream=comm_stream)

@@ -44,6 +44,8 @@ from .config import MokConfigError, MokOptions, config_problems
 _BUFFERS: Dict[tuple, object] = {}
 # id(group) -> T_max agreed by the EP ranks (one all-reduce per group and process).
 _T_MAX: Dict[int, int] = {}
+# device -> the high-priority stream MoK's kernels run on (MOK_COMM_STREAM=high), shared by layers.
+_COMM_STREAMS: Dict[str, torch.cuda.Stream] = {}
 _LOCK = threading.Lock()
 
 
@@ -244,7 +246,9 @@ class MokTokenDispatcher(MoETokenDispatcher):
             shared.pre_forward_comm(hidden_states.view(self.hidden_shape))
             shared.linear_fc1_forward_and_act()
         self.buffer = self._get_buffer(hidden_states)
-        res = self.buffer.dispatch(hidden_states, self._topk_idx, probs)
+        with _CommStream(self._comm_stream(hidden_states)) as comm:
+            res = self.buffer.dispatch(hidden_states, self._topk_idx, probs)
+            comm.hand_over(res.tokens, res.probs, res.tokens_per_expert)
         self._topk_idx = None
         self._handle = res.handle
         self._tokens_per_expert = res.tokens_per_expert
@@ -282,7 +286,24 @@ class MokTokenDispatcher(MoETokenDispatcher):
             _shared_stream_waits_for_current(shared)
             shared.linear_fc2_forward()
             shared.post_forward_comm()
-        return self.buffer.combine(hidden_states, handle)
+        with _CommStream(self._comm_stream(hidden_states)) as comm:
+            y = self.buffer.combine(hidden_states, handle)
+            comm.hand_over(y)
+        return y
+
+    def _comm_stream(self, t: torch.Tensor) -> Optional[torch.cuda.Stream]:
+        """The stream for MoK's kernels (``MOK_COMM_STREAM``), ``None`` for the current one."""
+        mode = self.options.comm_stream
+        if mode == "auto":
+            mode = "high" if self.shared_experts is not None else "current"
+        if mode == "current" or not t.is_cuda:
+            return None
+        key = str(t.device)
+        with _LOCK:
+            if key not in _COMM_STREAMS:
+                lo, hi = torch.cuda.Stream.priority_range()   # hi: the most urgent (lowest)
+                _COMM_STREAMS[key] = torch.cuda.Stream(device=t.device, priority=hi)
+            return _COMM_STREAMS[key]
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
         """Back to the layer's input shape, plus the overlapped shared experts' output (the
@@ -291,6 +312,40 @@ class MokTokenDispatcher(MoETokenDispatcher):
         if self.shared_experts is not None:
             out = out + self.shared_experts.get_output()
         return out
+
+
+class _CommStream:
+    """Runs the body on ``stream`` (``None``: on the current stream, nothing to do): the stream
+    first waits for the current one (the inputs), and the current stream waits for it after.
+    :meth:`hand_over` marks outputs made on ``stream`` as used by the current stream, so the
+    caching allocator does not give their memory to later work of ``stream`` while the
+    current stream may still read them. Autograd runs the backward of the calls made here on
+    ``stream`` too (the stream of their forward) and joins the streams itself."""
+
+    def __init__(self, stream: Optional[torch.cuda.Stream]):
+        self.stream = stream
+        self.outer = None
+        self._ctx = None
+
+    def __enter__(self):
+        if self.stream is not None:
+            self.outer = torch.cuda.current_stream(self.stream.device)
+            self.stream.wait_stream(self.outer)
+            self._ctx = torch.cuda.stream(self.stream)
+            self._ctx.__enter__()
+        return self
+
+    def hand_over(self, *tensors) -> None:
+        if self.stream is not None:
+            for t in tensors:
+                if t is not None and t.is_cuda:
+                    t.record_stream(self.outer)
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            self._ctx.__exit__(*exc)
+            self.outer.wait_stream(self.stream)
+        return False
 
 
 def _shared_stream_waits_for_current(shared) -> None:
@@ -309,5 +364,6 @@ def reset_buffers() -> None:
         bufs = list(_BUFFERS.values())
         _BUFFERS.clear()
         _T_MAX.clear()
+        _COMM_STREAMS.clear()
     for b in bufs:
         b.destroy()

@@ -97,9 +97,9 @@ def test_full_moe_layer_mok_vs_alltoall_one_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gate", [False, True])
-def test_shared_expert_overlap_one_gpu(gate):
-    reports = run_distributed(W.layer_shared_expert_overlap_gpu, 1, gate, backend="nccl")
+@pytest.mark.parametrize("gate,comm_stream", [(False, "auto"), (True, "auto"), (False, "current")])
+def test_shared_expert_overlap_one_gpu(gate, comm_stream):
+    reports = run_distributed(W.layer_shared_expert_overlap_gpu, 1, gate, comm_stream, backend="nccl")
     assert "output" in reports[0] and any(k.startswith("grad:shared_experts.") for k in reports[0])
 
 

@@ -149,6 +149,13 @@ def test_options_from_env_and_config(monkeypatch):
     monkeypatch.setenv("MOK_BACKEND", "nccl")
     with pytest.raises(mm.MokConfigError, match="MOK_BACKEND"):
         mm.MokOptions.from_config(None)
+    monkeypatch.setenv("MOK_BACKEND", "auto")
+    assert mm.MokOptions.from_config(None).comm_stream == "auto"
+    monkeypatch.setenv("MOK_COMM_STREAM", "high")
+    assert mm.MokOptions.from_config(None).comm_stream == "high"
+    monkeypatch.setenv("MOK_COMM_STREAM", "side")
+    with pytest.raises(mm.MokConfigError, match="MOK_COMM_STREAM"):
+        mm.MokOptions.from_config(None)
 
 
 def test_routing_map_to_topk():
