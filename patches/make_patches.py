@@ -3,7 +3,8 @@
     python patches/make_patches.py /path/to/Megatron-LM
 
 For each release (git ref below) it takes ``moe_layer.py`` and ``transformer_config.py``,
-applies the same three edits ``megatron_mok.megatron.install()`` makes at run time, and
+applies the same edits ``megatron_mok.megatron.install()`` makes at run time (the dispatcher
+choice, the config checks, ``moe_shared_expert_overlap`` allowed for ``mok``), and
 writes ``megatron-lm-<branch>.patch`` (``git apply`` / ``patch -p1`` from the checkout root).
 An edit whose anchor text is missing fails loudly: read the new release and update it here.
 """
@@ -63,6 +64,25 @@ POST_INIT_ADD = '''        if self.moe_token_dispatcher_type == "mok":
 '''
 
 
+# Megatron allows moe_shared_expert_overlap for its own dispatchers only; MoK drives the same
+# SharedExpertMLP hooks. One of these (0.16 lists alltoall, 0.19 alltoall and flex) matches.
+OVERLAP_HEAD = "            if self.moe_shared_expert_overlap and self.moe_token_dispatcher_type not in [\n"
+OVERLAP_EDITS = [
+    (OVERLAP_HEAD + '                "alltoall"\n            ]:\n',
+     OVERLAP_HEAD + '                "alltoall",\n                "mok",\n            ]:\n'),
+    (OVERLAP_HEAD + '                "alltoall",\n                "flex",\n            ]:\n',
+     OVERLAP_HEAD + '                "alltoall",\n                "flex",\n                "mok",\n            ]:\n'),
+]
+
+
+def _edit_one_of(text: str, edits, path: str) -> str:
+    found = [(old, new) for old, new in edits if text.count(old) == 1]
+    if len(found) != 1:
+        raise SystemExit(f"{path}: expected exactly one of these anchors once:\n"
+                         + "\n".join(old for old, _ in edits))
+    return text.replace(*found[0])
+
+
 def _edit(text: str, old: str, new: str, path: str) -> str:
     if text.count(old) != 1:
         raise SystemExit(f"{path}: anchor found {text.count(old)} times, expected once:\n{old}")
@@ -82,6 +102,7 @@ def make(checkout: str, name: str, ref: str, out_dir: str) -> str:
                     text = _edit(text, LITERAL_OLD, LITERAL_NEW, rel)
                     text = _edit(text, DOC_OLD, DOC_NEW, rel)
                     text = _edit(text, POST_INIT_ANCHOR, POST_INIT_ANCHOR + POST_INIT_ADD, rel)
+                    text = _edit_one_of(text, OVERLAP_EDITS, rel)
                 dst = os.path.join(tmp, side, rel)
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 with open(dst, "w") as f:

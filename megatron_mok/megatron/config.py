@@ -110,11 +110,12 @@ class MokOptions:
             experts: ``auto`` (host only for experts that need it, see docs/MEGATRON.md),
             ``device`` or ``host``.
         num_sms, ring_bytes, timeout_s: CUDA backend knobs, passed through to the Buffer.
-        comm_stream: ``MOK_COMM_STREAM``: the stream MoK's kernels run on. ``current`` (the
-            layer's stream), ``high`` (a high-priority stream of the dispatcher's, joined to
-            the layer's stream by events before and after each call, so MoK's blocks take SMs
-            before other streams' pending blocks), or ``auto``: ``high`` when the shared
-            experts overlap with the dispatch, else ``current``.
+        comm_stream: ``MOK_COMM_STREAM``: the stream MoK's kernels run on: ``current`` (the
+            layer's stream; default) or ``high`` (a high-priority stream of the dispatcher's,
+            joined to the layer's stream by events before and after each call, so MoK's blocks
+            take SMs before other streams' pending blocks, e.g. an overlapped shared expert's
+            GEMM). ``high`` measured no gain at world size 1 (benchmarks/NOTES.md (NN)); it is
+            there for the 2-GPU A/B, where a rank's delayed kernel also delays its peers.
     """
 
     backend: str = "auto"
@@ -124,7 +125,7 @@ class MokOptions:
     num_sms: Optional[int] = None
     ring_bytes: Optional[int] = None
     timeout_s: Optional[float] = None
-    comm_stream: str = "auto"
+    comm_stream: str = "current"
 
     @classmethod
     def from_config(cls, config=None) -> "MokOptions":
@@ -145,10 +146,9 @@ class MokOptions:
                 raise MokConfigError(f"MOK_COMBINE_PARTIAL_DTYPE must be one of "
                                      f"{sorted(_DTYPES)}, got {partial!r}")
             partial = _DTYPES[partial]
-        comm_stream = str(_knob(config, "comm_stream", "auto"))
-        if comm_stream not in ("auto", "current", "high"):
-            raise MokConfigError(
-                f"MOK_COMM_STREAM must be auto, current or high, got {comm_stream!r}")
+        comm_stream = str(_knob(config, "comm_stream", "current"))
+        if comm_stream not in ("current", "high"):
+            raise MokConfigError(f"MOK_COMM_STREAM must be current or high, got {comm_stream!r}")
         timeout = _knob(config, "timeout_s")
         t_max = opt_int("max_tokens_per_rank")
         if t_max is not None and t_max <= 0:

@@ -293,10 +293,7 @@ class MokTokenDispatcher(MoETokenDispatcher):
 
     def _comm_stream(self, t: torch.Tensor) -> Optional[torch.cuda.Stream]:
         """The stream for MoK's kernels (``MOK_COMM_STREAM``), ``None`` for the current one."""
-        mode = self.options.comm_stream
-        if mode == "auto":
-            mode = "high" if self.shared_experts is not None else "current"
-        if mode == "current" or not t.is_cuda:
+        if self.options.comm_stream == "current" or not t.is_cuda:
             return None
         key = str(t.device)
         with _LOCK:

@@ -419,13 +419,13 @@ def shared_expert_overlap_hooks_cpu(rank, world):
         h.destroy_parallel()
 
 
-def layer_shared_expert_overlap_gpu(rank, world, gate=False, comm_stream="auto", backend_env="cuda"):
+def layer_shared_expert_overlap_gpu(rank, world, gate=False, comm_stream="current", backend_env="cuda"):
     """``moe_shared_expert_overlap`` with Megatron's ``SharedExpertMLP`` on its own CUDA stream,
     bf16: the ``mok`` layer with the overlap gives bitwise the output and parameter gradients
     of the same layer without it (the shared expert computes the same GEMMs, on another
     stream), its input gradient up to the order of its terms, bitwise again when repeated; and
     it agrees with Megatron's ``alltoall`` with the overlap within bf16 tolerance.
-    ``comm_stream`` is the overlapped layer's ``MOK_COMM_STREAM`` (``auto``: MoK's kernels on
+    ``comm_stream`` is the overlapped layer's ``MOK_COMM_STREAM`` (``high``: MoK's kernels on
     a high-priority stream of their own; the unoverlapped layer runs them on the current one)."""
     h = _setup(world, backend_env)
     try:
@@ -451,7 +451,7 @@ def layer_shared_expert_overlap_gpu(rank, world, gate=False, comm_stream="auto",
         probe = torch.empty(1, device=dev)
         assert layers["mok"].token_dispatcher._comm_stream(probe) is None
         high = over.token_dispatcher._comm_stream(probe)
-        assert (high is not None) == (comm_stream in ("auto", "high")), comm_stream
+        assert (high is not None) == (comm_stream == "high"), comm_stream
         g = torch.Generator().manual_seed(100 + rank)
         x = torch.randn(512, 2, 256, generator=g).to(dev, torch.bfloat16)
         gy = torch.randn(512, 2, 256, generator=g).to(dev, torch.bfloat16)

@@ -45,7 +45,14 @@ LAYER_PROBE = textwrap.dedent("""
         config_error = None
     except ValueError as e:
         config_error = str(e)
+    # Megatron allows the shared-expert overlap for its own dispatchers only; mok is let in
+    # (a config only: the overlapped SharedExpertMLP needs a CUDA stream)
+    overlap_cfg = harness.moe_config("mok", ep_size=1, num_experts=4, topk=2, hidden=16,
+                                     moe_shared_expert_intermediate_size=16,
+                                     moe_shared_expert_overlap=True)
     out = {"dispatcher": type(layer.token_dispatcher).__name__,
+           "overlap_config": [overlap_cfg.moe_token_dispatcher_type,
+                              overlap_cfg.moe_shared_expert_overlap],
            "name": __name__, "argv": sys.argv, "path0": sys.path[0],
            "megatron_core": os.path.dirname(megatron.core.__file__),
            "y_shape": list(y.shape), "x_grad_finite": bool(torch.isfinite(x.grad).all()),
@@ -104,6 +111,7 @@ def test_launcher_runs_script_unchanged_and_builds_mok(tmp_path):
                   tmp_path, [REPO])
     assert p.returncode == 0, p.stderr[-4000:]
     assert out["dispatcher"] == "MokTokenDispatcher"
+    assert out["overlap_config"] == ["mok", True]
     assert out["name"] == "__main__"
     assert out["argv"] == [str(script), "--foo", "1"]
     assert out["path0"] == str(script_dir)
@@ -173,6 +181,7 @@ def test_patch_builds_mok_without_install(tmp_path):
     assert p.returncode == 0, p.stderr[-4000:]
     assert out["megatron_core"].startswith(str(root)), out["megatron_core"]
     assert out["dispatcher"] == "MokTokenDispatcher"
+    assert out["overlap_config"] == ["mok", True]
     assert "moe_pad_expert_input_to_capacity" in out["config_error"]
     # the package is never installed in that process
     assert "installed the 'mok'" not in p.stderr

@@ -150,7 +150,7 @@ def test_options_from_env_and_config(monkeypatch):
     with pytest.raises(mm.MokConfigError, match="MOK_BACKEND"):
         mm.MokOptions.from_config(None)
     monkeypatch.setenv("MOK_BACKEND", "auto")
-    assert mm.MokOptions.from_config(None).comm_stream == "auto"
+    assert mm.MokOptions.from_config(None).comm_stream == "current"
     monkeypatch.setenv("MOK_COMM_STREAM", "high")
     assert mm.MokOptions.from_config(None).comm_stream == "high"
     monkeypatch.setenv("MOK_COMM_STREAM", "side")
