@@ -240,12 +240,14 @@ class MokTokenDispatcher(MoETokenDispatcher):
         MoK's kernels take ``num_sms`` SMs; the shared experts' GEMMs get the rest.
         """
         hidden_states = hidden_states.contiguous()
+        # First: a call with too many tokens raises here, before the shared experts' hooks
+        # start (Megatron 0.19 checks their order: a half-run forward would fail the next one).
+        self.buffer = self._get_buffer(hidden_states)
         shared = self.shared_experts
         if shared is not None:
             # pre_forward_comm makes the shared stream wait for the current one (the input).
             shared.pre_forward_comm(hidden_states.view(self.hidden_shape))
             shared.linear_fc1_forward_and_act()
-        self.buffer = self._get_buffer(hidden_states)
         with _CommStream(self._comm_stream(hidden_states)) as comm:
             res = self.buffer.dispatch(hidden_states, self._topk_idx, probs)
             comm.hand_over(res.tokens, res.probs, res.tokens_per_expert)

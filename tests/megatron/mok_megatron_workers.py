@@ -10,6 +10,7 @@ import os
 import re
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -414,6 +415,15 @@ def shared_expert_overlap_hooks_cpu(rank, world):
         torch.testing.assert_close(xx.grad, dx_routed + xs.grad, atol=1e-6, rtol=1e-6)
         assert stub.w1.grad is not None and float(stub.w1.grad.abs().sum()) > 0
         assert float(shared_out.abs().sum()) > 0
+
+        # More tokens than the Buffer's T_max (fixed by the first dispatch: 24): the error
+        # comes before the shared expert's hooks start, so the next forward is unaffected.
+        del calls[:]
+        with pytest.raises(ValueError, match="MOK_MAX_TOKENS_PER_RANK"):
+            layer(torch.randn(9, 3, 32, generator=g))
+        assert "pre_forward_comm" not in calls, calls
+        y3, _ = layer(x.clone())
+        _assert_bitwise(y3.detach(), y.detach(), "output after the rejected call")
         return forward_calls
     finally:
         h.destroy_parallel()
