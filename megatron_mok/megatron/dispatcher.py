@@ -67,8 +67,9 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor,
     num_tokens, num_experts = routing_map.shape
     # NOTE: keys are unique per row (expert ids, or E for "not routed"), so top-k of the
     # smallest is one exact, deterministic answer: routed ids ascending, then the E fillers.
-    expert_ids = torch.arange(num_experts, device=routing_map.device, dtype=torch.int64)
-    key = torch.where(routing_map, expert_ids, torch.full_like(expert_ids, num_experts))
+    # Scalars instead of filled tensors, and a cached arange: every op here is a launch and
+    # some host time per MoE layer.
+    key = torch.where(routing_map, _expert_ids(num_experts, routing_map.device), num_experts)
     if num_tokens == 0:
         idx = key.new_empty(0, topk)
     else:
@@ -80,10 +81,25 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor,
         torch._assert_async((routing_map.sum(dim=1) <= topk).all(),
                             "MoK: a token is routed to more than moe_router_topk experts")
     valid = idx < num_experts
-    topk_idx = torch.where(valid, idx, torch.full_like(idx, -1))
-    gathered = probs.gather(1, torch.where(valid, idx, torch.zeros_like(idx)))
-    topk_weights = gathered.float().masked_fill(~valid, 0.0)
+    topk_idx = torch.where(valid, idx, -1)
+    gathered = probs.gather(1, torch.where(valid, idx, 0))
+    topk_weights = torch.where(valid, gathered.float(), 0.0)
     return topk_idx, topk_weights
+
+
+_EXPERT_IDS: Dict[tuple, torch.Tensor] = {}
+
+
+def _expert_ids(num_experts: int, device: torch.device) -> torch.Tensor:
+    """``arange(E)`` int64 on ``device``, made once (read-only). Not cached while a CUDA graph
+    is captured: the arange would only be recorded then, its memory never written eagerly."""
+    key = (num_experts, str(device))
+    ids = _EXPERT_IDS.get(key)
+    if ids is None:
+        ids = torch.arange(num_experts, device=device, dtype=torch.int64)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _EXPERT_IDS[key] = ids
+    return ids
 
 
 def _group_key(group) -> int:
