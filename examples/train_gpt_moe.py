@@ -51,6 +51,10 @@ def parse_args(argv=None):
     p.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
     p.add_argument("--moe-expert-capacity-factor", type=float, default=None)
     p.add_argument("--moe-flex-dispatcher-backend", default="deepep")
+    p.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="a shared expert of this FFN size in every MoE layer")
+    p.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="run the shared expert beside the dispatch / combine (needs CUDA)")
     p.add_argument("--expert-model-parallel-size", type=int, default=None,
                    help="default: the world size")
     p.add_argument("--seq-length", type=int, default=256)
@@ -64,7 +68,10 @@ def parse_args(argv=None):
                    help="steps left out of the time / throughput summary")
     p.add_argument("--output-json", default=None)
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.moe_shared_expert_overlap and not args.moe_shared_expert_intermediate_size:
+        p.error("--moe-shared-expert-overlap needs --moe-shared-expert-intermediate-size")
+    return args
 
 
 # ------------------------------------------------------------------------------ set-up
@@ -93,6 +100,8 @@ def build_model(args, device):
         moe_router_load_balancing_type=lb,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff if lb != "none" else 0.0,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_overlap=args.moe_shared_expert_overlap,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, **extra)
     spec = harness.local_layer_spec(args.num_experts, cpu_router=device.type == "cpu")
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
@@ -170,6 +179,9 @@ def main(argv=None):
     # A gloo group (tests, CPU runs) means CPU tensors even where a GPU is visible.
     on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    if args.moe_shared_expert_overlap and not on_gpu:
+        raise SystemExit("--moe-shared-expert-overlap needs CUDA (Megatron runs the shared expert "
+                         "on its own CUDA stream)")
 
     if args.moe_token_dispatcher_type == "mok":
         import megatron_mok.megatron
@@ -238,6 +250,9 @@ def main(argv=None):
         "tokens_per_step_per_gpu": tokens_per_step, "losses": losses, "step_times_s": times,
         "median_step_time_s": med, "tokens_per_s_per_gpu": tokens_per_step / med,
         "final_loss": losses[-1], "command": " ".join([sys.executable] + sys.argv),
+        "parameters_this_rank": sum(p.numel() for p in model.parameters()),
+        "shared_expert_parameters_this_rank": sum(
+            p.numel() for n, p in model.named_parameters() if ".shared_experts." in n),
     }
     if rank == 0:
         print(f"[{args.moe_token_dispatcher_type}] final loss {losses[-1]:.5f} | median step "

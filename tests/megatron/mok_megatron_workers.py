@@ -504,13 +504,13 @@ def _load(relpath, name):
     return mod
 
 
-def example_train(rank, world, dispatcher, out_json):
+def example_train(rank, world, dispatcher, out_json, extra=()):
     """``examples/train_gpt_moe.py`` at toy size, in this (pooled) process group."""
     train = _load("examples/train_gpt_moe.py", "mok_example_train_gpt_moe")
     summary = train.main(["--moe-token-dispatcher-type", dispatcher, "--train-iters", "5",
                           "--seq-length", "32", "--micro-batch-size", "2", "--hidden-size", "64",
                           "--ffn-hidden-size", "64", "--num-experts", "4", "--vocab-size", "128",
-                          "--timing-warmup", "1", "--quiet", "--output-json", out_json])
+                          "--timing-warmup", "1", "--quiet", "--output-json", out_json, *extra])
     return summary["losses"]
 
 

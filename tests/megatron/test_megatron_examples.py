@@ -17,14 +17,18 @@ import mok_megatron_workers as W
 pytestmark = pytest.mark.megatron
 
 
-def test_example_trains_same_losses_with_alltoall_and_mok(tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--moe-shared-expert-intermediate-size", "32")],
+                         ids=["routed", "shared_expert"])
+def test_example_trains_same_losses_with_alltoall_and_mok(tmp_path, extra):
     runs = {}
     for d in ("alltoall", "mok"):
         out = tmp_path / f"{d}.json"
-        losses = run_distributed(W.example_train, 2, d, str(out))
+        losses = run_distributed(W.example_train, 2, d, str(out), extra)
         assert losses[0] == losses[1]                    # every rank reports the global mean
         summary = json.loads(out.read_text())
         assert summary["dispatcher"] == d and summary["world_size"] == 2
+        # 2 layers x (fc1 64x32 + fc2 32x64) when the shared expert is on
+        assert summary["shared_expert_parameters_this_rank"] == (8192 if extra else 0)
         assert summary["losses"] == losses[0] and len(losses[0]) == 5
         assert summary["tokens_per_s_per_gpu"] > 0 and summary["median_step_time_s"] > 0
         assert all(math.isfinite(v) for v in summary["losses"])
