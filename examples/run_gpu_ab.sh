@@ -10,6 +10,8 @@
 #          full MoELayer alltoall vs mok, bitwise repeat; CPU tests re-run on this
 #          megatron-core); JUnit XML + JSON: OUT_DIR/tests/
 #   bench  benchmarks/bench_layer.py (alltoall, flex if deep_ep, mok); JSON: OUT_DIR/bench/
+#   ab_shared  the same A/B with a shared expert in every MoE layer, overlapped with the
+#          dispatch (moe_shared_expert_overlap); JSON: OUT_DIR/ab_shared/*.json
 #   all    ab tests bench
 # Each stage stays well under 5 minutes on 2x H200.
 #
@@ -45,13 +47,15 @@ EOF
 
 for stage in "${STAGES[@]}"; do
   case "$stage" in
-    ab)
+    ab|ab_shared)
       # 60 steps, bf16, 4 MoE layers, 16 experts top-4, 4x1024 tokens per GPU per step.
-      $PY "$REPO/examples/ab_dispatchers.py" --nproc-per-node "$NPROC" --out "$OUT_DIR/ab" -- \
+      SHARED=()
+      [ "$stage" = ab_shared ] && SHARED=(--moe-shared-expert-intermediate-size 1024 --moe-shared-expert-overlap)
+      $PY "$REPO/examples/ab_dispatchers.py" --nproc-per-node "$NPROC" --out "$OUT_DIR/$stage" -- \
         --train-iters 60 --bf16 --num-layers 4 --hidden-size 1024 --ffn-hidden-size 2048 \
         --moe-ffn-hidden-size 1024 --num-attention-heads 8 --num-experts 16 \
         --moe-router-topk 4 --seq-length 1024 --micro-batch-size 4 --vocab-size 4096 \
-        --lr 3e-4 --quiet
+        --lr 3e-4 --quiet ${SHARED[@]+"${SHARED[@]}"}
       ;;
     tests)
       mkdir -p "$OUT_DIR/tests"

@@ -104,6 +104,7 @@ def test_shared_expert_overlap_one_gpu(gate, comm_stream):
 
 
 @pytest.mark.multigpu
-def test_shared_expert_overlap_gpu():
-    reports = run_distributed(W.layer_shared_expert_overlap_gpu, 2, backend="nccl")
+@pytest.mark.parametrize("comm_stream", ["current", "high"])
+def test_shared_expert_overlap_gpu(comm_stream):
+    reports = run_distributed(W.layer_shared_expert_overlap_gpu, 2, False, comm_stream, backend="nccl")
     assert "output" in reports[0]
