@@ -7,13 +7,16 @@
 
 Dispatchers: ``alltoall``, ``flex`` (only when ``deep_ep`` imports) and ``mok``; a name with
 ``:overlap`` runs that dispatcher with ``moe_shared_expert_overlap`` (needs ``--shared-ffn``:
-the shared expert on its own stream beside the dispatch and the combine). Every layer
+the shared expert on its own stream beside the dispatch and the combine), and ``mok:high`` /
+``mok:overlap:high`` run MoK's kernels on a high-priority stream (``MOK_COMM_STREAM=high``
+for that layer). Every layer
 gets the same router / expert weights (Megatron's local ``SequentialMLP`` experts) and the
 same per-rank input. Each timed iteration is one forward + backward of the layer; time is
 CUDA events on GPU (``perf_counter`` on CPU), median over ``--iters`` (>= 20) iterations after
-``--warmup``; the reported number is the slowest rank's median (all_reduce MAX). One JSON
-per run goes to ``benchmarks/results/`` with the date, git commit, GPU model and count, and
-the exact command.
+``--warmup``, the dispatchers' iterations interleaved (one of each in turn; ``--sequential``:
+one dispatcher after the other); the reported number is the slowest rank's median
+(all_reduce MAX). One JSON per run goes to ``benchmarks/results/`` with the date, git
+commit, GPU model and count, and the exact command.
 """
 
 from __future__ import annotations
@@ -56,12 +59,15 @@ def parse_args(argv=None):
                    help="toy sizes for CPU smoke runs (tokens 64, hidden 32, experts 4)")
     p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     p.add_argument("--tag", default="")
+    p.add_argument("--sequential", action="store_true",
+                   help="time each dispatcher's iterations in one block (default: interleaved, "
+                        "one iteration of each in turn)")
     args = p.parse_args(argv)
     if args.tiny:
         args.tokens, args.hidden, args.ffn_hidden, args.num_experts, args.topk = 64, 32, 64, 4, 2
     if args.iters < 20:
         p.error("--iters must be >= 20")
-    if any(d.endswith(":overlap") for d in args.dispatchers.split(",")) and args.shared_ffn <= 0:
+    if any("overlap" in d.split(":")[1:] for d in args.dispatchers.split(",")) and args.shared_ffn <= 0:
         p.error("':overlap' dispatchers overlap a shared expert: give --shared-ffn")
     return args
 
@@ -95,27 +101,45 @@ def init_distributed():
     _init()
 
 
+def time_iteration(layer, x, gy, device) -> float:
+    """One forward + backward of ``layer`` in seconds (CUDA events on GPU); grads cleared."""
+    xx = x.detach().requires_grad_(True)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y, _ = layer(xx)
+        y.backward(gy)
+        end.record()
+        torch.cuda.synchronize()
+        dt = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        y, _ = layer(xx)
+        y.backward(gy)
+        dt = time.perf_counter() - t0
+    for p in layer.parameters():
+        p.grad = None
+    return dt
+
+
 def bench_one(layer, x, gy, iters, warmup, device):
-    times = []
+    """``--sequential``: every iteration of one layer, then the next layer's."""
+    times = [time_iteration(layer, x, gy, device) for _ in range(warmup + iters)]
+    return times[warmup:]
+
+
+def bench_interleaved(layers, x, gy, iters, warmup, device):
+    """The default: one iteration of each layer in turn, the starting layer rotating, so
+    a drift of the host's or the GPU's speed during the run (seen up to 2x on the lent
+    machines, benchmarks/NOTES.md item 7) reaches every dispatcher alike."""
+    names = list(layers)
+    times = {d: [] for d in names}
     for i in range(warmup + iters):
-        xx = x.detach().requires_grad_(True)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            y, _ = layer(xx)
-            y.backward(gy)
-            end.record()
-            torch.cuda.synchronize()
-            dt = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            y, _ = layer(xx)
-            y.backward(gy)
-            dt = time.perf_counter() - t0
-        for p in layer.parameters():
-            p.grad = None
-        if i >= warmup:
-            times.append(dt)
+        k = i % len(names)
+        for d in names[k:] + names[:k]:
+            dt = time_iteration(layers[d], x, gy, device)
+            if i >= warmup:
+                times[d].append(dt)
     return times
 
 
@@ -148,7 +172,7 @@ def run(args):
         elif device.type != "cuda":
             wanted.remove(d)
             skipped[d] = "needs CUDA"
-    for d in [d for d in wanted if d.endswith(":overlap") and device.type != "cuda"]:
+    for d in [d for d in wanted if "overlap" in d.split(":")[1:] and device.type != "cuda"]:
         wanted.remove(d)   # Megatron's SharedExpertMLP makes a CUDA stream for the overlap
         skipped[d] = "the shared expert overlap needs CUDA"
 
@@ -162,22 +186,36 @@ def run(args):
     x = torch.randn(args.tokens, 1, args.hidden, generator=g).to(dtype).to(device)
     gy = torch.randn(args.tokens, 1, args.hidden, generator=g).to(dtype).to(device)
 
-    state, results = None, {}
-    for d in wanted:
+    def build(d, state):
         torch.manual_seed(args.seed)
-        name, _, mode = d.partition(":")
-        if mode not in ("", "overlap"):
-            raise SystemExit(f"unknown dispatcher variant {d!r} (NAME or NAME:overlap)")
+        name, *modes = d.split(":")
+        if not set(modes) <= {"overlap", "high"} or ("high" in modes and name != "mok"):
+            raise SystemExit(f"unknown dispatcher variant {d!r} (NAME, NAME:overlap, "
+                             "mok:high, mok:overlap:high)")
         extra = {"moe_flex_dispatcher_backend": "deepep"} if name == "flex" else {}
-        if mode == "overlap":
+        if "overlap" in modes:
             extra["moe_shared_expert_overlap"] = True
         cfg = harness.moe_config(name, ep_size=world, **kw, **extra)
+        if "high" in modes:
+            cfg.moe_mok_comm_stream = "high"     # MOK_COMM_STREAM=high for this layer only
         layer = harness.build_moe_layer(cfg, device=device, dtype=dtype)
-        if state is None:
-            state = layer.state_dict()
-        else:
+        if state is not None:
             layer.load_state_dict(state)
-        times = bench_one(layer, x, gy, args.iters, args.warmup, device)
+        return layer
+
+    state, results, all_times, layers = None, {}, {}, {}
+    if not args.sequential:
+        for d in wanted:
+            layers[d] = build(d, state)
+            state = state if state is not None else layers[d].state_dict()
+        all_times = bench_interleaved(layers, x, gy, args.iters, args.warmup, device)
+    for d in wanted:
+        if args.sequential:
+            layer = build(d, state)
+            state = state if state is not None else layer.state_dict()
+            times = bench_one(layer, x, gy, args.iters, args.warmup, device)
+        else:
+            layer, times = layers.pop(d), all_times[d]
         med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
         slowest = med.clone()
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -208,6 +246,7 @@ def run(args):
         "shape": {"tokens_per_rank": args.tokens, "hidden": args.hidden,
                   "ffn_hidden": args.ffn_hidden, "num_experts": args.num_experts,
                   "topk": args.topk, "shared_ffn": args.shared_ffn,
+                  "schedule": "sequential" if args.sequential else "interleaved",
                   "experts": "SequentialMLP (Megatron local spec)"},
         "versions": {"torch": torch.__version__, "megatron_core": package_info.__version__},
         "results": results, "skipped": skipped,

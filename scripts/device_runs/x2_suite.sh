@@ -18,8 +18,8 @@
 #    against separate launches, and the opt-in eager schedules against the default (NOTES (LL),
 #    next experiments after session 14, item 2); with AB=4: the Megatron layer with a shared
 #    expert on 2 GPUs (megatron-core wheel carried in .whl/): alltoall, alltoall:overlap, mok,
-#    mok:overlap, then mok:overlap with MOK_COMM_STREAM=high, alternating twice (NOTES (MM),
-#    (NN): measured at W=1 only).
+#    mok:overlap and mok:overlap:high (MOK_COMM_STREAM=high), interleaved in one process, two
+#    rounds (NOTES (MM), (NN): measured at W=1 only).
 # Everything lands in $OUT/r.tgz; assemble with scripts/results_json.py.
 set -uo pipefail
 C=${1:?commit}; AB=${2:-1}
@@ -60,11 +60,12 @@ elif [ "$AB" = 3 ]; then
   grep -E "^T=" $R/host_ab_eager.log
 elif [ "$AB" = 4 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-  for i in 1 2; do for cs in current high; do
-    if [ $cs = current ]; then D=alltoall,alltoall:overlap,mok,mok:overlap; else D=mok,mok:overlap; fi
-    MOK_COMM_STREAM=$cs step layer_${cs}_$i 150 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_layer.py \
-      --dispatchers $D --tokens 16384 --hidden 4096 --ffn-hidden 2048 --shared-ffn 4096 --iters 30 --out-dir $R/layer --tag x2_${cs}_$i
-    grep -E "median" $R/layer_${cs}_$i.log
-  done; done
+  # One process per round; the dispatchers' iterations interleave inside it (bench_layer.py).
+  for i in 1 2; do
+    step layer_$i 200 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_layer.py \
+      --dispatchers alltoall,alltoall:overlap,mok,mok:overlap,mok:overlap:high --tokens 16384 \
+      --hidden 4096 --ffn-hidden 2048 --shared-ffn 4096 --iters 30 --out-dir $R/layer --tag x2_shared_$i
+    grep -E "median" $R/layer_$i.log
+  done
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r

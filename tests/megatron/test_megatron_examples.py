@@ -51,6 +51,7 @@ def test_bench_layer_tiny_writes_report(tmp_path):
         assert r["median_ms_slowest_rank"] >= r["median_ms_this_rank0"] > 0
         assert r["iters"] == 20
     assert report["gpu_count"] == 0 and report["world_size"] == 2
+    assert report["shape"]["schedule"] == "interleaved"
     assert report["command"] and report["date"]
     assert "commit" in report
 
@@ -90,3 +91,28 @@ def test_cpu_run_scratch_follows_the_run_not_the_visible_gpu():
     import torch
     want = "gpu_run_buffer cuda" if torch.cuda.is_available() else "gpu_run_buffer raised"
     assert want in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_bench_layer_interleaves_dispatchers():
+    """One iteration of each layer in turn, the first rotating; warm-ups not timed."""
+    import torch
+
+    bench = W._load("benchmarks/bench_layer.py", "mok_bench_layer_sched")
+    order = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def forward(self, x):
+            order.append(self.name)
+            return x * 2.0, None
+
+    layers = {n: Probe(n) for n in ("a", "b", "c")}
+    x, gy = torch.randn(4, 1, 3), torch.randn(4, 1, 3)
+    times = bench.bench_interleaved(layers, x, gy, iters=4, warmup=2, device=torch.device("cpu"))
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b",
+                     "a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4, "c": 4}
+    assert all(t > 0 for v in times.values() for t in v)
