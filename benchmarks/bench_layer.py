@@ -67,9 +67,23 @@ def parse_args(argv=None):
         args.tokens, args.hidden, args.ffn_hidden, args.num_experts, args.topk = 64, 32, 64, 4, 2
     if args.iters < 20:
         p.error("--iters must be >= 20")
-    if any("overlap" in d.split(":")[1:] for d in args.dispatchers.split(",")) and args.shared_ffn <= 0:
+    variants = [dispatcher_variant(d) for d in args.dispatchers.split(",") if d]
+    if any(v is None for v in variants):
+        p.error(f"--dispatchers {args.dispatchers!r}: each is NAME, NAME:overlap, mok:high or "
+                "mok:overlap:high")
+    if any("overlap" in modes for _, modes in variants) and args.shared_ffn <= 0:
         p.error("':overlap' dispatchers overlap a shared expert: give --shared-ffn")
     return args
+
+
+def dispatcher_variant(d: str):
+    """``"mok:overlap:high"`` -> ``("mok", {"overlap", "high"})``; ``None`` if not a variant
+    this script knows (``high`` is MoK's ``MOK_COMM_STREAM``)."""
+    name, *modes = d.split(":")
+    modes = set(modes)
+    if not modes <= {"overlap", "high"} or ("high" in modes and name != "mok"):
+        return None
+    return name, modes
 
 
 def _git_commit():
@@ -122,16 +136,11 @@ def time_iteration(layer, x, gy, device) -> float:
     return dt
 
 
-def bench_one(layer, x, gy, iters, warmup, device):
-    """``--sequential``: every iteration of one layer, then the next layer's."""
-    times = [time_iteration(layer, x, gy, device) for _ in range(warmup + iters)]
-    return times[warmup:]
-
-
 def bench_interleaved(layers, x, gy, iters, warmup, device):
-    """The default: one iteration of each layer in turn, the starting layer rotating, so
-    a drift of the host's or the GPU's speed during the run (seen up to 2x on the lent
-    machines, benchmarks/NOTES.md item 7) reaches every dispatcher alike."""
+    """One iteration of each layer in turn, the starting layer rotating, so a drift of the
+    host's or the GPU's speed during the run (seen up to 2x on the lent machines,
+    benchmarks/NOTES.md item 7) reaches every dispatcher alike (``--sequential`` passes one
+    layer at a time). Returns ``{name: [seconds] * iters}``."""
     names = list(layers)
     times = {d: [] for d in names}
     for i in range(warmup + iters):
@@ -165,16 +174,17 @@ def run(args):
 
     wanted = [d for d in args.dispatchers.split(",") if d]
     skipped = {}
-    for d in [d for d in wanted if d.split(":")[0] == "flex"]:
-        if importlib.util.find_spec("deep_ep") is None:
-            wanted.remove(d)
+    for d in list(wanted):
+        name, modes = dispatcher_variant(d)
+        if name == "flex" and importlib.util.find_spec("deep_ep") is None:
             skipped[d] = "deep_ep is not importable"
-        elif device.type != "cuda":
-            wanted.remove(d)
+        elif name == "flex" and device.type != "cuda":
             skipped[d] = "needs CUDA"
-    for d in [d for d in wanted if "overlap" in d.split(":")[1:] and device.type != "cuda"]:
-        wanted.remove(d)   # Megatron's SharedExpertMLP makes a CUDA stream for the overlap
-        skipped[d] = "the shared expert overlap needs CUDA"
+        elif "overlap" in modes and device.type != "cuda":
+            # Megatron's SharedExpertMLP makes a CUDA stream for the overlap
+            skipped[d] = "the shared expert overlap needs CUDA"
+        if d in skipped:
+            wanted.remove(d)
 
     kw = dict(num_experts=args.num_experts, topk=args.topk, hidden=args.hidden,
               ffn_hidden=args.ffn_hidden, dtype=dtype,
@@ -188,10 +198,7 @@ def run(args):
 
     def build(d, state):
         torch.manual_seed(args.seed)
-        name, *modes = d.split(":")
-        if not set(modes) <= {"overlap", "high"} or ("high" in modes and name != "mok"):
-            raise SystemExit(f"unknown dispatcher variant {d!r} (NAME, NAME:overlap, "
-                             "mok:high, mok:overlap:high)")
+        name, modes = dispatcher_variant(d)
         extra = {"moe_flex_dispatcher_backend": "deepep"} if name == "flex" else {}
         if "overlap" in modes:
             extra["moe_shared_expert_overlap"] = True
@@ -203,19 +210,9 @@ def run(args):
             layer.load_state_dict(state)
         return layer
 
-    state, results, all_times, layers = None, {}, {}, {}
-    if not args.sequential:
-        for d in wanted:
-            layers[d] = build(d, state)
-            state = state if state is not None else layers[d].state_dict()
-        all_times = bench_interleaved(layers, x, gy, args.iters, args.warmup, device)
-    for d in wanted:
-        if args.sequential:
-            layer = build(d, state)
-            state = state if state is not None else layer.state_dict()
-            times = bench_one(layer, x, gy, args.iters, args.warmup, device)
-        else:
-            layer, times = layers.pop(d), all_times[d]
+    results = {}
+
+    def report_one(d, layer, times):
         med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
         slowest = med.clone()
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -224,12 +221,23 @@ def run(args):
                       "median_ms_this_rank0": med.item() * 1e3,
                       "min_ms_rank0": min(times) * 1e3, "max_ms_rank0": max(times) * 1e3,
                       "iters": args.iters, "warmup": args.warmup, "mok_backend": backend}
-        del layer
         if rank == 0:
             print(f"{d:<16} fwd+bwd median {results[d]['median_ms_slowest_rank']:9.3f} ms "
                   f"(slowest of {world} ranks)" + (f"  [mok backend: {backend}]" if backend else ""),
                   flush=True)
         dist.barrier()
+
+    # Interleaved: every layer alive, timed in turn; --sequential: one layer at a time.
+    groups = [[d] for d in wanted] if args.sequential else [wanted]
+    state = None
+    for group in groups:
+        layers = {}
+        for d in group:
+            layers[d] = build(d, state)
+            state = state if state is not None else layers[d].state_dict()
+        all_times = bench_interleaved(layers, x, gy, args.iters, args.warmup, device)
+        for d in group:
+            report_one(d, layers.pop(d), all_times[d])
 
     commit, dirty = _git_commit()
     from megatron.core import package_info
