@@ -10,3 +10,7 @@ with_lib() {  # with_lib base|new CMD...: the base runs with MOK_CUDA_LIB=$BASE_
     local v=$1; shift
     if [ "$v" = base ]; then MOK_CUDA_LIB=$BASE_LIB "$@"; else "$@"; fi
 }
+
+install_wheels() {  # install_wheels DIR TARGET: the wheels carried in DIR (no registry there) into TARGET
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl
+}

@@ -5,7 +5,7 @@
 # gradients, full MoELayer mok vs alltoall), then benchmarks/bench_layer.py at world size 1.
 C=${1:?commit}
 . "$(dirname "$0")/common.sh"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
+install_wheels .whl /tmp/site && export PYTHONPATH=/tmp/site || exit 1
 python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" | tee $R/megatron_version.txt
 timeout -k 5 420 python3 -m pytest -q -p no:cacheprovider tests/megatron -rs > $R/megatron_tests.log 2>&1
 echo "[megatron tests] rc=$?"; tail -12 $R/megatron_tests.log

@@ -5,7 +5,7 @@
 # the overlap) vs high, alternating processes, 2 rounds; then the one-GPU Megatron tests.
 C=${1:?commit}
 . "$(dirname "$0")/common.sh"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
+install_wheels .whl /tmp/site && export PYTHONPATH=/tmp/site || exit 1
 for i in 1 2; do
   for cs in current auto high; do
     for shape in large small; do

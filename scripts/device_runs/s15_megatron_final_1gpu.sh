@@ -5,8 +5,8 @@
 # wait_current_stream, the other branch of the dispatcher's stream wait).
 C=${1:?commit}
 . "$(dirname "$0")/common.sh"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site19 .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site16 .whl16/*.whl || exit 1
+install_wheels .whl /tmp/site19 || exit 1
+install_wheels .whl16 /tmp/site16 || exit 1
 PYTHONPATH=/tmp/site19 timeout -k 5 290 python3 -m pytest -q -p no:cacheprovider tests/megatron -rs > $R/megatron_0192_tests.log 2>&1
 echo "[0.19.2 tests] rc=$?"; tail -3 $R/megatron_0192_tests.log; grep -E "^(FAILED|ERROR)" $R/megatron_0192_tests.log | head
 PYTHONPATH=/tmp/site16 python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" | tee $R/megatron_0161_version.txt

@@ -5,7 +5,7 @@
 # overlap tests among them).
 C=${1:?commit}
 . "$(dirname "$0")/common.sh"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
+install_wheels .whl /tmp/site && export PYTHONPATH=/tmp/site || exit 1
 python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" | tee $R/megatron_version.txt
 D=alltoall,alltoall:overlap,mok,mok:overlap
 timeout -k 5 100 torchrun --nproc-per-node 1 benchmarks/bench_layer.py --dispatchers $D --tokens 4096 \

@@ -59,7 +59,7 @@ elif [ "$AB" = 3 ]; then
   step host_ab_eager 150 python3 -m torch.distributed.run --nproc-per-node 2 scripts/profile_host_calls.py --ab --settings ";MOK_EAGER_FILL_FIRST=1;MOK_EAGER_SPECULATIVE=1" --out $R/host_ab_eager --commit $C --tokens 128,512 --calls 1600 --blocks 40
   grep -E "^T=" $R/host_ab_eager.log
 elif [ "$AB" = 4 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  install_wheels .whl /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
   # One process per round; the dispatchers' iterations interleave inside it (bench_layer.py).
   for i in 1 2; do
     step layer_$i 200 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_layer.py \
