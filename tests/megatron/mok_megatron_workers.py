@@ -45,6 +45,16 @@ def _assert_bitwise(a, b, what):
     assert_bitwise(a, b, what)
 
 
+def _assert_runs_bitwise(run, ref, what, input_grad=True):
+    """Two ``_run_layer`` results ``(output, input grad, {param: grad})``: bitwise equal
+    (the input gradient too unless ``input_grad=False``)."""
+    _assert_bitwise(run[0], ref[0], f"output, {what}")
+    if input_grad:
+        _assert_bitwise(run[1], ref[1], f"input grad, {what}")
+    for k in ref[2]:
+        _assert_bitwise(run[2][k], ref[2][k], f"grad {k}, {what}")
+
+
 def _ep_ranks():
     from megatron.core import parallel_state
 
@@ -234,13 +244,8 @@ def layer_mok_vs_alltoall_cpu(rank, world):
         x = torch.randn(8, 3, 32, generator=g)
         gy = torch.randn(8, 3, 32, generator=g)
         y_m, dx_m, g_m = _run_layer(mok_layer, x, gy)
-        y_m2, dx_m2, g_m2 = _run_layer(mok_layer, x, gy)
+        _assert_runs_bitwise(_run_layer(mok_layer, x, gy), (y_m, dx_m, g_m), "mok run 2 vs run 1")
         y_a, dx_a, g_a = _run_layer(a2a_layer, x, gy)
-
-        _assert_bitwise(y_m2, y_m, "mok output, run 2 vs run 1")
-        _assert_bitwise(dx_m2, dx_m, "mok input grad, run 2 vs run 1")
-        for k in g_m:
-            _assert_bitwise(g_m2[k], g_m[k], f"mok grad {k}, run 2 vs run 1")
 
         tol = dict(atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(y_m, y_a, **tol)
@@ -292,11 +297,8 @@ def layer_mok_vs_alltoall_gpu(rank, world, backend_env="cuda"):
         ref = _run_layer(a2a, x, gy)                       # fp32 alltoall: the reference
         ya, dxa, ga = _run_layer(a2a_bf16, x.bfloat16(), gy.bfloat16())
         ym, dxm, gm = _run_layer(mok_bf16, x.bfloat16(), gy.bfloat16())
-        ym2, dxm2, gm2 = _run_layer(mok_bf16, x.bfloat16(), gy.bfloat16())
-        _assert_bitwise(ym2, ym, "mok output, run 2 vs run 1")
-        _assert_bitwise(dxm2, dxm, "mok input grad, run 2 vs run 1")
-        for k in gm:
-            _assert_bitwise(gm2[k], gm[k], f"mok grad {k}, run 2 vs run 1")
+        _assert_runs_bitwise(_run_layer(mok_bf16, x.bfloat16(), gy.bfloat16()), (ym, dxm, gm),
+                             "mok run 2 vs run 1")
 
         report = {}
         pairs = [("output", ym, ya, ref[0]), ("input_grad", dxm, dxa, ref[1])]
@@ -466,18 +468,13 @@ def layer_shared_expert_overlap_gpu(rank, world, gate=False, comm_stream="curren
         x = torch.randn(512, 2, 256, generator=g).to(dev, torch.bfloat16)
         gy = torch.randn(512, 2, 256, generator=g).to(dev, torch.bfloat16)
 
-        y0, dx0, g0 = _run_layer(layers["mok"], x, gy)
+        plain = _run_layer(layers["mok"], x, gy)
         y1, dx1, g1 = _run_layer(over, x, gy)
-        y2, dx2, g2 = _run_layer(over, x, gy)
         ya, dxa, ga = _run_layer(layers["alltoall_overlap"], x, gy)
-        _assert_bitwise(y1, y0, "mok output, overlapped shared expert vs not")
-        for k in g0:
-            _assert_bitwise(g1[k], g0[k], f"mok grad {k}, overlapped shared expert vs not")
-        torch.testing.assert_close(dx1, dx0, atol=2e-2, rtol=2e-2)
-        _assert_bitwise(y2, y1, "mok overlap output, run 2 vs run 1")
-        _assert_bitwise(dx2, dx1, "mok overlap input grad, run 2 vs run 1")
-        for k in g1:
-            _assert_bitwise(g2[k], g1[k], f"mok overlap grad {k}, run 2 vs run 1")
+        _assert_runs_bitwise((y1, dx1, g1), plain, "mok, overlapped shared expert vs not",
+                             input_grad=False)
+        torch.testing.assert_close(dx1, plain[1], atol=2e-2, rtol=2e-2)
+        _assert_runs_bitwise(_run_layer(over, x, gy), (y1, dx1, g1), "mok overlap run 2 vs run 1")
         report = {}
         for name, m, a in [("output", y1, ya), ("input_grad", dx1, dxa)] + \
                 [(f"grad:{k}", g1[k], ga[k]) for k in g1]:
