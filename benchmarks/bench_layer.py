@@ -9,7 +9,8 @@ Dispatchers: ``alltoall``, ``flex`` (only when ``deep_ep`` imports) and ``mok``;
 ``:overlap`` runs that dispatcher with ``moe_shared_expert_overlap`` (needs ``--shared-ffn``:
 the shared expert on its own stream beside the dispatch and the combine), and ``mok:high`` /
 ``mok:overlap:high`` run MoK's kernels on a high-priority stream (``MOK_COMM_STREAM=high``
-for that layer). Every layer
+for that layer); ``mok:sms=N`` gives that layer's MoK kernels N SMs (``MOK_NUM_SMS``; plain
+``mok`` takes the dispatcher's default, docs/MEGATRON.md). Every layer
 gets the same router / expert weights (Megatron's local ``SequentialMLP`` experts) and the
 same per-rank input. Each timed iteration is one forward + backward of the layer; time is
 CUDA events on GPU (``perf_counter`` on CPU), median over ``--iters`` (>= 20) iterations after
@@ -69,8 +70,8 @@ def parse_args(argv=None):
         p.error("--iters must be >= 20")
     variants = [dispatcher_variant(d) for d in args.dispatchers.split(",") if d]
     if any(v is None for v in variants):
-        p.error(f"--dispatchers {args.dispatchers!r}: each is NAME, NAME:overlap, mok:high or "
-                "mok:overlap:high")
+        p.error(f"--dispatchers {args.dispatchers!r}: each is NAME or NAME:overlap, and mok "
+                "also takes :high and :sms=N (e.g. mok:overlap:high, mok:sms=24)")
     if any("overlap" in modes for _, modes in variants) and args.shared_ffn <= 0:
         p.error("':overlap' dispatchers overlap a shared expert: give --shared-ffn")
     return args
@@ -78,12 +79,21 @@ def parse_args(argv=None):
 
 def dispatcher_variant(d: str):
     """``"mok:overlap:high"`` -> ``("mok", {"overlap", "high"})``; ``None`` if not a variant
-    this script knows (``high`` is MoK's ``MOK_COMM_STREAM``)."""
+    this script knows. MoK's own modes: ``high`` (``MOK_COMM_STREAM=high``) and ``sms=N``
+    (``MOK_NUM_SMS=N``, N > 0), each for that layer only."""
     name, *modes = d.split(":")
     modes = set(modes)
-    if not modes <= {"overlap", "high"} or ("high" in modes and name != "mok"):
+    own = {m for m in modes if m == "high" or m.startswith("sms=")}
+    if not modes - own <= {"overlap"} or (own and name != "mok"):
+        return None
+    if any(m.startswith("sms=") and not (m[4:].isdigit() and int(m[4:]) > 0) for m in own):
         return None
     return name, modes
+
+
+def variant_num_sms(modes):
+    """The ``N`` of a ``sms=N`` mode, ``None`` without one."""
+    return next((int(m[4:]) for m in modes if m.startswith("sms=")), None)
 
 
 def _git_commit():
@@ -205,6 +215,8 @@ def run(args):
         cfg = harness.moe_config(name, ep_size=world, **kw, **extra)
         if "high" in modes:
             cfg.moe_mok_comm_stream = "high"     # MOK_COMM_STREAM=high for this layer only
+        if variant_num_sms(modes) is not None:
+            cfg.moe_mok_num_sms = variant_num_sms(modes)   # MOK_NUM_SMS, this layer only
         layer = harness.build_moe_layer(cfg, device=device, dtype=dtype)
         if state is not None:
             layer.load_state_dict(state)

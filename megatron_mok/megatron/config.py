@@ -109,7 +109,11 @@ class MokOptions:
         tokens_per_expert: ``MOK_TOKENS_PER_EXPERT``: where ``tokens_per_expert`` goes to the
             experts: ``auto`` (host only for experts that need it, see docs/MEGATRON.md),
             ``device`` or ``host``.
-        num_sms, ring_bytes, timeout_s: CUDA backend knobs, passed through to the Buffer.
+        num_sms: ``MOK_NUM_SMS``: SMs of MoK's kernels, passed to the Buffer. Unset: 48 in
+            layers where nothing runs beside the dispatch and combine, the Buffer's default
+            (24; 64 for calls of at most 1024 tokens per rank) with
+            ``moe_shared_expert_overlap`` (``MokTokenDispatcher.num_sms``).
+        ring_bytes, timeout_s: CUDA backend knobs, passed through to the Buffer.
         comm_stream: ``MOK_COMM_STREAM``: the stream MoK's kernels run on: ``current`` (the
             layer's stream; default) or ``high`` (a high-priority stream of the dispatcher's,
             joined to the layer's stream by events before and after each call, so MoK's blocks

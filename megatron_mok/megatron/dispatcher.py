@@ -40,7 +40,16 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .config import MokConfigError, MokOptions, config_problems
 
-# (group id, E, H, K, dtype, backend, partial dtype, device) -> Buffer, shared across layers.
+# SMs of MoK's kernels in a layer where nothing runs beside them (no shared-expert overlap):
+# there the fused permute is bound by what one SM moves (~70 GB/s, benchmarks/NOTES.md "What
+# #8 means"), and 24 SMs would leave ~108 idle. 2x H200, dsv3 (run s8-4): dispatch 635 -> 420 us,
+# combine 750 -> 609 us from 24 to 48 SMs (NOTES (OO)). 48 leaves the rest of an H200 for the
+# kernels other streams run meanwhile (NCCL's gradient reduce-scatter): every rank's MoK grid
+# must be resident at once.
+LAYER_NUM_SMS = 48
+
+# (group id, E, H, K, dtype, backend, partial dtype, T_max, device, Buffer knobs) -> Buffer,
+# shared across layers.
 _BUFFERS: Dict[tuple, object] = {}
 # id(group) -> T_max agreed by the EP ranks (one all-reduce per group and process).
 _T_MAX: Dict[int, int] = {}
@@ -172,6 +181,17 @@ class MokTokenDispatcher(MoETokenDispatcher):
         on its own stream beside the dispatch and the combine (see :meth:`token_dispatch`)."""
         super().set_shared_experts(shared_experts)   # checks the config flag, keeps the module
 
+    def num_sms(self) -> Optional[int]:
+        """SMs of MoK's kernels in this layer: ``MOK_NUM_SMS`` when set; else
+        :data:`LAYER_NUM_SMS` when nothing runs beside them, or ``None`` (the Buffer's default:
+        24, 64 for calls of at most 1024 tokens per rank) with ``moe_shared_expert_overlap``,
+        where the shared expert's GEMMs run beside the dispatch and the combine."""
+        if self.options.num_sms is not None:
+            return self.options.num_sms
+        if getattr(self.config, "moe_shared_expert_overlap", False):
+            return None
+        return LAYER_NUM_SMS
+
     def _get_buffer(self, hidden: torch.Tensor):
         import megatron_mok as mok
 
@@ -196,15 +216,17 @@ class MokTokenDispatcher(MoETokenDispatcher):
                 f"than the Buffer's max_tokens_per_rank={t_max} (fixed at the first dispatch). "
                 f"Set MOK_MAX_TOKENS_PER_RANK to the largest sequence_length * micro_batch_size "
                 f"/ TP (with sequence parallelism) any step will use.")
+        kwargs = {name: getattr(opts, name) for name in ("ring_bytes", "timeout_s")
+                  if getattr(opts, name) is not None}
+        num_sms = self.num_sms()
+        if num_sms is not None:
+            kwargs["num_sms"] = num_sms
+        # Layers whose knobs differ (config.moe_mok_<name>) get Buffers of their own.
         key = (gkey, self.num_experts, hidden.shape[1], self.topk, hidden.dtype, opts.backend,
-               opts.combine_partial_dtype, t_max, str(hidden.device))
+               opts.combine_partial_dtype, t_max, str(hidden.device), tuple(sorted(kwargs.items())))
         with _LOCK:
             buf = _BUFFERS.get(key)
         if buf is None:
-            kwargs = {}
-            for name in ("num_sms", "ring_bytes", "timeout_s"):
-                if getattr(opts, name) is not None:
-                    kwargs[name] = getattr(opts, name)
             buf = mok.Buffer(group, num_experts=self.num_experts, hidden=hidden.shape[1],
                              topk=self.topk, max_tokens_per_rank=t_max, dtype=hidden.dtype,
                              backend=opts.backend,

@@ -431,6 +431,38 @@ def shared_expert_overlap_hooks_cpu(rank, world):
         h.destroy_parallel()
 
 
+def layer_num_sms_cpu(rank, world):
+    """The dispatcher's SM budget (``MokTokenDispatcher.num_sms``): 48 in a layer where nothing
+    runs beside MoK, the Buffer default (``None``) with overlapped shared experts, the knob
+    when set; layers whose budgets differ get Buffers of their own, equal ones share one.
+    Returns the Buffers' ``num_sms`` in the order built."""
+    from megatron_mok.megatron import dispatcher as D
+
+    h = _setup(world)
+    try:
+        kw = dict(num_experts=4 * world, topk=2, hidden=32, moe_router_load_balancing_type="none",
+                  moe_aux_loss_coeff=0.0)
+        g = torch.Generator().manual_seed(7 + rank)
+        x = torch.randn(8, 3, 32, generator=g)
+        layers = []
+        for extra, knob in (({}, None), ({"moe_shared_expert_overlap": True}, None), ({}, 16), ({}, None)):
+            torch.manual_seed(0)
+            cfg = h.moe_config("mok", ep_size=world, **kw, **extra)
+            if knob is not None:
+                cfg.moe_mok_num_sms = knob        # MOK_NUM_SMS for this layer only
+            layers.append(h.build_moe_layer(cfg))
+        budgets = [layer.token_dispatcher.num_sms() for layer in layers]
+        assert budgets == [D.LAYER_NUM_SMS, None, 16, D.LAYER_NUM_SMS], budgets
+        for layer in layers:
+            layer(x.clone())
+        bufs = [layer.token_dispatcher.buffer for layer in layers]
+        assert [b.num_sms for b in bufs] == budgets, [b.num_sms for b in bufs]
+        assert bufs[0] is bufs[3] and len({id(b) for b in bufs}) == 3
+        return [b.num_sms for b in bufs]
+    finally:
+        h.destroy_parallel()
+
+
 def layer_shared_expert_overlap_gpu(rank, world, gate=False, comm_stream="current", backend_env="cuda"):
     """``moe_shared_expert_overlap`` with Megatron's ``SharedExpertMLP`` on its own CUDA stream,
     bf16: the ``mok`` layer with the overlap gives bitwise the output and parameter gradients
@@ -515,5 +547,6 @@ def bench_layer_tiny(rank, world, out_dir):
     """``benchmarks/bench_layer.py --tiny`` in this (pooled) process group."""
     bench = _load("benchmarks/bench_layer.py", "mok_bench_layer")
     report = bench.run(bench.parse_args(["--tiny", "--iters", "20", "--warmup", "2",
+                                         "--dispatchers", "alltoall,flex,mok,mok:sms=8",
                                          "--out-dir", out_dir]))
     return report["path"]

@@ -8,6 +8,7 @@ CPU (gloo, reference backend; runs in CI):
   experts local): outputs and all gradients agree; two ``mok`` runs are bitwise equal.
 - ``moe_shared_expert_overlap``: the shared expert's overlap hooks are called in Megatron's
   order around the dispatch and the combine (a recording stand-in: CPU has no streams).
+- The SM budget each layer gives its Buffer (48 without overlap, the Buffer default with it).
 
 GPU (NCCL, CUDA backend; ``MOK_BACKEND=cuda`` so a missing build fails instead of falling
 back): the same round trip and layout on 2 GPUs, and the full layer against ``alltoall`` over
@@ -55,6 +56,12 @@ def test_full_moe_layer_mok_vs_alltoall_cpu():
 def test_shared_expert_overlap_hooks_cpu(world):
     calls = run_distributed(W.shared_expert_overlap_hooks_cpu, world)
     assert all(c[2] == "mok.dispatch" for c in calls)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_layer_num_sms_cpu(world):
+    sms = run_distributed(W.layer_num_sms_cpu, world)
+    assert all(s == [48, None, 16, 48] for s in sms)
 
 
 @pytest.mark.multigpu

@@ -45,7 +45,7 @@ def test_example_trains_same_losses_with_alltoall_and_mok(tmp_path, extra):
 def test_bench_layer_tiny_writes_report(tmp_path):
     paths = run_distributed(W.bench_layer_tiny, 2, str(tmp_path))
     report = json.loads(open(paths[0]).read())
-    assert set(report["results"]) == {"alltoall", "mok"}
+    assert set(report["results"]) == {"alltoall", "mok", "mok:sms=8"}
     assert report["skipped"].get("flex")
     for r in report["results"].values():
         assert r["median_ms_slowest_rank"] >= r["median_ms_this_rank0"] > 0
@@ -116,3 +116,16 @@ def test_bench_layer_interleaves_dispatchers():
                      "a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4, "c": 4}
     assert all(t > 0 for v in times.values() for t in v)
+
+
+def test_bench_layer_dispatcher_variants():
+    bench = W._load("benchmarks/bench_layer.py", "mok_bench_layer_variants")
+    v = bench.dispatcher_variant
+    assert v("alltoall") == ("alltoall", set())
+    assert v("mok:overlap:high") == ("mok", {"overlap", "high"})
+    assert v("mok:sms=24") == ("mok", {"sms=24"}) and bench.variant_num_sms({"sms=24"}) == 24
+    assert bench.variant_num_sms({"overlap"}) is None
+    for bad in ("alltoall:high", "flex:sms=8", "mok:sms=0", "mok:sms=x", "mok:sms=", "mok:fast"):
+        assert v(bad) is None, bad
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dispatchers", "mok,mok:sms=-1"])
