@@ -48,6 +48,8 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default=None)
     p.add_argument("--kernels", action="store_true", help="also print per-kernel device times")
+    p.add_argument("--kernel-sms", default="24",
+                   help="with --kernels: the SM counts whose per-kernel times are printed")
     p.add_argument("--env-sweep", default=None,
                    help="NAME=v1,v2,...: repeat every SM count once per value of env var NAME")
     args = p.parse_args()
@@ -140,7 +142,8 @@ def main():
                 _print_clocks(tr, "dclocks", f"rank {rank} sms={sms} dispatch pull",
                               ("setup local", "setup remote (flag waits incl.)", "load wait local",
                                "load wait NVLink", "store issue"), "rest (chunk release accounting, loop)")
-        if args.kernels and rank == 0 and sms == 24:
+        kernel_sms = sms in [int(v) for v in args.kernel_sms.split(",") if v]
+        if args.kernels and rank == 0 and kernel_sms:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                 for _ in range(5):
@@ -153,9 +156,9 @@ def main():
                 table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
             print(table, flush=True)
             if args.out:
-                with open(os.path.join(args.out, "kernels.txt"), "w") as f:
-                    f.write(table)
-        elif args.kernels and sms == 24:
+                with open(os.path.join(args.out, "kernels.txt"), "a") as f:
+                    f.write(f"sms={sms}\n{table}\n")
+        elif args.kernels and kernel_sms:
             for _ in range(5):
                 sbuf.dispatch(x, idx, w)
                 buf.combine(res.tokens, res.handle)
