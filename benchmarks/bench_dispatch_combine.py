@@ -59,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated systems")
     p.add_argument("--iters", type=int, default=None, help="timed calls per op (GPU default 100)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls per op (GPU default 10)")
-    p.add_argument("--sm-sweep", default=None, help="mok num_sms values (default 8,16,24,32,48)")
+    p.add_argument("--sm-sweep", default=None, help="mok num_sms values (default 8,16,24,32,48,64,96)")
     p.add_argument("--sm-sweep-shape", default="dsv3")
     p.add_argument("--mok-backend", default="auto", choices=["auto", "reference", "cuda"])
     p.add_argument("--mok-num-sms", type=int, default=None, help="num_sms of the main mok runs")
@@ -94,7 +94,7 @@ def resolve_config(args, cpu: bool):
         if args.quick:
             names = list(C.QUICK_SHAPES)
         iters, warmup = 100, 10
-        sweep = [16, 32] if args.quick else [8, 16, 24, 32, 48]
+        sweep = [16, 32] if args.quick else [8, 16, 24, 32, 48, 64, 96]
         budget = 300.0
     if args.shapes:
         names = [n.strip() for n in args.shapes.split(",") if n.strip()]

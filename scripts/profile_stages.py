@@ -30,7 +30,7 @@ def _print_clocks(tr, tag, what, kinds, rest):
     {sum of cycles, warps} per kind, then the total. Prints nothing for a normal build."""
     rows = tr[-(len(kinds) + 1):].cpu().tolist()
     total, warps = rows[-1]
-    if warps <= 0:
+    if warps <= 0 or total <= 0:   # a normal build, or a kernel whose warps had no work of this kind
         return
     parts = ", ".join(f"{k} {100.0 * rows[i][0] / total:.1f}%" for i, k in enumerate(kinds))
     parts += f", {rest} {100.0 * (total - sum(r[0] for r in rows[:-1])) / total:.1f}%"
