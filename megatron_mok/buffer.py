@@ -14,6 +14,8 @@ from .comm import group_rank_size, resolve_group
 from .handle import DispatchHandle, DispatchResult
 
 BACKENDS = ("auto", "reference", "cuda")
+# Largest expert_alignment (kMaxExpertAlignment in csrc/include/mok/config.h).
+MAX_EXPERT_ALIGNMENT = 1024
 _LIVE_BUFFERS: "weakref.WeakSet[Buffer]" = weakref.WeakSet()
 
 
@@ -66,6 +68,11 @@ class Buffer:
         timeout_s: CUDA backend: a spin-wait that sees no progress for this long reports
             rank, peer and what it waited for, and the call raises (default
             ``$MOK_TIMEOUT_S`` or 60 s).
+        expert_alignment: ``A >= 1``. With ``A > 1`` each local expert's rows are followed
+            by zero rows up to a multiple of ``A`` rows (``probs`` 0, ``src_rank`` /
+            ``src_token`` -1); ``R`` and ``tokens_per_expert`` count them, ``combine`` never
+            reads them. FP8 grouped GEMMs want 16 (32 for MXFP8): the dispatch writes the rows
+            in place, so the experts need no padding copy of their own (docs/CONTRACT.md).
     """
 
     def __init__(self, group=None, *, num_experts: int, hidden: int, topk: int,
@@ -73,7 +80,7 @@ class Buffer:
                  backend: str = "auto", combine_partial_dtype: Optional[torch.dtype] = None,
                  max_recv_tokens: Optional[int] = None, num_sms: Optional[int] = None,
                  ring_bytes: Optional[int] = None, timeout_s: Optional[float] = None,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, expert_alignment: int = 1):
         self.group = resolve_group(group)
         self.rank, self.world_size = group_rank_size(self.group)
         validation.check_buffer_args(self.world_size, num_experts, hidden, topk,
@@ -86,6 +93,10 @@ class Buffer:
                             f"torch.float32, got {combine_partial_dtype}")
         if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or max_recv_tokens < 0):
             raise ValueError(f"max_recv_tokens must be None or an int >= 0, got {max_recv_tokens!r}")
+        if (not isinstance(expert_alignment, int) or isinstance(expert_alignment, bool)
+                or not 1 <= expert_alignment <= MAX_EXPERT_ALIGNMENT):
+            raise ValueError(f"expert_alignment must be an int in [1, {MAX_EXPERT_ALIGNMENT}], "
+                             f"got {expert_alignment!r}")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world_size
         self.hidden = hidden
@@ -94,6 +105,7 @@ class Buffer:
         self.dtype = dtype
         self.combine_partial_dtype = partial
         self.max_recv_tokens = max_recv_tokens
+        self.expert_alignment = expert_alignment
         self.requested_backend = backend
         self.num_sms, self.ring_bytes, self.timeout_s = num_sms, ring_bytes, timeout_s
         self.device = torch.device(device) if device is not None else None
@@ -183,7 +195,9 @@ class Buffer:
     def __repr__(self):
         return (f"Buffer(rank={self.rank}/{self.world_size}, experts={self.num_experts}, "
                 f"hidden={self.hidden}, topk={self.topk}, T_max={self.max_tokens_per_rank}, "
-                f"dtype={self.dtype}, backend={self.requested_backend})")
+                f"dtype={self.dtype}, backend={self.requested_backend}"
+                + (f", expert_alignment={self.expert_alignment}" if self.expert_alignment > 1 else "")
+                + ")")
 
     # ------------------------------------------------------------------------------ internal
     def _backend_for(self, t: torch.Tensor):

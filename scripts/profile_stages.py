@@ -50,6 +50,8 @@ def main():
     p.add_argument("--kernels", action="store_true", help="also print per-kernel device times")
     p.add_argument("--kernel-sms", default="24",
                    help="with --kernels: the SM counts whose per-kernel times are printed")
+    p.add_argument("--expert-alignment", default="1",
+                   help="comma-separated Buffer expert_alignment values: every SM count once per value")
     p.add_argument("--env-sweep", default=None,
                    help="NAME=v1,v2,...: repeat every SM count once per value of env var NAME")
     args = p.parse_args()
@@ -75,16 +77,18 @@ def main():
     if args.env_sweep:
         sweep_name, vals = args.env_sweep.split("=")
         sweep_vals = vals.split(",")
-    configs = [(int(s), v) for s in args.sms.split(",") for v in sweep_vals]
-    for sms, env_val in configs:
+    aligns = [int(a) for a in args.expert_alignment.split(",") if a]
+    configs = [(int(s), v, al) for s in args.sms.split(",") for v in sweep_vals for al in aligns]
+    for sms, env_val, align in configs:
         if sweep_name:
             os.environ[sweep_name] = env_val
         buf = mok.Buffer(None, num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T,
-                         backend="cuda", num_sms=sms, device=dev)
+                         backend="cuda", num_sms=sms, device=dev, expert_alignment=align)
         res = buf.dispatch(x, idx, w)
         cap = int(res.tokens.shape[0] * 1.1) + 64
         sbuf = mok.Buffer(None, num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T,
-                          backend="cuda", num_sms=sms, device=dev, max_recv_tokens=cap)
+                          backend="cuda", num_sms=sms, device=dev, max_recv_tokens=cap,
+                          expert_alignment=align)
         be = buf._get_backend("cuda")
         t = {
             "dispatch_eager_us": median_us(lambda: buf.dispatch(x, idx, w), args.iters, args.warmup),
@@ -97,6 +101,7 @@ def main():
         t = dict(zip(t.keys(), vals.tolist()))
         t["layout_static_us"] = t["dispatch_static_us"] - t["transfer_only_us"]
         t["num_sms"] = sms
+        t["expert_alignment"] = align
         if sweep_name:
             t[sweep_name] = env_val
         rows.append(t)
@@ -168,7 +173,8 @@ def main():
         print("| SMs | dispatch eager | dispatch static | transfer only | layout (static - transfer) | combine |")
         print("| --- | --- | --- | --- | --- | --- |")
         for t in rows:
-            print(f"| {t['num_sms']}{' ' + sweep_name + '=' + str(t.get(sweep_name)) if sweep_name else ''} | {t['dispatch_eager_us']:.1f} | {t['dispatch_static_us']:.1f} | "
+            print(f"| {t['num_sms']}{' ' + sweep_name + '=' + str(t.get(sweep_name)) if sweep_name else ''}"
+                  f"{' A=' + str(t['expert_alignment']) if t['expert_alignment'] > 1 else ''} | {t['dispatch_eager_us']:.1f} | {t['dispatch_static_us']:.1f} | "
                   f"{t['transfer_only_us']:.1f} | {t['layout_static_us']:.1f} | {t['combine_us']:.1f} |")
         if args.out:
             with open(os.path.join(args.out, "profile_stages.json"), "w") as f:

@@ -590,3 +590,84 @@ def assert_same_results(a: Dict[str, Any], b: Dict[str, Any], what: str) -> None
             assert a[k] is None and b[k] is None, f"{what}: {k} is None on one side only"
             continue
         assert_bitwise(a[k], b[k], f"{what}: {k}")
+
+
+# ----------------------------------------------------------------------- expert alignment
+ALIGNMENT_CASES = ("random", "t_max_exact", "t0_on_rank0", "t0_everywhere", "unrouted_slots", "all_to_one_expert",
+                   "experts_without_rows", "e_equals_w_duplicates", "dsv3_like", "k16_duplicates")
+
+
+def padded_row_positions(tokens_per_expert: torch.Tensor, alignment: int):
+    """Where the rows of an unaligned dispatch (counts ``tokens_per_expert``) must land with
+    ``expert_alignment``: ``(pos [R0], padded counts [E_local], R)``. Written independently
+    of the backends: expert e's rows start after every earlier expert's rows rounded up."""
+    counts = [int(c) for c in tokens_per_expert.tolist()]
+    pos, start, padded = [], 0, []
+    for c in counts:
+        pos.extend(range(start, start + c))
+        p = -(-c // alignment) * alignment
+        padded.append(p)
+        start += p
+    return torch.tensor(pos, dtype=torch.int64), torch.tensor(padded, dtype=torch.int64), start
+
+
+def check_alignment_case(rank: int, world_size: int, spec: dict, seed: int, backend: str,
+                         alignment: int, device="cpu", ref_backend: Optional[str] = None,
+                         static_extra: Optional[int] = None,
+                         dtypes: Sequence[torch.dtype] = (torch.bfloat16, torch.float32)) -> int:
+    """``Buffer(expert_alignment=A)`` is a pure relayout of the unaligned dispatch, bitwise:
+    the same rows at :func:`padded_row_positions`, zero rows (prob 0, source -1) in between,
+    padded counts; combine output and every gradient unchanged; the rows' gradient zero on the
+    zero rows; combine never reads them (NaN there changes nothing). With ``ref_backend`` the
+    aligned run also equals that backend's aligned run; with ``static_extra`` a static-shape
+    Buffer (``max_recv_tokens = R + static_extra``) gives the same rows, zeros after ``R``.
+    Returns this rank's zero rows (so a test can see it covered some)."""
+    gaps_total = 0
+    for di, dtype in enumerate(dtypes):
+        inputs = spec_inputs(spec, world_size, dtype, seed + di, device=device)
+        x, idx, w = inputs[rank]
+        tag = f"[{spec['case']} {dtype} A={alignment} rank {rank}]"
+        plain = _buffer(spec, dtype, backend, device=device)
+        aligned = _buffer(spec, dtype, backend, device=device, expert_alignment=alignment)
+        p = full_pass(plain, x, idx, w, seed)
+        a = full_pass(aligned, x, idx, w, seed)
+        pos, padded, R = padded_row_positions(p["tokens_per_expert"], alignment)
+        assert_bitwise(a["tokens_per_expert"], padded, f"tokens_per_expert {tag}")
+        assert a["tokens"].shape[0] == R, f"R {tag}: {a['tokens'].shape[0]} != {R}"
+        gap = torch.ones(R, dtype=torch.bool)
+        gap[pos] = False
+        gaps_total += int(gap.sum())
+        for k, fill in (("tokens", 0), ("probs", 0), ("src_rank", -1), ("src_token", -1),
+                        ("grad_expert_out", 0)):
+            assert_bitwise(a[k][pos], p[k], f"{k} rows {tag}")
+            assert_bitwise(a[k][gap], torch.full_like(a[k][gap], fill), f"{k} zero rows {tag}")
+        for k in ("y", "grad_x", "grad_topk_weights"):
+            assert_bitwise(a[k], p[k], f"{k} {tag}")
+        # combine never reads the zero rows
+        res = aligned.dispatch(x, idx, w)
+        eo = res.tokens.clone()
+        eo[res.src_rank < 0] = float("nan")
+        resp = plain.dispatch(x, idx, w)
+        assert_bitwise(aligned.combine(eo, res.handle), plain.combine(resp.tokens, resp.handle),
+                       f"combine with NaN in the zero rows {tag}")
+        if ref_backend is not None:
+            ref = _buffer(spec, dtype, ref_backend, device=device, expert_alignment=alignment)
+            assert_same_results(a, full_pass(ref, x, idx, w, seed), f"{backend} vs {ref_backend} {tag}")
+            ref.destroy()
+        if static_extra is not None:
+            st = _buffer(spec, dtype, backend, device=device, expert_alignment=alignment,
+                         max_recv_tokens=R + static_extra)
+            s = full_pass(st, x, idx, w, seed)
+            for k, fill in (("tokens", 0), ("probs", 0), ("src_rank", -1), ("src_token", -1)):
+                assert_bitwise(s[k][:R], a[k], f"static {k} {tag}")
+                assert_bitwise(s[k][R:], torch.full_like(s[k][R:], fill), f"static {k} past R {tag}")
+            for k in ("y", "grad_x", "grad_topk_weights"):
+                assert_bitwise(s[k], a[k], f"static {k} {tag}")
+            if hasattr(st, "check_errors"):
+                st.check_errors()
+            st.destroy()
+        for b in (plain, aligned):
+            if hasattr(b, "check_errors"):
+                b.check_errors()
+            b.destroy()
+    return gaps_total

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import oracle
-from harness import (DTYPES, _buffer, settle, assert_bitwise, assert_same_results, backward_by_hand,
+from harness import (ALIGNMENT_CASES, DTYPES, _buffer, check_alignment_case, settle, assert_bitwise, assert_same_results, backward_by_hand,
                      contract_cases, full_pass, in_loopback, loopback_barrier, make_inputs, run_distributed,
                      spec_inputs, sync_device)
 from test_cached_dispatch import check_cached_case
@@ -30,6 +30,10 @@ GPU_WORLD_SIZES = [
         torch.cuda.device_count() < 4, reason="needs 4 GPUs")]),
 ]
 CASE_NAMES = tuple(contract_cases(2))
+# The layout's two paths: publish + count + scan fused into one launch (the default for
+# layouts of at most 8192 groups) and the three kernels (MOK_LAYOUT_FUSED=0).
+LAYOUT_PATHS = [pytest.param({}, id="fused_layout"),
+                pytest.param({"MOK_LAYOUT_FUSED": "0"}, id="three_kernel_layout")]
 
 
 def _device_for(rank):
@@ -218,7 +222,50 @@ def mok_buffer(E, H, K, T_max, dtype, backend, device, **kw):
                       backend=backend, device=device, **kw)
 
 
+def _alignment_vs_reference(rank, world_size, name, seed, alignment, backend="cuda"):
+    """``expert_alignment``: the CUDA backend's aligned dispatch is a relayout of its unaligned
+    one (harness.check_alignment_case), equal to the aligned reference, also in static-shape
+    mode."""
+    spec = contract_cases(world_size)[name]
+    return check_alignment_case(rank, world_size, spec, seed, backend, alignment,
+                                device=_device_for(rank), ref_backend="reference", static_extra=5)
+
+
+def _alignment_big_layout(rank, world_size, env, alignment, backend="cuda"):
+    """``expert_alignment`` on a layout of many groups: 128 local experts, hot ones (skewed),
+    8-token chunks, so the scan runs over several tiles (past the fused layout's 8192 groups
+    at 2+ ranks). Loopback ranks share one environment: the test sets MOK_CHUNK_TOKENS there."""
+    spec = dict(T=[300, 250, 287, 199][:world_size] + [260] * max(0, world_size - 4), T_max=303,
+                E=128 * world_size, H=64, K=8, case="skewed", idx_dtype=torch.int64)
+    env = env if in_loopback() else {"MOK_CHUNK_TOKENS": "8", **env}
+    return _with_env(env, check_alignment_case, rank, world_size, spec,
+                     55 + alignment, backend, alignment, _device_for(rank), "reference", 4,
+                     (torch.bfloat16,))
+
+
 # ------------------------------------------------------------------------------- GPU tests
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+@pytest.mark.parametrize("alignment", (16, 3))
+@pytest.mark.parametrize("name", ALIGNMENT_CASES)
+def test_cuda_expert_alignment(name, alignment, world_size):
+    run_distributed(_alignment_vs_reference, world_size, name, 313, alignment, backend="nccl", timeout=300)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("alignment", (16, 32))
+@pytest.mark.parametrize("name", ("random", "t_max_exact", "all_to_one_expert", "k16_duplicates"))
+def test_cuda_expert_alignment_world_size_1(name, alignment):
+    run_distributed(_alignment_vs_reference, 1, name, 314, alignment, backend="nccl", timeout=300)
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.gpu)] + GPU_WORLD_SIZES)
+@pytest.mark.parametrize("env", LAYOUT_PATHS)
+def test_cuda_expert_alignment_big_layout(env, world_size):
+    gaps = run_distributed(_alignment_big_layout, world_size, env, 16, backend="nccl", timeout=300)
+    assert sum(gaps) > 0
+
+
+
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_cuda_matches_reference(name, world_size):
@@ -703,10 +750,6 @@ def _fill_passes_calls(rank, world_size, K, chunk_tokens, backend="cuda"):
     return True
 
 
-# The layout's two paths: publish + count + scan fused into one launch (the default for
-# layouts of at most 8192 groups) and the three kernels (MOK_LAYOUT_FUSED=0).
-LAYOUT_PATHS = [pytest.param({}, id="fused_layout"),
-                pytest.param({"MOK_LAYOUT_FUSED": "0"}, id="three_kernel_layout")]
 
 
 def _scan_tiles_env(rank, world_size, env):
@@ -902,3 +945,9 @@ def test_streamed_produce_code_runs_on_cpu():
 
 def test_scan_tiles_code_runs_on_cpu():
     run_distributed(_scan_tiles_calls, 2, "reference")
+
+
+def test_alignment_code_runs_on_cpu():
+    run_distributed(_alignment_vs_reference, 2, "random", 313, 16, "reference")
+    gaps = run_distributed(_alignment_big_layout, 2, {}, 16, "reference")
+    assert sum(gaps) > 0

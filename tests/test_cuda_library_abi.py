@@ -15,11 +15,11 @@ pytestmark = pytest.mark.skipif(not library.is_available(),
 
 def _create(lib, **over):
     cfg = dict(world=2, rank=0, hidden=7168, elem=2, pelem=2, topk=8, e_local=128, t_max=4096,
-               chunk=64, meta=16, disp_chunks=100, comb_chunks=90)
+               chunk=64, meta=16, disp_chunks=100, comb_chunks=90, align=1)
     cfg.update(over)
     return lib.mok_create(cfg["world"], cfg["rank"], cfg["hidden"], cfg["elem"], cfg["pelem"],
                           cfg["topk"], cfg["e_local"], cfg["t_max"], cfg["chunk"], cfg["meta"],
-                          cfg["disp_chunks"], cfg["comb_chunks"])
+                          cfg["disp_chunks"], cfg["comb_chunks"], cfg["align"])
 
 
 def test_workspace_layout_holds_both_rings():
@@ -58,6 +58,8 @@ def test_layout_grows_with_t_max_and_zero_t_max_is_valid():
     (dict(world=65), "world size"),
     (dict(rank=2), "rank outside"),
     (dict(disp_chunks=0), "ring sizes must be >= 1"),
+    (dict(align=0), "expert_alignment must be in [1, 1024]"),
+    (dict(align=1025), "expert_alignment must be in [1, 1024]"),
 ])
 def test_bad_configuration_is_refused_with_a_message(over, message):
     lib = library.get()

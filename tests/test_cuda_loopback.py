@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness import _buffer, contract_cases, run_loopback
-from test_cuda_backend import (ALT_SCHEDULES, CASE_NAMES, FILL_PASS_CONFIGS, SPLIT_SCHEDULES, _fill_passes_calls, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
+from test_cuda_backend import (ALT_SCHEDULES, _alignment_big_layout, _alignment_vs_reference, CASE_NAMES, FILL_PASS_CONFIGS, SPLIT_SCHEDULES, _fill_passes_calls, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
                                _missing_peer, _overflow_cuda, _repeats_and_sms, _ring_wrap,
                                _ring_reused_every_call, _scan_tiles_calls, _speculative_calls, _speculative_mismatch,
                                _split_calls, _static_cuda, _streamed_produce_calls)
@@ -61,6 +61,24 @@ def test_loopback_ring_wraps(world_size, calls, t_max):
     # a call of T_max tokens is still larger than the 3-chunk ring.
     rows, ring = run_loopback(_ring_wrap, world_size, calls, "cuda", 3, t_max, timeout=600)[0]
     assert rows * 256 * 2 > 4 * ring, "the ring did not wrap"
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("name", ("random", "t_max_exact", "t0_on_rank0", "all_to_one_expert",
+                                  "experts_without_rows", "k16_duplicates"))
+def test_loopback_expert_alignment(name, world_size):
+    run_loopback(_alignment_vs_reference, world_size, name, 315, 16, timeout=300)
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_loopback_expert_alignment_big_layout(world_size, monkeypatch):
+    # every rank (thread) the same; 32-token chunks: 3 ranks' layout grids fit on one GPU, and
+    # the fused layout's scan still takes 2 tiles
+    monkeypatch.setenv("MOK_CHUNK_TOKENS", "32")
+    gaps = run_loopback(_alignment_big_layout, world_size, {}, 16, timeout=300)
+    assert sum(gaps) > 0
 
 
 @gpu

@@ -151,13 +151,17 @@ extern "C" {
 
 MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int partial_bytes, int topk,
                        int num_local_experts, int max_tokens, int chunk_tokens, int meta_slots,
-                       int64_t disp_ring_chunks, int64_t comb_ring_chunks) {
+                       int64_t disp_ring_chunks, int64_t comb_ring_chunks, int expert_alignment) {
   if (world < 1 || world > kMaxRanks) { fail("world size must be in [1, 64]"); return nullptr; }
   if (rank < 0 || rank >= world) { fail("rank outside [0, world)"); return nullptr; }
   if (topk < 1 || topk > kMaxTopk) { fail("topk must be in [1, 32]"); return nullptr; }
   if (hidden <= 0 || hidden % kCombineVec != 0) { fail("hidden must be a positive multiple of 8"); return nullptr; }
   if (chunk_tokens < 1 || meta_slots < 1 || disp_ring_chunks < 1 || comb_ring_chunks < 1) {
     fail("chunk_tokens, meta_slots and both ring sizes must be >= 1");
+    return nullptr;
+  }
+  if (expert_alignment < 1 || expert_alignment > kMaxExpertAlignment) {
+    fail("expert_alignment must be in [1, 1024]");
     return nullptr;
   }
   auto* ctx = new MokContext();
@@ -174,6 +178,7 @@ MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int part
   cfg.meta_slots = meta_slots;
   cfg.disp_ring_chunks = disp_ring_chunks;
   cfg.comb_ring_chunks = comb_ring_chunks;
+  cfg.expert_alignment = expert_alignment;
   ctx->comm.ws = Workspace::make(cfg);
   ctx->comm.rank = rank;
   ctx->comm.world = world;

@@ -14,12 +14,14 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 8
+#define MOK_ABI_VERSION 9
 int mok_abi_version(void);
 
+/* expert_alignment >= 1: each local expert's rows are followed by zero rows (no source, prob 0)
+ * up to a multiple of it; R and tokens_per_expert count them (1: no padding). */
 MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int partial_bytes, int topk,
                        int num_local_experts, int max_tokens, int chunk_tokens, int meta_slots,
-                       int64_t disp_ring_chunks, int64_t comb_ring_chunks);
+                       int64_t disp_ring_chunks, int64_t comb_ring_chunks, int expert_alignment);
 void mok_destroy(MokContext* ctx);
 size_t mok_workspace_bytes(const MokContext* ctx);
 size_t mok_handle_scratch_bytes(const MokContext* ctx);

@@ -225,9 +225,19 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     clk[kDClockTotal] = clock64() - clk0;
     for (int kind = 0; kind < kDClockKinds; ++kind) dispatch_clock_add(c, kind, clk[kind]);
   }
+  const int4 zero = make_int4(0, 0, 0, 0);
+  // The zero rows after each expert's rows (expert_alignment > 1; below R, so in every mode):
+  // one warp per candidate row of E_local x (A - 1).
+  const int gap_most = c.ws.cfg.expert_alignment - 1;
+  for (int i = warp; gap_most > 0 && i < c.ws.cfg.num_local_experts * gap_most; i += n_warps) {
+    const int e = i / gap_most, o = i - e * gap_most;
+    const int64_t row = static_cast<int64_t>(h.gap_begin[e]) + o;
+    if (o >= h.gap_len[e] || row >= a.row_cap) continue;
+    int4* dst = out + static_cast<size_t>(row) * sh.vec_per_row;
+    for (int v = lane; v < sh.vec_per_row; v += kWarpSize) dst[v] = zero;
+  }
   // Static-shape mode: rows past R are zero (not when the host shrinks the rows to R).
   if (a.mode & kTransferNoPad) return;
-  const int4 zero = make_int4(0, 0, 0, 0);
   const size_t pad_begin = static_cast<size_t>(min(static_cast<int64_t>(n_rows), a.row_cap)) * sh.vec_per_row;
   const size_t pad_end = static_cast<size_t>(a.row_cap) * sh.vec_per_row;
   for (size_t v = pad_begin + static_cast<size_t>(warp) * kWarpSize + lane; v < pad_end;

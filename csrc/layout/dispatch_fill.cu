@@ -169,6 +169,18 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
     out.src_token[row] = -1;
     out.probs[row] = 0.f;
   }
+  // The zero rows after each expert's rows (expert_alignment > 1) say "no source" too, in every
+  // mode: they lie below R. E_local x (A - 1) candidates over the grid's threads.
+  const int gap_most = ws.cfg.expert_alignment - 1;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kFillThreads + tid;
+       gap_most > 0 && i < static_cast<int64_t>(E_local) * gap_most; i += stride) {
+    const int e = static_cast<int>(i / gap_most), o = static_cast<int>(i - static_cast<int64_t>(e) * gap_most);
+    const int64_t row = static_cast<int64_t>(h.gap_begin[e]) + o;
+    if (o >= h.gap_len[e] || row >= out.row_cap) continue;
+    out.src_rank[row] = -1;
+    out.src_token[row] = -1;
+    out.probs[row] = 0.f;
+  }
   // The fill is the routing call's last reader of meta_seq: its last block advances it.
   __syncthreads();
   layout_stamp(c, 1, kStFillEnd);

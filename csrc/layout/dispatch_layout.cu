@@ -254,6 +254,35 @@ __device__ int block_exclusive_scan(int32_t* a, int n) {
   return carry;
 }
 
+// expert_alignment A > 1, after the rows' scan (chunk_rows: each group's first row, unpadded;
+// `rows` their total): each local expert's rows are followed by zero rows up to a multiple of A.
+// Expert e's groups move down by the padding of the experts before it; gap_begin / gap_len say
+// where each expert's zero rows are (the fill marks them "no source", the transfer zeroes them).
+// An expert with no rows stays empty. Returns R with the padding. Whole block, after a barrier.
+template <int THREADS, int ITEMS>
+__device__ int pad_experts(const CommContext& c, const HandleArrays& h, int rows) {
+  const int W = c.world, E = c.ws.cfg.num_local_experts, A = c.ws.cfg.expert_alignment;
+  const int per_expert = W * HandleArrays::chunks_per_call(c.ws.cfg);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int first = h.chunk_rows[static_cast<size_t>(e) * per_expert];
+    const int next = e + 1 < E ? h.chunk_rows[static_cast<size_t>(e + 1) * per_expert] : rows;
+    const int gap = (A - (next - first) % A) % A;
+    h.gap_len[e] = gap;
+    h.gap_begin[e] = gap;  // scanned next: the padding of the experts before e
+  }
+  __syncthreads();
+  const int padding = block_exclusive_scan<THREADS, ITEMS>(h.gap_begin, E);
+  __syncthreads();
+  for (int i = threadIdx.x; i < E * per_expert; i += blockDim.x) h.chunk_rows[i] += h.gap_begin[i / per_expert];
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int next = e + 1 < E ? h.chunk_rows[static_cast<size_t>(e + 1) * per_expert] : rows + padding;
+    h.gap_begin[e] = next - h.gap_len[e];
+  }
+  __syncthreads();
+  return rows + padding;
+}
+
 // The host report (RowOutputs::host_report): totals, then the error words as they stand now.
 // Called by one thread after a block barrier, so every report_error of this kernel is in.
 __device__ void write_host_report(const CommContext& c, int32_t* report, const int32_t* totals) {
@@ -282,7 +311,8 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
     const int W = c.world, E = c.ws.cfg.num_local_experts;
     const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
     // Rows in contract order: expert, then source, then chunk (then token, then k: fill).
-    const int rows = block_exclusive_scan<THREADS, ITEMS>(h.chunk_rows, E * W * cpc);
+    int rows = block_exclusive_scan<THREADS, ITEMS>(h.chunk_rows, E * W * cpc);
+    if (c.ws.cfg.expert_alignment > 1) rows = pad_experts<THREADS, ITEMS>(c, h, rows);
     layout_stamp(c, 0, kStScanRows);
     // tokens_per_expert: the distance between consecutive experts' first rows.
     for (int e = threadIdx.x; e < E; e += blockDim.x) {

@@ -30,7 +30,7 @@ class ReferenceLayout:
     """
 
     counts: torch.Tensor        # [W] int64, tokens per source rank in this dispatch
-    row_k: torch.Tensor         # [R] int64, the slot k of each row
+    row_k: torch.Tensor         # [R] int64, the slot k of each row (-1: a zero row)
     task_key: torch.Tensor      # [n] int64, s * T_max + t of each task, ascending
     task_rows: torch.Tensor     # [n, K] int64, the task's rows in row order, -1 padded
     hit: torch.Tensor           # [W, T] bool, hit[d, t]: token t of this rank has rows on d
@@ -61,6 +61,19 @@ def build_layout(all_idx: torch.Tensor, counts: torch.Tensor, rank: int, num_loc
     key = ((e * world + s) * t_max + t) * topk + k
     order = torch.sort(key).indices
     return e[order], s[order], t[order], k[order]
+
+
+def padded_positions(row_e: torch.Tensor, num_local_experts: int, alignment: int):
+    """Where the rows of :func:`build_layout` go when each expert's rows are followed by zero
+    rows up to a multiple of ``alignment`` (``Buffer(expert_alignment=)``).
+
+    Returns ``(pos [R0] int64, tokens_per_expert [E_local] int64, R)``: row ``i`` of the
+    unpadded layout is row ``pos[i]``; the counts and ``R`` include the zero rows."""
+    counts = torch.bincount(row_e, minlength=num_local_experts).to(torch.int64)
+    padded = (counts + alignment - 1) // alignment * alignment
+    shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(counts, 0) - counts)
+    pos = torch.arange(row_e.numel(), dtype=torch.int64, device=row_e.device) + shift[row_e]
+    return pos, padded, int(padded.sum())
 
 
 def group_rows_by_task(row_s: torch.Tensor, row_t: torch.Tensor, t_max: int, topk: int):
@@ -103,15 +116,16 @@ class ReferenceBackend:
         all_x = self._gather_tokens(x)
 
         row_e, row_s, row_t, row_k = build_layout(all_idx, counts, b.rank, b.num_local_experts)
-        R = row_e.numel()
+        # pos: each row's place (with expert_alignment, zero rows follow each expert's rows)
+        pos, tpe, R = padded_positions(row_e, b.num_local_experts, b.expert_alignment)
         out_rows = b._out_rows(R)
         tokens = x.new_zeros(out_rows, b.hidden)
-        tokens[:R] = all_x[row_s, row_t]
+        tokens[pos] = all_x[row_s, row_t]
         probs = torch.zeros(out_rows, dtype=torch.float32, device=x.device)
-        probs[:R] = all_w[row_s, row_t, row_k]
-        tpe = torch.bincount(row_e, minlength=b.num_local_experts).to(torch.int64)
+        probs[pos] = all_w[row_s, row_t, row_k]
 
         task_key, task_rows = group_rows_by_task(row_s, row_t, t_max, K)
+        task_rows = torch.where(task_rows >= 0, pos[task_rows.clamp(min=0)], task_rows)
         my_idx = idx[:T]
         hit = torch.zeros(W, T, dtype=torch.bool, device=x.device)
         routed = my_idx >= 0
@@ -121,8 +135,10 @@ class ReferenceBackend:
 
         src_rank = torch.full((out_rows,), -1, dtype=torch.int64, device=x.device)
         src_token = torch.full((out_rows,), -1, dtype=torch.int64, device=x.device)
-        src_rank[:R], src_token[:R] = row_s, row_t
-        layout = ReferenceLayout(counts=counts, row_k=row_k, task_key=task_key,
+        src_rank[pos], src_token[pos] = row_s, row_t
+        row_k_out = torch.full((R,), -1, dtype=torch.int64, device=x.device)
+        row_k_out[pos] = row_k
+        layout = ReferenceLayout(counts=counts, row_k=row_k_out, task_key=task_key,
                                  task_rows=task_rows, hit=hit)
         handle = DispatchHandle(
             buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=out_rows,
@@ -137,7 +153,8 @@ class ReferenceBackend:
         all_x = self._gather_tokens(x)
         R = handle.num_rows
         out = x.new_zeros(handle.num_out_rows, self.buf.hidden)
-        out[:R] = all_x[handle.src_rank[:R], handle.src_token[:R]]
+        live = handle.src_rank[:R] >= 0          # not the zero rows of expert_alignment
+        out[:R][live] = all_x[handle.src_rank[:R][live], handle.src_token[:R][live]]
         return out
 
     # ------------------------------------------------------------------------------ combine
@@ -170,8 +187,9 @@ class ReferenceBackend:
         if grad_probs is not None:
             R = handle.num_rows
             side = torch.zeros(W * t_max, K, dtype=torch.float32, device=dev)
-            key = handle.src_rank[:R] * t_max + handle.src_token[:R]
-            side[key, lay.row_k] = grad_probs[:R].float()
+            live = lay.row_k >= 0                # not the zero rows of expert_alignment
+            key = handle.src_rank[:R][live] * t_max + handle.src_token[:R][live]
+            side[key, lay.row_k[live]] = grad_probs[:R][live].float()
             all_side = all_gather_exact(side, b.group, W).view(W, W, t_max, K)[:, b.rank, :T]
             grad_w = torch.zeros(T, K, dtype=torch.float32, device=dev)
             for d in range(W):          # exactly one rank holds each routed slot

@@ -98,7 +98,7 @@ class CudaBackend:
                              f"({max(disp_chunk, comb_chunk)} bytes = {C} rows)")
         self.ctx = self.lib.mok_create(buf.world_size, buf.rank, H, elem, pelem, K,
                                        buf.num_local_experts, buf.max_tokens_per_rank, C,
-                                       META_SLOTS, disp_chunks, comb_chunks)
+                                       META_SLOTS, disp_chunks, comb_chunks, buf.expert_alignment)
         if not self.ctx:
             raise ValueError(f"megatron_mok: {self.lib.mok_last_error().decode()}")
         self.timeout_s = (buf.timeout_s if buf.timeout_s is not None
@@ -161,7 +161,9 @@ class CudaBackend:
         # into per-row outputs sized by a bound on R (every slot of every source's tokens:
         # W * T_max * K rows, 20 bytes each; the handle keeps them, sliced to R), so the fill runs
         # while the host waits for R. Off by default: it measured no gain on 2x H200 (NOTES #20).
-        self.rows_bound = buf.world_size * buf.max_tokens_per_rank * buf.topk
+        # With expert_alignment each local expert may add up to A - 1 zero rows.
+        self.rows_bound = (buf.world_size * buf.max_tokens_per_rank * buf.topk
+                           + buf.num_local_experts * (buf.expert_alignment - 1))
         # The bound is ~W times R (R ~ T * K), so the handle holds 20 * W * T_max * K bytes where
         # R rows of tokens take R * H * elem: 10 * W / H of the token rows (1% at W=8, H=7168).
         # Large EP groups (an NVL72 domain: 72 x 16k x 8 rows) would hold too much per handle.
@@ -169,7 +171,10 @@ class CudaBackend:
         # MOK_EAGER_SPECULATIVE=1: the eager dispatch also launches the transfer before the host
         # read, into rows allocated for a capacity guessed from recent calls (_dispatch_speculative);
         # it needs the fill before the read, so it turns fill-first on.
-        self.speculative = _env_int("MOK_EAGER_SPECULATIVE", 0) != 0 and bound_fits
+        # Not with expert_alignment: the scan's verdict sums every rank's rows from the routing,
+        # and a rank's zero rows depend on its experts' counts, which the peers do not total.
+        self.speculative = (_env_int("MOK_EAGER_SPECULATIVE", 0) != 0 and bound_fits
+                            and buf.expert_alignment == 1)
         self.fill_first = bound_fits and (_env_int("MOK_EAGER_FILL_FIRST", 0) != 0 or self.speculative)
         self._spec_recent: list = []
         self.spec_fallbacks = 0  # calls whose guess was short on some rank (all redid the transfer)

@@ -6,11 +6,11 @@ import ctypes
 from ctypes import c_double, c_float, c_int, c_int64, c_size_t, c_uint64, c_void_p, POINTER
 
 # The C ABI version this file declares (MOK_ABI_VERSION in csrc/api/mok_api.h).
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 _SIGNATURES = {
     "mok_abi_version": (c_int, []),
-    "mok_create": (c_void_p, [c_int] * 10 + [c_int64, c_int64]),
+    "mok_create": (c_void_p, [c_int] * 10 + [c_int64, c_int64, c_int]),
     "mok_destroy": (None, [c_void_p]),
     "mok_workspace_bytes": (c_size_t, [c_void_p]),
     "mok_handle_scratch_bytes": (c_size_t, [c_void_p]),

@@ -50,11 +50,6 @@ def config_problems(config) -> list:
         p.append("moe_pad_expert_input_to_capacity (drop-and-pad) is set; MoK is dropless and "
                  "returns exactly the routed rows: unset it (a capacity factor alone, which "
                  "drops in the router, works), or use 'alltoall'")
-    if getattr(config, "moe_router_padding_for_quantization", False) or \
-            getattr(config, "moe_router_padding_for_fp8", False):
-        p.append("moe_router_padding_for_quantization / moe_router_padding_for_fp8 is set; MoK "
-                 "does not pad expert rows: unset it (the experts pad for FP8 themselves), or "
-                 "use 'alltoall'")
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
         p.append("overlap_moe_expert_parallel_comm is set; MoK has no split 1F1B A2A overlap "
                  "schedule yet: unset overlap_moe_expert_parallel_comm")

@@ -192,6 +192,18 @@ class MokTokenDispatcher(MoETokenDispatcher):
             return None
         return LAYER_NUM_SMS
 
+    def expert_alignment(self) -> int:
+        """Rows per local expert are padded to this multiple (zero rows, prob 0) with
+        ``moe_router_padding_for_quantization``: Megatron's alignment for the FP8 / FP4 grouped
+        GEMMs (16; 32 for MXFP8; 256 with TE's op fuser). The dispatch writes its rows there
+        directly, so the experts skip their own padding copy (``skip_routed_expert_padding``).
+        1 otherwise."""
+        if not getattr(self.config, "moe_router_padding_for_quantization", False):
+            return 1
+        from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+        return max(1, int(get_align_size_for_quantization(self.config)))
+
     def _get_buffer(self, hidden: torch.Tensor):
         import megatron_mok as mok
 
@@ -221,6 +233,8 @@ class MokTokenDispatcher(MoETokenDispatcher):
         num_sms = self.num_sms()
         if num_sms is not None:
             kwargs["num_sms"] = num_sms
+        if self.expert_alignment() > 1:
+            kwargs["expert_alignment"] = self.expert_alignment()
         # Layers whose knobs differ (config.moe_mok_<name>) get Buffers of their own.
         key = (gkey, self.num_experts, hidden.shape[1], self.topk, hidden.dtype, opts.backend,
                opts.combine_partial_dtype, t_max, str(hidden.device), tuple(sorted(kwargs.items())))

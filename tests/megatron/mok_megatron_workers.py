@@ -463,6 +463,61 @@ def layer_num_sms_cpu(rank, world):
         h.destroy_parallel()
 
 
+def layer_router_padding(rank, world, backend_env=None):
+    """``moe_router_padding_for_quantization`` through ``mok``: the dispatcher's Buffer pads
+    each local expert's rows to Megatron's FP8 alignment (16) itself, so the experts see
+    counts that are multiples of 16 (zero rows, prob 0, after each expert's rows); the
+    layer's output and every gradient equal those of the same layer without the padding
+    (bitwise on CPU; on GPUs up to the GEMMs' reduction over more rows). ``fp8`` is set on
+    the config after it is built (no Transformer Engine here: the local experts do not read
+    it; Megatron's alignment helper does). Returns the experts' counts seen per call."""
+    h = _setup(world, backend_env)
+    try:
+        dev = _device()
+        gpu = dev.type == "cuda"
+        kw = dict(num_experts=4 * world, topk=2, hidden=64 if gpu else 32,
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+        if gpu:
+            kw["dtype"] = torch.bfloat16
+        layers = []
+        for pad in (False, True):
+            torch.manual_seed(0)
+            cfg = h.moe_config("mok", ep_size=world, **kw)
+            if pad:
+                cfg.moe_router_padding_for_quantization = True
+                cfg.fp8 = "hybrid"
+            layers.append(h.build_moe_layer(cfg, **({"device": dev, "dtype": torch.bfloat16} if gpu else {})))
+        plain, padded = layers
+        padded.load_state_dict(plain.state_dict())
+        assert padded.token_dispatcher.expert_alignment() == 16
+        assert plain.token_dispatcher.expert_alignment() == 1
+        seen = []
+        padded.experts.register_forward_pre_hook(
+            lambda mod, args: seen.append([int(c) for c in args[1].tolist()]))
+        g = torch.Generator().manual_seed(300 + rank)
+        dt = torch.bfloat16 if gpu else torch.float32
+        x = torch.randn(37, 1, kw["hidden"], generator=g).to(dt).to(dev)   # 37 tokens: odd counts
+        gy = torch.randn(37, 1, kw["hidden"], generator=g).to(dt).to(dev)
+        want = _run_layer(plain, x, gy)
+        got = _run_layer(padded, x, gy)
+        assert padded.token_dispatcher.buffer.expert_alignment == 16
+        assert seen and all(c % 16 == 0 for c in seen[0]), seen
+        assert sum(seen[0]) > 37 * 2 // world - 16 * len(seen[0]), seen   # real rows are in there
+        if gpu:
+            tol = dict(atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(got[0].float(), want[0].float(), **tol)
+            torch.testing.assert_close(got[1].float(), want[1].float(), **tol)
+            for k in want[2]:
+                torch.testing.assert_close(got[2][k].float(), want[2][k].float(), **tol,
+                                           msg=lambda m: f"grad {k}: {m}")
+        else:
+            _assert_runs_bitwise(got, want, "padded vs plain")
+        _assert_runs_bitwise(_run_layer(padded, x, gy), got, "padded run 2 vs run 1")
+        return seen[0]
+    finally:
+        h.destroy_parallel()
+
+
 def layer_shared_expert_overlap_gpu(rank, world, gate=False, comm_stream="current", backend_env="cuda"):
     """``moe_shared_expert_overlap`` with Megatron's ``SharedExpertMLP`` on its own CUDA stream,
     bf16: the ``mok`` layer with the overlap gives bitwise the output and parameter gradients

@@ -9,6 +9,8 @@ CPU (gloo, reference backend; runs in CI):
 - ``moe_shared_expert_overlap``: the shared expert's overlap hooks are called in Megatron's
   order around the dispatch and the combine (a recording stand-in: CPU has no streams).
 - The SM budget each layer gives its Buffer (48 without overlap, the Buffer default with it).
+- ``moe_router_padding_for_quantization``: the Buffer pads each expert's rows to 16 (zero
+  rows), the layer's output and gradients unchanged (bitwise on CPU; on GPUs below).
 
 GPU (NCCL, CUDA backend; ``MOK_BACKEND=cuda`` so a missing build fails instead of falling
 back): the same round trip and layout on 2 GPUs, and the full layer against ``alltoall`` over
@@ -64,6 +66,12 @@ def test_layer_num_sms_cpu(world):
     assert all(s == [48, None, 16, 48] for s in sms)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_router_padding_for_quantization_cpu(world):
+    counts = run_distributed(W.layer_router_padding, world)
+    assert all(c % 16 == 0 for per_rank in counts for c in per_rank)
+
+
 @pytest.mark.multigpu
 @pytest.mark.parametrize("topk", [2, 3])
 def test_dropless_roundtrip_gpu(topk):
@@ -115,3 +123,15 @@ def test_shared_expert_overlap_one_gpu(gate, comm_stream):
 def test_shared_expert_overlap_gpu(comm_stream):
     reports = run_distributed(W.layer_shared_expert_overlap_gpu, 2, False, comm_stream, backend="nccl")
     assert "output" in reports[0]
+
+
+@pytest.mark.gpu
+def test_router_padding_for_quantization_one_gpu():
+    counts = run_distributed(W.layer_router_padding, 1, "cuda", backend="nccl")
+    assert all(c % 16 == 0 for c in counts[0])
+
+
+@pytest.mark.multigpu
+def test_router_padding_for_quantization_gpu():
+    counts = run_distributed(W.layer_router_padding, 2, "cuda", backend="nccl")
+    assert all(c % 16 == 0 for per_rank in counts for c in per_rank)

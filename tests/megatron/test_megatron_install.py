@@ -82,8 +82,6 @@ def test_uninstall_restores_and_reinstall_works():
      "expert_tensor_parallel_size=1"),
     (dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
      "unset it"),
-    (dict(moe_router_padding_for_quantization=True, fp8="hybrid"),
-     "moe_router_padding_for_quantization"),
     (dict(num_moe_experts=None), "num_moe_experts"),
 ])
 def test_unsupported_configs_fail_at_config_time(overrides, needle):

@@ -80,6 +80,8 @@ constexpr size_t kMaxDynamicSmem = 226 * 1024;
 constexpr int kMaxRanks = 64;
 // Largest topk a task can carry (rows of one token on one rank).
 constexpr int kMaxTopk = 32;
+// Largest expert_alignment (FP8 grouped GEMMs ask for 16-256 rows).
+constexpr int kMaxExpertAlignment = 1024;
 // Spin loops read the clock only every this many polls.
 constexpr int kPollsPerClockRead = 16;
 // Sleep between polls of a flag: doubles from the first to the second value.

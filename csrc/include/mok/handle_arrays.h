@@ -19,6 +19,8 @@
 //   task_src, task_token [W * T_max] i32   the source token of each task
 //   task_rows     [W * T_max, K] i32   the task's rows in row order (expert, then k), -1 pad
 //   task_k        [W * T_max, K] i32   the slot k of each of those rows
+//   gap_begin     [E_local]  i32  expert_alignment > 1: the first zero row after expert e's rows
+//   gap_len       [E_local]  i32  ... and how many (< expert_alignment); written by the scan
 #pragma once
 
 #include "workspace.h"
@@ -42,6 +44,8 @@ struct HandleArrays {
   int32_t* task_rows;
   int32_t* task_k;
   int32_t* dest_total;
+  int32_t* gap_begin;
+  int32_t* gap_len;
   size_t total_bytes;
 
   // At least one: every layout kernel launches one block per chunk, and T_max = 0 is legal.
@@ -83,6 +87,8 @@ struct HandleArrays {
     a.task_rows = (int32_t*)take(W * T * K * 4);
     a.task_k = (int32_t*)take(W * T * K * 4);
     a.dest_total = (int32_t*)take(W * 4);
+    a.gap_begin = (int32_t*)take(E * 4);
+    a.gap_len = (int32_t*)take(E * 4);
     a.total_bytes = off;
     return a;
   }

@@ -86,6 +86,9 @@ struct WorkspaceConfig {
   int32_t meta_slots;      // M
   int64_t disp_ring_chunks;  // Nd
   int64_t comb_ring_chunks;  // Nc
+  // A >= 1: each local expert's rows are followed by zero rows up to a multiple of A (FP8
+  // grouped GEMMs want aligned row counts; the layout's scan places them, HandleArrays' gaps).
+  int32_t expert_alignment;
 };
 
 __host__ __device__ inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
