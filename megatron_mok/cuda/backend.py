@@ -183,6 +183,8 @@ class CudaBackend:
         # for a ring that holds a whole call (the slots are then fixed) and not with stage-first.
         self.ce_stage = (_env_int("MOK_DISPATCH_CE_STAGE", 1) != 0 and not self.stage_first
                          and bool(self.lib.mok_dispatch_ce_stage_supported(self.ctx)))
+        # The transfer mode's copy-engine flag, for every transfer of this Buffer.
+        self.ce_mode = bindings.TRANSFER_CE_STAGED if self.ce_stage else bindings.TRANSFER_BOTH
         self._check_ranks_agree(dev)
         self._own_side = None
         if self.mem.loopback:       # never the stream of another rank (loopback.OwnStream)
@@ -347,7 +349,7 @@ class CudaBackend:
             # The usual eager dispatch: fill and transfer in one library call (its copy-engine
             # staging, if any, was queued before the read).
             self._launch(bindings.STEP_FILL | bindings.STEP_TRANSFER, stream, scratch, x, T, None,
-                         None, None, probs_all, src_all, tokens, cap, 8 if self.ce_stage else 0)
+                         None, None, probs_all, src_all, tokens, cap, self.ce_mode)
         else:
             if not fill_first:
                 # Written in full by the fill kernel (padding rows included): no memsets here.
@@ -359,7 +361,7 @@ class CudaBackend:
             else:
                 self._check(self.lib.mok_dispatch_transfer(
                     self.ctx, stream, self._ptr(scratch), self._ptr(x), T, self._ptr(tokens), cap,
-                    self.num_blocks - self.dispatch_producers, 0, 2))
+                    self.num_blocks - self.dispatch_producers, 0, bindings.TRANSFER_PULL))
                 # Later work on this stream (an in-place update of x, the next call) comes after
                 # the staging.
                 main.wait_event(staged)
@@ -386,8 +388,7 @@ class CudaBackend:
         steps = bindings.STEP_LAYOUT | bindings.STEP_FILL | bindings.STEP_TRANSFER
         if self.ce_stage:
             steps |= bindings.STEP_STAGE_COPY
-        self._launch(steps, stream, scratch, x, T, idx, w, tpe, probs, src, tokens, cap,
-                     8 if self.ce_stage else 0)
+        self._launch(steps, stream, scratch, x, T, idx, w, tpe, probs, src, tokens, cap, self.ce_mode)
         handle = DispatchHandle(
             buffer_id=id(b), num_tokens=T, num_rows=None, num_out_rows=cap, src_rank=src[0],
             src_token=src[1], tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
@@ -474,11 +475,9 @@ class CudaBackend:
         the copy goes first on the stream (mode flag 8), unless the caller queued it already
         (``staged``)."""
         stream = self._stream()
-        mode = 0 if pad else 4
-        if self.ce_stage:
-            if not staged:
-                self._stage_copy(x, T, stream)
-            mode |= 8
+        mode = (bindings.TRANSFER_BOTH if pad else bindings.TRANSFER_NO_PAD) | self.ce_mode
+        if self.ce_stage and not staged:
+            self._stage_copy(x, T, stream)
         blocks, producers, _ = self._roles(T)
         self._check(self.lib.mok_dispatch_transfer(
             self.ctx, stream, self._ptr(scratch), self._ptr(x), T,
@@ -528,7 +527,8 @@ class CudaBackend:
         kernel's add up to ``num_sms``."""
         return self._on_side_stream(main, self._layout_done, self._staged, lambda: self._check(
             self.lib.mok_dispatch_transfer(self.ctx, self._side_raw, self._ptr(scratch), self._ptr(x), T,
-                                           ctypes.c_void_p(0), 0, self.dispatch_producers, 0, 1)),
+                                           ctypes.c_void_p(0), 0, self.dispatch_producers, 0,
+                                           bindings.TRANSFER_STAGE)),
             x, scratch)
 
     def dispatch_cached(self, x, handle: DispatchHandle):
@@ -537,7 +537,7 @@ class CudaBackend:
         if self.ce_stage:   # staging and transfer in one library call
             self._launch(bindings.STEP_STAGE_COPY | bindings.STEP_TRANSFER, self._stream(),
                          handle.state.scratch, x, handle.num_tokens, None, None, None, None, None,
-                         out, handle.num_out_rows, 8)
+                         out, handle.num_out_rows, bindings.TRANSFER_CE_STAGED)
         else:
             self._transfer(x, handle.num_tokens, handle.state.scratch, out, handle.num_out_rows)
         return out

@@ -42,6 +42,10 @@ _SIGNATURES = {
 
 # mok_dispatch_launch's steps (MOK_STEP_* in csrc/api/mok_api.h).
 STEP_LAYOUT, STEP_FILL, STEP_STAGE_COPY, STEP_TRANSFER = 1, 2, 4, 8
+# mok_dispatch_transfer's modes: roles (both, stage only, pull only), or'ed with "rows [R, cap)
+# not zeroed" and "the copy engine staged x" (see csrc/api/mok_api.h).
+TRANSFER_BOTH, TRANSFER_STAGE, TRANSFER_PULL = 0, 1, 2
+TRANSFER_NO_PAD, TRANSFER_CE_STAGED = 4, 8
 
 
 def declare(lib: ctypes.CDLL) -> None:

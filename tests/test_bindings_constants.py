@@ -1,0 +1,43 @@
+"""The Python mirrors of the C ABI's numbers (megatron_mok/cuda/bindings.py) against the C
+sources they copy: a renumbering on one side only would launch the wrong steps or modes
+without any error. Reads the headers as text: runs without the library or a GPU."""
+
+import os
+import re
+
+from megatron_mok.cuda import bindings
+
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+
+
+def _read(rel):
+    with open(os.path.join(CSRC, rel)) as f:
+        return f.read()
+
+
+def test_abi_version_matches_the_header():
+    m = re.search(r"#define MOK_ABI_VERSION (\d+)", _read("api/mok_api.h"))
+    assert m and int(m.group(1)) == bindings.ABI_VERSION
+
+
+def test_dispatch_steps_match_the_header():
+    api = _read("api/mok_api.h")
+    for name in ("LAYOUT", "FILL", "STAGE_COPY", "TRANSFER"):
+        m = re.search(rf"#define MOK_STEP_{name} (\d+)", api)
+        assert m and int(m.group(1)) == getattr(bindings, f"STEP_{name}"), name
+
+
+def test_transfer_modes_match_the_kernels_enum():
+    launch = _read("include/mok/launch.h")
+    for c_name, py_name in (("kTransferBoth", "TRANSFER_BOTH"), ("kTransferStage", "TRANSFER_STAGE"),
+                            ("kTransferPull", "TRANSFER_PULL"), ("kTransferNoPad", "TRANSFER_NO_PAD"),
+                            ("kTransferCeStaged", "TRANSFER_CE_STAGED")):
+        m = re.search(rf"\b{c_name} = (\d+)", launch)
+        assert m and int(m.group(1)) == getattr(bindings, py_name), c_name
+
+
+def test_expert_alignment_limit_matches_the_kernels():
+    from megatron_mok.buffer import MAX_EXPERT_ALIGNMENT
+
+    m = re.search(r"kMaxExpertAlignment = (\d+)", _read("include/mok/config.h"))
+    assert m and int(m.group(1)) == MAX_EXPERT_ALIGNMENT
