@@ -258,6 +258,29 @@ def test_cuda_expert_alignment_world_size_1(name, alignment):
     run_distributed(_alignment_vs_reference, 1, name, 314, alignment, backend="nccl", timeout=300)
 
 
+def _alignment_ignores_speculative(rank, world_size):
+    """MOK_EAGER_SPECULATIVE=1 with expert_alignment: a warning, eager dispatches that read R
+    first, and the aligned results unchanged (bitwise = the aligned reference)."""
+    import warnings
+
+    def run():
+        spec = contract_cases(world_size)["random"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            probe = _buffer(spec, torch.bfloat16, "cuda", device=_device_for(rank), expert_alignment=16)
+            be = probe._get_backend("cuda")
+        assert not be.speculative and any("MOK_EAGER_SPECULATIVE" in str(w.message) for w in caught)
+        probe.destroy()
+        return _alignment_vs_reference(rank, world_size, "random", 316, 16)
+
+    return _with_env({"MOK_EAGER_SPECULATIVE": "1"}, lambda r, w: run(), rank, world_size)
+
+
+@pytest.mark.gpu
+def test_cuda_expert_alignment_ignores_speculative():
+    run_distributed(_alignment_ignores_speculative, 1, backend="nccl", timeout=300)
+
+
 @pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.gpu)] + GPU_WORLD_SIZES)
 @pytest.mark.parametrize("env", LAYOUT_PATHS)
 def test_cuda_expert_alignment_big_layout(env, world_size):

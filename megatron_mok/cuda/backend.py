@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -175,6 +176,10 @@ class CudaBackend:
         # and a rank's zero rows depend on its experts' counts, which the peers do not total.
         self.speculative = (_env_int("MOK_EAGER_SPECULATIVE", 0) != 0 and bound_fits
                             and buf.expert_alignment == 1)
+        if _env_int("MOK_EAGER_SPECULATIVE", 0) != 0 and buf.expert_alignment > 1:
+            warnings.warn("MOK_EAGER_SPECULATIVE=1 is ignored by a Buffer with expert_alignment > 1 "
+                          "(its eager dispatches read R first); every rank's Buffers must agree",
+                          stacklevel=3)
         self.fill_first = bound_fits and (_env_int("MOK_EAGER_FILL_FIRST", 0) != 0 or self.speculative)
         self._spec_recent: list = []
         self.spec_fallbacks = 0  # calls whose guess was short on some rank (all redid the transfer)
