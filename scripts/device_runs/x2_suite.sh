@@ -19,7 +19,10 @@
 #    next experiments after session 14, item 2); with AB=4: the Megatron layer with a shared
 #    expert on 2 GPUs (megatron-core wheel carried in .whl/): alltoall, alltoall:overlap, mok,
 #    mok:overlap and mok:overlap:high (MOK_COMM_STREAM=high), interleaved in one process, two
-#    rounds (NOTES (MM), (NN): measured at W=1 only).
+#    rounds (NOTES (MM), (NN): measured at W=1 only); with AB=5: the Megatron layer's SM budget
+#    (mok = 48 SMs by default, mok:sms=24, mok:sms=64, alltoall beside) and the cost of
+#    expert_alignment (profile_stages.py --expert-alignment 1,16,1,16) on 2 GPUs (NOTES, next
+#    experiments after session 16, items 7-8).
 # Everything lands in $OUT/r.tgz; assemble with scripts/results_json.py.
 set -uo pipefail
 C=${1:?commit}; AB=${2:-1}
@@ -67,5 +70,16 @@ elif [ "$AB" = 4 ]; then
       --hidden 4096 --ffn-hidden 2048 --shared-ffn 4096 --iters 30 --out-dir $R/layer --tag x2_shared_$i
     grep -E "median" $R/layer_$i.log
   done
+elif [ "$AB" = 5 ]; then
+  install_wheels .whl /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  for i in 1 2; do
+    step layer_sms_$i 200 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_layer.py \
+      --dispatchers alltoall,mok,mok:sms=24,mok:sms=64 --tokens 16384 --hidden 7168 --ffn-hidden 512 \
+      --num-experts 16 --topk 8 --iters 30 --out-dir $R/layer --tag x2_sms_$i
+    grep -E "median" $R/layer_sms_$i.log
+  done
+  step align 120 python3 -m torch.distributed.run --nproc-per-node 2 scripts/profile_stages.py \
+    --sms 24,48 --expert-alignment 1,16,1,16 --out $R/align
+  grep -E "^\|" $R/align.log
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r
