@@ -174,9 +174,9 @@ class CudaBackend:
         # it needs the fill before the read, so it turns fill-first on.
         # Not with expert_alignment: the scan's verdict sums every rank's rows from the routing,
         # and a rank's zero rows depend on its experts' counts, which the peers do not total.
-        self.speculative = (_env_int("MOK_EAGER_SPECULATIVE", 0) != 0 and bound_fits
-                            and buf.expert_alignment == 1)
-        if _env_int("MOK_EAGER_SPECULATIVE", 0) != 0 and buf.expert_alignment > 1:
+        speculative = _env_int("MOK_EAGER_SPECULATIVE", 0) != 0
+        self.speculative = speculative and bound_fits and buf.expert_alignment == 1
+        if speculative and buf.expert_alignment > 1:
             warnings.warn("MOK_EAGER_SPECULATIVE=1 is ignored by a Buffer with expert_alignment > 1 "
                           "(its eager dispatches read R first); every rank's Buffers must agree",
                           stacklevel=3)
@@ -375,11 +375,7 @@ class CudaBackend:
             # knows: its transfer is launched like its peers' (they wait for its staged tokens),
             # then it raises. Raising before the launch would leave the peers to time out.
             self._raise_if_error(self.host_report[4:])
-        handle = DispatchHandle(
-            buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=cap, src_rank=src_rank,
-            src_token=src_token, tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
-            state=CudaLayout(scratch=scratch))
-        return tokens, probs, handle
+        return tokens, probs, self._handle(T, R, cap, src_rank, src_token, tpe, scratch)
 
     def _dispatch_static(self, x, T, idx, w, scratch, tpe, stream):
         """A static-shape dispatch (``max_recv_tokens``): every output is allocated first, then
@@ -394,11 +390,7 @@ class CudaBackend:
         if self.ce_stage:
             steps |= bindings.STEP_STAGE_COPY
         self._launch(steps, stream, scratch, x, T, idx, w, tpe, probs, src, tokens, cap, self.ce_mode)
-        handle = DispatchHandle(
-            buffer_id=id(b), num_tokens=T, num_rows=None, num_out_rows=cap, src_rank=src[0],
-            src_token=src[1], tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
-            state=CudaLayout(scratch=scratch))
-        return tokens, probs, handle
+        return tokens, probs, self._handle(T, None, cap, src[0], src[1], tpe, scratch)
 
     def _launch(self, steps, stream, scratch, x, T, idx, w, tpe, probs, src, out, cap, mode) -> None:
         """``mok_dispatch_launch``: the ``steps`` of a dispatch (layout, fill, copy-engine
@@ -449,11 +441,16 @@ class CudaBackend:
             tokens = tokens.resize_(R, b.hidden)  # in place: outputs must not be views
         if bad_ids:  # the peers' redo (if any) is matched by this rank's: now raise
             self._raise_if_error(self.host_report[4:])
-        handle = DispatchHandle(
-            buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=R, src_rank=src_all[0, :R],
-            src_token=src_all[1, :R], tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
-            state=CudaLayout(scratch=scratch))
+        handle = self._handle(T, R, R, src_all[0, :R], src_all[1, :R], tpe, scratch)
         return tokens, probs_all.resize_(R), handle
+
+    def _handle(self, T, R, cap, src_rank, src_token, tpe, scratch) -> DispatchHandle:
+        """The handle of a dispatch of T tokens into ``cap`` rows (``R`` of them real, ``None``
+        in static-shape mode): ``tpe`` holds the counts, then R on the device."""
+        return DispatchHandle(
+            buffer_id=id(self.buf), num_tokens=T, num_rows=R, num_out_rows=cap, src_rank=src_rank,
+            src_token=src_token, tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
+            state=CudaLayout(scratch=scratch))
 
     def _spec_capacity(self) -> int:
         """Rows to allocate before R is known: SPEC_MARGIN over the largest recent R plus one

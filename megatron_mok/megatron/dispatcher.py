@@ -233,8 +233,9 @@ class MokTokenDispatcher(MoETokenDispatcher):
         num_sms = self.num_sms()
         if num_sms is not None:
             kwargs["num_sms"] = num_sms
-        if self.expert_alignment() > 1:
-            kwargs["expert_alignment"] = self.expert_alignment()
+        alignment = self.expert_alignment()
+        if alignment > 1:
+            kwargs["expert_alignment"] = alignment
         # Layers whose knobs differ (config.moe_mok_<name>) get Buffers of their own.
         key = (gkey, self.num_experts, hidden.shape[1], self.topk, hidden.dtype, opts.backend,
                opts.combine_partial_dtype, t_max, str(hidden.device), tuple(sorted(kwargs.items())))
