@@ -227,12 +227,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
   }
   const int4 zero = make_int4(0, 0, 0, 0);
   // The zero rows after each expert's rows (expert_alignment > 1; below R, so in every mode):
-  // one warp per candidate row of E_local x (A - 1).
-  const int gap_most = c.ws.cfg.expert_alignment - 1;
-  for (int i = warp; gap_most > 0 && i < c.ws.cfg.num_local_experts * gap_most; i += n_warps) {
-    const int e = i / gap_most, o = i - e * gap_most;
-    const int64_t row = static_cast<int64_t>(h.gap_begin[e]) + o;
-    if (o >= h.gap_len[e] || row >= a.row_cap) continue;
+  // one warp per candidate row (HandleArrays::gap_row).
+  for (int64_t i = warp; i < HandleArrays::gap_candidates(c.ws.cfg); i += n_warps) {
+    const int64_t row = h.gap_row(c.ws.cfg, i);
+    if (row < 0 || row >= a.row_cap) continue;
     int4* dst = out + static_cast<size_t>(row) * sh.vec_per_row;
     for (int v = lane; v < sh.vec_per_row; v += kWarpSize) dst[v] = zero;
   }

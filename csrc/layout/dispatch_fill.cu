@@ -170,13 +170,11 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
     out.probs[row] = 0.f;
   }
   // The zero rows after each expert's rows (expert_alignment > 1) say "no source" too, in every
-  // mode: they lie below R. E_local x (A - 1) candidates over the grid's threads.
-  const int gap_most = ws.cfg.expert_alignment - 1;
+  // mode: they lie below R. The candidates over the grid's threads.
   for (int64_t i = (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kFillThreads + tid;
-       gap_most > 0 && i < static_cast<int64_t>(E_local) * gap_most; i += stride) {
-    const int e = static_cast<int>(i / gap_most), o = static_cast<int>(i - static_cast<int64_t>(e) * gap_most);
-    const int64_t row = static_cast<int64_t>(h.gap_begin[e]) + o;
-    if (o >= h.gap_len[e] || row >= out.row_cap) continue;
+       i < HandleArrays::gap_candidates(ws.cfg); i += stride) {
+    const int64_t row = h.gap_row(ws.cfg, i);
+    if (row < 0 || row >= out.row_cap) continue;
     out.src_rank[row] = -1;
     out.src_token[row] = -1;
     out.probs[row] = 0.f;

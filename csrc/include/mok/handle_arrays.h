@@ -60,6 +60,17 @@ struct HandleArrays {
     return local < 0 ? -1 : send_base[(t / cfg.chunk_tokens) * cfg.world_size + d] + local;
   }
 
+  // expert_alignment A > 1: the zero rows are E_local x (A - 1) candidates (expert e's o-th
+  // possible zero row is candidate e * (A - 1) + o); the row candidate i names, or -1 (none).
+  __host__ __device__ static int64_t gap_candidates(const WorkspaceConfig& cfg) {
+    return static_cast<int64_t>(cfg.num_local_experts) * (cfg.expert_alignment - 1);
+  }
+  __host__ __device__ int64_t gap_row(const WorkspaceConfig& cfg, int64_t i) const {
+    const int per = cfg.expert_alignment - 1;
+    const int e = static_cast<int>(i / per), o = static_cast<int>(i - static_cast<int64_t>(e) * per);
+    return o < gap_len[e] ? static_cast<int64_t>(gap_begin[e]) + o : -1;
+  }
+
   // Index of (local expert e, source s, chunk c) in chunk_rows.
   __host__ __device__ static size_t group(const WorkspaceConfig& cfg, int e, int s, int c) {
     return (static_cast<size_t>(e) * cfg.world_size + s) * chunks_per_call(cfg) + c;
