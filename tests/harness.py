@@ -506,6 +506,13 @@ def check_contract_case(rank: int, world_size: int, spec: dict, seed: int,
     return stats
 
 
+def check_and_destroy(buf, *others) -> None:
+    """Raise ``buf``'s pending device error report, if any (CUDA backend); free every Buffer."""
+    buf.check_errors()
+    for b in (buf,) + others:
+        b.destroy()
+
+
 def sample_expert(res, tokens: torch.Tensor, probs: torch.Tensor, seed: int, dtype) -> torch.Tensor:
     """The expert of :func:`full_pass`: each row times its prob and a factor of its source.
     The factor depends on the row's source, not its position, so static and dynamic mode
@@ -663,11 +670,7 @@ def check_alignment_case(rank: int, world_size: int, spec: dict, seed: int, back
                 assert_bitwise(s[k][R:], torch.full_like(s[k][R:], fill), f"static {k} past R {tag}")
             for k in ("y", "grad_x", "grad_topk_weights"):
                 assert_bitwise(s[k], a[k], f"static {k} {tag}")
-            if hasattr(st, "check_errors"):
-                st.check_errors()
-            st.destroy()
+            check_and_destroy(st)
         for b in (plain, aligned):
-            if hasattr(b, "check_errors"):
-                b.check_errors()
-            b.destroy()
+            check_and_destroy(b)
     return gaps_total

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import oracle
-from harness import (ALIGNMENT_CASES, DTYPES, _buffer, check_alignment_case, settle, assert_bitwise, assert_same_results, backward_by_hand,
+from harness import (ALIGNMENT_CASES, DTYPES, _buffer, check_alignment_case, check_and_destroy, settle, assert_bitwise, assert_same_results, backward_by_hand,
                      contract_cases, full_pass, in_loopback, loopback_barrier, make_inputs, run_distributed,
                      spec_inputs, sync_device)
 from test_cached_dispatch import check_cached_case
@@ -652,14 +652,6 @@ def _split_calls(rank, world_size):
     return True
 
 
-def _check_and_destroy(buf, ref):
-    """Raise the CUDA Buffer's pending device error report, if any; free both Buffers."""
-    if hasattr(buf, "check_errors"):
-        buf.check_errors()
-    buf.destroy()
-    ref.destroy()
-
-
 def _streamed_produce_calls(rank, world_size, backend="cuda", num_sms=2):
     """Calls with MORE remote tasks than combine warps (num_sms=2: 32 warps), so the phased
     produce phase reduces every warp's tasks through the shared-memory row stream (NOTES #26)
@@ -700,7 +692,7 @@ def _streamed_produce_calls(rank, world_size, backend="cuda", num_sms=2):
                            if s != d and h.numel()) > 8, f"call {i}: no task with more than 8 rows"
             assert_same_results(full_pass(buf, *inputs[rank], i), full_pass(ref, *inputs[rank], i),
                                 f"streamed produce call {i} K={K} T={T_all} partial={partial} rank {rank}")
-            _check_and_destroy(buf, ref)
+            check_and_destroy(buf, ref)
     return True
 
 
@@ -728,7 +720,7 @@ def _scan_tiles_calls(rank, world_size, backend="cuda"):
         inputs = make_inputs(600 + i, world_size, T_all, E, H, K, dtype, case=case, device=dev)
         assert_same_results(full_pass(buf, *inputs[rank], i), full_pass(ref, *inputs[rank], i),
                             f"scan tiles call {i} T={T_all} rank {rank}")
-    _check_and_destroy(buf, ref)
+    check_and_destroy(buf, ref)
     return True
 
 
@@ -769,7 +761,7 @@ def _fill_passes_calls(rank, world_size, K, chunk_tokens, backend="cuda"):
         inputs = make_inputs(700 + i, world_size, T_all, E, H, K, dtype, case=case, device=dev)
         assert_same_results(full_pass(buf, *inputs[rank], i), full_pass(ref, *inputs[rank], i),
                             f"fill passes call {i} K={K} C={C} T={T_all} {case} rank {rank}")
-    _check_and_destroy(buf, ref)
+    check_and_destroy(buf, ref)
     return True
 
 
