@@ -118,7 +118,8 @@ class Buffer:
     # ---------------------------------------------------------------------------- public API
     def dispatch(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *,
-                 handle: Optional[DispatchHandle] = None) -> DispatchResult:
+                 handle: Optional[DispatchHandle] = None,
+                 rows_per_expert: Optional[int] = None) -> DispatchResult:
         """Send each routed token to the ranks of its experts.
 
         Args:
@@ -129,6 +130,14 @@ class Buffer:
                 dispatch: no routing exchange, no host read). ``x`` must have that
                 dispatch's ``T``. The result's ``probs`` is ``None`` and its handle is
                 ``handle``; gradients flow to ``x``.
+            rows_per_expert: ``N`` (fixed-shape expert inputs, Megatron's drop-and-pad): every
+                local expert gets exactly ``N`` rows, its received rows then zero rows (as
+                ``expert_alignment``'s: ``probs`` 0, ``src_rank`` / ``src_token`` -1), so
+                ``R = E_local * N`` whatever the routing. An expert that receives more than
+                ``N`` rows is an error (the reference backend raises; the CUDA backend drops
+                the rows past ``N``, never writing outside the expert's rows, and raises at
+                the next host read). A multiple of ``expert_alignment``; with
+                ``max_recv_tokens``, ``E_local * N`` must fit in it.
 
         Returns:
             :class:`DispatchResult` with expert-major ``tokens [R, H]``, ``probs [R]``,
@@ -140,6 +149,9 @@ class Buffer:
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("pass either (topk_idx, topk_weights) or handle=, not both")
+            if rows_per_expert is not None:
+                raise ValueError("rows_per_expert is for routed dispatches: a cached dispatch "
+                                 "reuses its handle's layout")
             validation.check_cached_dispatch_inputs(self, x, handle)
             tokens = CachedDispatchFunction.apply(backend, handle, x)
             return DispatchResult(tokens=tokens, probs=None, tokens_per_expert=handle.tokens_per_expert,
@@ -148,8 +160,10 @@ class Buffer:
             raise ValueError("dispatch needs topk_idx and topk_weights (or handle= for a cached dispatch)")
         validation.check_dispatch_inputs(self, x, topk_idx, topk_weights,
                                          check_values=backend.name == "reference")
+        validation.check_rows_per_expert(self, rows_per_expert)
         out_handle = []
-        tokens, probs = DispatchFunction.apply(backend, out_handle, x, topk_weights, topk_idx)
+        tokens, probs = DispatchFunction.apply(backend, out_handle, x, topk_weights, topk_idx,
+                                               rows_per_expert)
         h = out_handle[0]
         return DispatchResult(tokens=tokens, probs=probs, tokens_per_expert=h.tokens_per_expert,
                               src_rank=h.src_rank, src_token=h.src_token, handle=h)

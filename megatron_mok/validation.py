@@ -68,6 +68,25 @@ def check_dispatch_inputs(buf, x: torch.Tensor, topk_idx: torch.Tensor,
                 f"topk_idx holds expert ids in [{lo}, {hi}], outside [-1, num_experts={buf.num_experts})")
 
 
+def check_rows_per_expert(buf, rows_per_expert) -> None:
+    """``Buffer.dispatch(rows_per_expert=N)``: ``N`` rows for every local expert."""
+    if rows_per_expert is None:
+        return
+    n = rows_per_expert
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"rows_per_expert must be None or an int >= 0, got {n!r}")
+    total = buf.num_local_experts * n
+    if total >= 2 ** 31:
+        raise ValueError(f"rows_per_expert={n} makes {total} rows (E_local={buf.num_local_experts} "
+                         "x N), more than the layout's 32-bit row indices hold")
+    if n % buf.expert_alignment != 0:
+        raise ValueError(f"rows_per_expert={n} is not a multiple of the Buffer's "
+                         f"expert_alignment={buf.expert_alignment}")
+    if buf.max_recv_tokens is not None and total > buf.max_recv_tokens:
+        raise ValueError(f"rows_per_expert={n} makes R = E_local x N = {total} rows, more than "
+                         f"max_recv_tokens={buf.max_recv_tokens}")
+
+
 def check_cached_dispatch_inputs(buf, x: torch.Tensor, handle) -> None:
     """Checks for ``Buffer.dispatch(x, handle=...)``."""
     _check_handle(buf, handle)

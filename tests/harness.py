@@ -524,7 +524,8 @@ def sample_expert(res, tokens: torch.Tensor, probs: torch.Tensor, seed: int, dty
 
 def full_pass(buf, x0: torch.Tensor, idx: torch.Tensor, w0: torch.Tensor, seed: int,
               expert_out_override: Optional[torch.Tensor] = None,
-              by_hand: Optional[bool] = None) -> Dict[str, torch.Tensor]:
+              by_hand: Optional[bool] = None,
+              rows_per_expert: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """One forward + backward through ``buf``: dispatch, :func:`sample_expert`, combine, and a
     seeded upstream gradient. Returns every output and gradient (detached, on CPU) for
     bitwise comparisons between runs/backends.
@@ -534,13 +535,13 @@ def full_pass(buf, x0: torch.Tensor, idx: torch.Tensor, w0: torch.Tensor, seed: 
     if by_hand is None:
         by_hand = in_loopback() and x0.is_cuda and buf.requested_backend == "reference"
     if by_hand:
-        assert expert_out_override is None
+        assert expert_out_override is None and rows_per_expert is None
         gy = seeded(seed + 1, (x0.shape[0], buf.hidden), device=x0.device)
         return _on_cpu(backward_by_hand(buf, x0, idx, w0,
                                         lambda r, t, p: sample_expert(r, t, p, seed, buf.dtype), gy))
     x = x0.detach().clone().requires_grad_(True)
     w = w0.detach().clone().requires_grad_(True)
-    res = buf.dispatch(x, idx, w)
+    res = buf.dispatch(x, idx, w, rows_per_expert=rows_per_expert)
     eo = sample_expert(res, res.tokens, res.probs, seed, buf.dtype)
     if expert_out_override is not None:
         eo = expert_out_override
@@ -604,15 +605,18 @@ ALIGNMENT_CASES = ("random", "t_max_exact", "t0_on_rank0", "t0_everywhere", "unr
                    "experts_without_rows", "e_equals_w_duplicates", "dsv3_like", "k16_duplicates")
 
 
-def padded_row_positions(tokens_per_expert: torch.Tensor, alignment: int):
+def padded_row_positions(tokens_per_expert: torch.Tensor, alignment: int,
+                         rows_per_expert: Optional[int] = None):
     """Where the rows of an unaligned dispatch (counts ``tokens_per_expert``) must land with
-    ``expert_alignment``: ``(pos [R0], padded counts [E_local], R)``. Written independently
-    of the backends: expert e's rows start after every earlier expert's rows rounded up."""
+    ``expert_alignment`` (or ``rows_per_expert``): ``(pos [R0], padded counts [E_local], R)``.
+    Written independently of the backends: expert e's rows start after every earlier expert's
+    rows rounded up (or after e * N rows)."""
     counts = [int(c) for c in tokens_per_expert.tolist()]
     pos, start, padded = [], 0, []
     for c in counts:
         pos.extend(range(start, start + c))
-        p = -(-c // alignment) * alignment
+        p = -(-c // alignment) * alignment if rows_per_expert is None else rows_per_expert
+        assert p >= c
         padded.append(p)
         start += p
     return torch.tensor(pos, dtype=torch.int64), torch.tensor(padded, dtype=torch.int64), start
@@ -621,13 +625,17 @@ def padded_row_positions(tokens_per_expert: torch.Tensor, alignment: int):
 def check_alignment_case(rank: int, world_size: int, spec: dict, seed: int, backend: str,
                          alignment: int, device="cpu", ref_backend: Optional[str] = None,
                          static_extra: Optional[int] = None,
-                         dtypes: Sequence[torch.dtype] = (torch.bfloat16, torch.float32)) -> int:
+                         dtypes: Sequence[torch.dtype] = (torch.bfloat16, torch.float32),
+                         capacity_extra: Optional[int] = None) -> int:
     """``Buffer(expert_alignment=A)`` is a pure relayout of the unaligned dispatch, bitwise:
     the same rows at :func:`padded_row_positions`, zero rows (prob 0, source -1) in between,
     padded counts; combine output and every gradient unchanged; the rows' gradient zero on the
     zero rows; combine never reads them (NaN there changes nothing). With ``ref_backend`` the
     aligned run also equals that backend's aligned run; with ``static_extra`` a static-shape
     Buffer (``max_recv_tokens = R + static_extra``) gives the same rows, zeros after ``R``.
+    With ``capacity_extra`` the aligned Buffer's dispatches pass ``rows_per_expert = N``, this
+    rank's largest expert count plus ``capacity_extra``, rounded up to ``alignment`` (so ranks
+    may differ): every expert then has exactly N rows.
     Returns this rank's zero rows (so a test can see it covered some)."""
     gaps_total = 0
     for di, dtype in enumerate(dtypes):
@@ -637,8 +645,13 @@ def check_alignment_case(rank: int, world_size: int, spec: dict, seed: int, back
         plain = _buffer(spec, dtype, backend, device=device)
         aligned = _buffer(spec, dtype, backend, device=device, expert_alignment=alignment)
         p = full_pass(plain, x, idx, w, seed)
-        a = full_pass(aligned, x, idx, w, seed)
-        pos, padded, R = padded_row_positions(p["tokens_per_expert"], alignment)
+        n = None
+        if capacity_extra is not None:
+            most = int(p["tokens_per_expert"].max()) if p["tokens_per_expert"].numel() else 0
+            n = -(-(most + capacity_extra) // alignment) * alignment
+            tag = tag[:-1] + f" N={n}]"
+        a = full_pass(aligned, x, idx, w, seed, rows_per_expert=n)
+        pos, padded, R = padded_row_positions(p["tokens_per_expert"], alignment, n)
         assert_bitwise(a["tokens_per_expert"], padded, f"tokens_per_expert {tag}")
         assert a["tokens"].shape[0] == R, f"R {tag}: {a['tokens'].shape[0]} != {R}"
         gap = torch.ones(R, dtype=torch.bool)
@@ -651,7 +664,7 @@ def check_alignment_case(rank: int, world_size: int, spec: dict, seed: int, back
         for k in ("y", "grad_x", "grad_topk_weights"):
             assert_bitwise(a[k], p[k], f"{k} {tag}")
         # combine never reads the zero rows
-        res = aligned.dispatch(x, idx, w)
+        res = aligned.dispatch(x, idx, w, rows_per_expert=n)
         eo = res.tokens.clone()
         eo[res.src_rank < 0] = float("nan")
         resp = plain.dispatch(x, idx, w)
@@ -659,12 +672,13 @@ def check_alignment_case(rank: int, world_size: int, spec: dict, seed: int, back
                        f"combine with NaN in the zero rows {tag}")
         if ref_backend is not None:
             ref = _buffer(spec, dtype, ref_backend, device=device, expert_alignment=alignment)
-            assert_same_results(a, full_pass(ref, x, idx, w, seed), f"{backend} vs {ref_backend} {tag}")
+            assert_same_results(a, full_pass(ref, x, idx, w, seed, rows_per_expert=n),
+                                f"{backend} vs {ref_backend} {tag}")
             ref.destroy()
         if static_extra is not None:
             st = _buffer(spec, dtype, backend, device=device, expert_alignment=alignment,
                          max_recv_tokens=R + static_extra)
-            s = full_pass(st, x, idx, w, seed)
+            s = full_pass(st, x, idx, w, seed, rows_per_expert=n)
             for k, fill in (("tokens", 0), ("probs", 0), ("src_rank", -1), ("src_token", -1)):
                 assert_bitwise(s[k][:R], a[k], f"static {k} {tag}")
                 assert_bitwise(s[k][R:], torch.full_like(s[k][R:], fill), f"static {k} past R {tag}")

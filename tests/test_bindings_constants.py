@@ -41,3 +41,22 @@ def test_expert_alignment_limit_matches_the_kernels():
 
     m = re.search(r"kMaxExpertAlignment = (\d+)", _read("include/mok/config.h"))
     assert m and int(m.group(1)) == MAX_EXPERT_ALIGNMENT
+
+
+def test_error_codes_match_the_kernels_enum():
+    from megatron_mok.cuda import backend, errors
+
+    config = _read("include/mok/config.h")
+    codes = dict((int(v), n) for n, v in re.findall(r"\b(k[A-Za-z]+) = (\d+),\s*//", config)
+                 if n in ("kTimeout", "kBadExpert", "kRecvOverflow", "kAborted", "kConfigMismatch",
+                          "kExpertOverflow"))
+    assert len(codes) == 6, codes
+    assert set(errors.ERROR_CODES) == set(codes)
+    assert codes[backend.BAD_EXPERT] == "kBadExpert"
+    assert codes[backend.EXPERT_OVERFLOW] == "kExpertOverflow"
+
+
+def test_rows_per_expert_off_value_matches_the_header():
+    # "-1: rows as received" in mok_dispatch_layout's comment; RowOutputs' default
+    assert "int32_t rows_per_expert = -1;" in _read("include/mok/launch.h")
+    assert bindings.NO_ROWS_PER_EXPERT == -1

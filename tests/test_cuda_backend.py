@@ -231,7 +231,78 @@ def _alignment_vs_reference(rank, world_size, name, seed, alignment, backend="cu
                                 device=_device_for(rank), ref_backend="reference", static_extra=5)
 
 
-def _alignment_big_layout(rank, world_size, env, alignment, backend="cuda"):
+def _fixed_rows_vs_reference(rank, world_size, name, seed, alignment, extra, backend="cuda"):
+    """``rows_per_expert``: the CUDA backend's fixed-rows dispatch is a relayout of its plain
+    one (harness.check_alignment_case with capacity_extra), equal to the reference's, also in
+    static-shape mode."""
+    spec = contract_cases(world_size)[name]
+    return check_alignment_case(rank, world_size, spec, seed, backend, alignment,
+                                device=_device_for(rank), ref_backend="reference", static_extra=5,
+                                capacity_extra=extra)
+
+
+def _rows_overflow(rank, world_size, seed, backend="cuda"):
+    """``rows_per_expert`` one short of this rank's fullest expert: a static-shape dispatch
+    drops that expert's rows past N (each expert keeps its first N rows in contract order, the
+    others are whole, zero rows after them), combine sums the kept rows only, and the error
+    check names the expert; an eager dispatch raises the same error after its launch."""
+    dev = _device_for(rank)
+    spec = dict(T=[37, 51, 20, 44][:world_size], T_max=60, E=4 * world_size, H=72, K=3,
+                case="skewed", idx_dtype=torch.int64)
+    x, idx, w = spec_inputs(spec, world_size, torch.bfloat16, seed, device=dev)[rank]
+    plain = _buffer(spec, torch.bfloat16, backend, device=dev)
+    p = plain.dispatch(x, idx, w)
+    counts = [int(c) for c in p.tokens_per_expert.tolist()]
+    n = max(counts) - 1
+    hot = counts.index(max(counts))
+    static = _buffer(spec, torch.bfloat16, backend, device=dev,
+                     max_recv_tokens=len(counts) * n + 3, timeout_s=20)
+    res = static.dispatch(x, idx, w, rows_per_expert=n)
+    assert res.handle.num_rows == len(counts) * n
+    expect_tokens = torch.zeros_like(res.tokens)
+    expect_src = torch.full_like(res.src_rank, -1)
+    kept = torch.zeros(p.tokens.shape[0], dtype=torch.bool, device=dev)
+    start = 0
+    for e, c in enumerate(counts):
+        keep = min(c, n)
+        expect_tokens[e * n: e * n + keep] = p.tokens[start: start + keep]
+        expect_src[e * n: e * n + keep] = p.src_rank[start: start + keep]
+        kept[start: start + keep] = True
+        start += c
+    assert_bitwise(res.tokens, expect_tokens, f"rows with expert {hot} over N={n}")
+    assert_bitwise(res.src_rank, expect_src, f"src_rank with expert {hot} over N={n}")
+    y = static.combine(res.tokens, res.handle)
+    y_expect = plain.combine(torch.where(kept.view(-1, 1), p.tokens, torch.zeros_like(p.tokens)),
+                             p.handle)
+    assert torch.equal(y, y_expect), "combine after the drop: not the kept rows' sum"
+    message = rf"local expert {hot} received {max(counts)} rows, more than rows_per_expert={n}"
+    with pytest.raises(RuntimeError, match=message):
+        static.check_errors()
+    eager = _buffer(spec, torch.bfloat16, backend, device=dev, timeout_s=20)
+    with pytest.raises(RuntimeError, match=message):
+        eager.dispatch(x, idx, w, rows_per_expert=n)
+    check_and_destroy(plain)
+    for b in (static, eager):
+        b.destroy()
+    return True
+
+
+def _rows_overflow_on_rank0_only(rank, world_size):
+    """An expert past rows_per_expert on one rank is that rank's error: it raises after its
+    launch, and its peers' dispatch completes (no stall until their timeout)."""
+    buf, x, idx, w, E = _small_cuda_case(rank, world_size, 6)
+    t0 = time.monotonic()
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="more than rows_per_expert=0"):
+            buf.dispatch(x, idx, w, rows_per_expert=0)
+    else:
+        res = buf.dispatch(x, idx, w, rows_per_expert=16 * world_size * 2)
+        buf.combine(res.tokens, res.handle)
+        buf.check_errors()
+    return time.monotonic() - t0
+
+
+def _alignment_big_layout(rank, world_size, env, alignment, backend="cuda", capacity_extra=None):
     """``expert_alignment`` on a layout of many groups: 128 local experts, hot ones (skewed),
     8-token chunks, so the scan runs over several tiles (past the fused layout's 8192 groups
     at 2+ ranks). Loopback ranks share one environment: the test sets MOK_CHUNK_TOKENS there."""
@@ -240,7 +311,7 @@ def _alignment_big_layout(rank, world_size, env, alignment, backend="cuda"):
     env = env if in_loopback() else {"MOK_CHUNK_TOKENS": "8", **env}
     return _with_env(env, check_alignment_case, rank, world_size, spec,
                      55 + alignment, backend, alignment, _device_for(rank), "reference", 4,
-                     (torch.bfloat16,))
+                     (torch.bfloat16,), capacity_extra)
 
 
 # ------------------------------------------------------------------------------- GPU tests
@@ -286,6 +357,45 @@ def test_cuda_expert_alignment_ignores_speculative():
 def test_cuda_expert_alignment_big_layout(env, world_size):
     gaps = run_distributed(_alignment_big_layout, world_size, env, 16, backend="nccl", timeout=300)
     assert sum(gaps) > 0
+
+
+FIXED_ROWS = [pytest.param(1, 0, id="N=max"), pytest.param(1, 3, id="N=max+3"),
+              pytest.param(16, 5, id="A=16,N=max+5")]
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+@pytest.mark.parametrize("alignment,extra", FIXED_ROWS)
+@pytest.mark.parametrize("name", ALIGNMENT_CASES)
+def test_cuda_rows_per_expert(name, alignment, extra, world_size):
+    run_distributed(_fixed_rows_vs_reference, world_size, name, 413, alignment, extra,
+                    backend="nccl", timeout=300)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("alignment,extra", FIXED_ROWS)
+@pytest.mark.parametrize("name", ("random", "t_max_exact", "t0_everywhere", "all_to_one_expert",
+                                  "experts_without_rows", "k16_duplicates"))
+def test_cuda_rows_per_expert_world_size_1(name, alignment, extra):
+    run_distributed(_fixed_rows_vs_reference, 1, name, 414, alignment, extra, backend="nccl", timeout=300)
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.gpu)] + GPU_WORLD_SIZES)
+@pytest.mark.parametrize("env", LAYOUT_PATHS)
+def test_cuda_rows_per_expert_big_layout(env, world_size):
+    gaps = run_distributed(_alignment_big_layout, world_size, env, 1, capacity_extra=2,
+                           backend="nccl", timeout=300)
+    assert min(gaps) >= 2 * 128
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.gpu)] + GPU_WORLD_SIZES)
+def test_cuda_rows_per_expert_overflow_drops_and_raises(world_size):
+    run_distributed(_rows_overflow, world_size, 77, backend="nccl", timeout=300, fresh=True)
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_rows_per_expert_overflow_on_one_rank_does_not_stall_its_peers(world_size):
+    took = run_distributed(_rows_overflow_on_rank0_only, world_size, backend="nccl", timeout=120, fresh=True)
+    assert max(took) < 8, f"a rank waited {max(took):.1f} s (its peer's transfer never ran?)"
 
 
 
@@ -966,3 +1076,9 @@ def test_alignment_code_runs_on_cpu():
     run_distributed(_alignment_vs_reference, 2, "random", 313, 16, "reference")
     gaps = run_distributed(_alignment_big_layout, 2, {}, 16, "reference")
     assert sum(gaps) > 0
+
+
+def test_rows_per_expert_code_runs_on_cpu():
+    run_distributed(_fixed_rows_vs_reference, 2, "random", 413, 16, 5, "reference")
+    gaps = run_distributed(_alignment_big_layout, 2, {}, 1, "reference", 2)
+    assert min(gaps) >= 2 * 128

@@ -216,10 +216,11 @@ def test_a_library_of_another_abi_version_is_refused(monkeypatch):
         bindings.declare(ctypes.CDLL(str(library.library_path())))
 
 
-def _launch(lib, ctx, steps, num_tokens=0, blocks=24, producers=4, mode=0):
+def _launch(lib, ctx, steps, num_tokens=0, blocks=24, producers=4, mode=0, rows_per_expert=-1):
     """mok_dispatch_launch with null tensors (every case below fails in its checks)."""
     return lib.mok_dispatch_launch(ctx, None, steps, None, None, 0, None, num_tokens, 256, None,
-                                   None, None, None, 1, None, None, 0, blocks, producers, mode)
+                                   None, None, None, 1, None, None, 0, blocks, producers, mode,
+                                   rows_per_expert)
 
 
 @pytest.mark.parametrize("steps", [0, 16, 1 | 32, -1])
@@ -240,6 +241,8 @@ def test_dispatch_launch_refuses_unknown_steps(steps):
     (1 | 2 | 8, dict(mode=3), "mode must be 0 (both roles)"),
     (1 | 2 | 4 | 8, dict(num_tokens=4097), "num_tokens outside"),
     (2 | 8, dict(blocks=0, producers=0, mode=2), "num_blocks >= 1"),
+    (1 | 2 | 8, dict(rows_per_expert=-2), "rows_per_expert must be -1 or in [0"),
+    (1 | 2 | 8, dict(rows_per_expert=1 << 40), "rows_per_expert must be -1 or in [0"),
 ])
 def test_dispatch_launch_checks_every_step_before_launching_any(steps, kwargs, message):
     lib = library.get()
@@ -268,5 +271,19 @@ def test_dispatch_launch_before_peers_are_set_fails_cleanly():
     try:
         assert _launch(lib, ctx, 1 | 2 | 8) != 0
         assert "mok_set_peers" in lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(ctx)
+
+
+def test_dispatch_launch_rows_per_expert_must_be_a_multiple_of_the_alignment():
+    lib = library.get()
+    ctx = _with_fake_peers(lib, align=16)
+    try:
+        assert _launch(lib, ctx, 1 | 2 | 8, rows_per_expert=40) != 0
+        assert "multiple of expert_alignment" in lib.mok_last_error().decode()
+        # a multiple passes this check and fails the next one (null pointers on a GPU-less
+        # machine: the launch itself; here the transfer's checks come first)
+        assert _launch(lib, ctx, 1 | 2 | 8, rows_per_expert=48, producers=24) != 0
+        assert "num_producers" in lib.mok_last_error().decode()
     finally:
         lib.mok_destroy(ctx)

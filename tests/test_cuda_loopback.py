@@ -21,7 +21,8 @@ from harness import _buffer, contract_cases, run_loopback
 from test_cuda_backend import (ALT_SCHEDULES, _alignment_big_layout, _alignment_vs_reference, CASE_NAMES, FILL_PASS_CONFIGS, SPLIT_SCHEDULES, _fill_passes_calls, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
                                _missing_peer, _overflow_cuda, _repeats_and_sms, _ring_wrap,
                                _ring_reused_every_call, _scan_tiles_calls, _speculative_calls, _speculative_mismatch,
-                               _split_calls, _static_cuda, _streamed_produce_calls)
+                               _split_calls, _static_cuda, _streamed_produce_calls,
+                               _fixed_rows_vs_reference, _rows_overflow, _rows_overflow_on_rank0_only)
 
 ALL_SIZES = (2, 3, 4, 8)
 # Every case at the world sizes a 2-GPU machine cannot give; a sample at 2 (also run on
@@ -69,6 +70,27 @@ def test_loopback_ring_wraps(world_size, calls, t_max):
                                   "experts_without_rows", "k16_duplicates"))
 def test_loopback_expert_alignment(name, world_size):
     run_loopback(_alignment_vs_reference, world_size, name, 315, 16, timeout=300)
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("alignment,extra", ((1, 0), (16, 5)))
+@pytest.mark.parametrize("name", ("random", "t0_on_rank0", "all_to_one_expert",
+                                  "experts_without_rows", "k16_duplicates"))
+def test_loopback_rows_per_expert(name, alignment, extra, world_size):
+    run_loopback(_fixed_rows_vs_reference, world_size, name, 415, alignment, extra, timeout=300)
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_loopback_rows_per_expert_overflow(world_size):
+    run_loopback(_rows_overflow, world_size, 78, timeout=300)
+
+
+@gpu
+def test_loopback_rows_per_expert_overflow_on_one_rank_does_not_stall_its_peers():
+    took = run_loopback(_rows_overflow_on_rank0_only, 2, timeout=120)
+    assert max(took) < 8, f"a rank waited {max(took):.1f} s (its peer's transfer never ran?)"
 
 
 @gpu
@@ -446,7 +468,7 @@ def _failed_launch_launches_nothing(rank, world_size):
     rc = lib.mok_dispatch_launch(impl.ctx, impl._stream(), steps, scratch.data_ptr(), idx.data_ptr(), 1,
                                  w.data_ptr(), T, E, tpe.data_ptr(), src[0].data_ptr(),
                                  src[1].data_ptr(), probs.data_ptr(), 1, x.data_ptr(), out.data_ptr(),
-                                 rows, 24, 24, 0)
+                                 rows, 24, 24, 0, bindings.NO_ROWS_PER_EXPERT)
     assert rc != 0 and "num_producers" in lib.mok_last_error().decode()
     torch.cuda.synchronize()
     assert (tpe == -7).all() and (probs == -7).all() and (src == -7).all(), "a step was launched"

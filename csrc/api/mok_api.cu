@@ -109,13 +109,26 @@ int check_transfer(const MokContext* ctx, int num_blocks, int num_producers, int
   return 0;
 }
 
+// rows_per_expert: -1 (off), or N >= 0 with E_local * N rows in 32-bit row indices, a multiple
+// of the expert alignment, and no speculation (its verdict sums the peers' unpadded rows).
+int check_rows_per_expert(const MokContext* ctx, int64_t rows_per_expert, int64_t spec_cap) {
+  if (rows_per_expert == -1) return 0;
+  const WorkspaceConfig& cfg = ctx->comm.ws.cfg;
+  if (rows_per_expert < 0 || rows_per_expert * cfg.num_local_experts >= (int64_t{1} << 31))
+    return fail("rows_per_expert must be -1 or in [0, 2^31 / num_local_experts)");
+  if (rows_per_expert % cfg.expert_alignment != 0)
+    return fail("rows_per_expert must be a multiple of expert_alignment");
+  if (spec_cap >= 0) return fail("rows_per_expert does not go with a speculative layout");
+  return 0;
+}
+
 int layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx, int idx_is_64,
            const float* topk_weights, int num_tokens, int num_experts, int64_t* tokens_per_expert,
-           int64_t row_cap, int64_t spec_cap, int write_report) {
+           int64_t row_cap, int64_t spec_cap, int write_report, int64_t rows_per_expert) {
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
   RoutingArgs r{topk_idx, idx_is_64, topk_weights, num_tokens, num_experts, spec_cap};
   RowOutputs out{nullptr, nullptr, nullptr, tokens_per_expert, row_cap, 0,
-                 write_report ? ctx->host_report_dev : nullptr};
+                 write_report ? ctx->host_report_dev : nullptr, static_cast<int32_t>(rows_per_expert)};
   return check_launch(launch_dispatch_layout(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
                       "dispatch layout launch");
 }
@@ -236,11 +249,12 @@ int mok_set_peers(MokContext* ctx, const uint64_t* peer_bases, int n, double tim
 int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
                         int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
                         int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap,
-                        int write_report) {
+                        int write_report, int64_t rows_per_expert) {
   if (int e = check_ready(ctx)) return e;
   if (int e = check_layout(ctx, num_tokens, write_report)) return e;
+  if (int e = check_rows_per_expert(ctx, rows_per_expert, spec_cap)) return e;
   return layout(ctx, stream, scratch, topk_idx, idx_is_64, topk_weights, num_tokens, num_experts,
-                tokens_per_expert, row_cap, spec_cap, write_report);
+                tokens_per_expert, row_cap, spec_cap, write_report, rows_per_expert);
 }
 
 int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
@@ -269,21 +283,24 @@ int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
                         int num_tokens, int num_experts, int64_t* tokens_per_expert,
                         int64_t* src_rank, int64_t* src_token, float* probs, int pad,
                         const void* x, void* out_rows, int64_t row_cap,
-                        int num_blocks, int num_producers, int transfer_mode) {
+                        int num_blocks, int num_producers, int transfer_mode,
+                        int64_t rows_per_expert) {
   if (int e = check_ready(ctx)) return e;
   if (steps <= 0 || (steps & ~(MOK_STEP_LAYOUT | MOK_STEP_FILL | MOK_STEP_STAGE_COPY | MOK_STEP_TRANSFER)) != 0)
     return fail("mok_dispatch_launch: steps must be a non-empty or of MOK_STEP_* flags");
   // Every check first: a call that fails launches nothing (a half-launched call would leave
   // this rank's ring out of step with its peers').
-  if (steps & MOK_STEP_LAYOUT)
+  if (steps & MOK_STEP_LAYOUT) {
     if (int e = check_layout(ctx, num_tokens, 0)) return e;
+    if (int e = check_rows_per_expert(ctx, rows_per_expert, -1)) return e;
+  }
   if (steps & MOK_STEP_STAGE_COPY)
     if (int e = check_stage_copy(ctx, num_tokens)) return e;
   if (steps & MOK_STEP_TRANSFER)
     if (int e = check_transfer(ctx, num_blocks, num_producers, transfer_mode)) return e;
   if (steps & MOK_STEP_LAYOUT)
     if (int e = layout(ctx, stream, scratch, topk_idx, idx_is_64, topk_weights, num_tokens, num_experts,
-                       tokens_per_expert, row_cap, -1, 0))
+                       tokens_per_expert, row_cap, -1, 0, rows_per_expert))
       return e;
   if (steps & MOK_STEP_FILL)
     if (int e = fill(ctx, stream, scratch, src_rank, src_token, probs, row_cap, pad)) return e;

@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 9
+#define MOK_ABI_VERSION 10
 int mok_abi_version(void);
 
 /* expert_alignment >= 1: each local expert's rows are followed by zero rows (no source, prob 0)
@@ -39,11 +39,15 @@ int mok_set_host_report(MokContext* ctx, void* host_report);
 
 /* spec_cap >= 0: a speculative eager dispatch allocated spec_cap rows before reading R; it is
  * published with the routing, and the scan sets totals[2] when ANY rank's rows exceed its
- * capacity (the same verdict on every rank). -1: not speculative. */
+ * capacity (the same verdict on every rank). -1: not speculative.
+ * rows_per_expert N >= 0: every local expert gets exactly N rows, its received rows then zero
+ * rows (R = E_local * N; a multiple of expert_alignment; not speculative). An expert with more
+ * than N rows: the rows past N are dropped (not written, not combined) and the error report
+ * says so (code 6, a data error: the protocol goes on). -1: rows as received (or aligned). */
 int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
                         int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
                         int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap,
-                        int write_report);
+                        int write_report, int64_t rows_per_expert);
 /* Per-row outputs [row_cap]. pad 1: rows [R, row_cap) are written as "no source" (static
  * shape); pad 0: only rows < R are written (an eager dispatch passes a bound on R, so that
  * the fill can run before the host has read R). */
@@ -83,7 +87,8 @@ int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
                         int num_tokens, int num_experts, int64_t* tokens_per_expert,
                         int64_t* src_rank, int64_t* src_token, float* probs, int pad,
                         const void* x, void* out_rows, int64_t row_cap,
-                        int num_blocks, int num_producers, int transfer_mode);
+                        int num_blocks, int num_producers, int transfer_mode,
+                        int64_t rows_per_expert);
 /* 1 when mok_dispatch_layout runs publish, count and scan as one kernel (small layouts: at most
  * MOK_LAYOUT_FUSED_MAX_GROUPS, default 8192, (local expert, source, chunk) groups; not for
  * speculative calls, spec_cap >= 0; never with MOK_LAYOUT_FUSED=0), 0 when as three. Reads the

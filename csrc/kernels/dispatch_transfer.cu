@@ -226,10 +226,11 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     for (int kind = 0; kind < kDClockKinds; ++kind) dispatch_clock_add(c, kind, clk[kind]);
   }
   const int4 zero = make_int4(0, 0, 0, 0);
-  // The zero rows after each expert's rows (expert_alignment > 1; below R, so in every mode):
-  // one warp per candidate row (HandleArrays::gap_row).
-  for (int64_t i = warp; i < HandleArrays::gap_candidates(c.ws.cfg); i += n_warps) {
-    const int64_t row = h.gap_row(c.ws.cfg, i);
+  // The zero rows after each expert's rows (expert_alignment > 1 or rows_per_expert; below R,
+  // so in every mode): one warp per candidate row (HandleArrays::gap_row).
+  const int gap_width = h.pad_info[0];
+  for (int64_t i = warp; i < HandleArrays::gap_candidates(c.ws.cfg, gap_width); i += n_warps) {
+    const int64_t row = h.gap_row(gap_width, i);
     if (row < 0 || row >= a.row_cap) continue;
     int4* dst = out + static_cast<size_t>(row) * sh.vec_per_row;
     for (int v = lane; v < sh.vec_per_row; v += kWarpSize) dst[v] = zero;

@@ -52,6 +52,11 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
   const int t0 = chunk * C;
   const int n_tok = max(0, min(h.src_count[s], t0 + C) - t0);
   const int n_slots = n_tok * K;
+  const int gap_width = h.pad_info[0];
+  // rows_per_expert N: local expert e's rows are [e * N, (e + 1) * N) (the scan placed them);
+  // its rows past N are dropped (reported by the scan): they get no row, and their tasks list
+  // only the rows kept.
+  const int fixed_rows = h.pad_info[1];
   for (int e = tid; e < E_local; e += kFillThreads)
     expert_row[e] = h.chunk_rows[HandleArrays::group(ws.cfg, e, s, chunk)];
   for (int i = tid; i < kFillWarps * E_local; i += kFillThreads) warp_row[i] = 0;
@@ -86,7 +91,8 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
       expert_row[x] = run;
     }
     __syncthreads();
-    const int row = e >= 0 ? warp_row[warp * E_local + e] + rank_in : -1;
+    int row = e >= 0 ? warp_row[warp * E_local + e] + rank_in : -1;
+    if (fixed_rows >= 0 && row >= (e + 1) * fixed_rows) row = -1;
     if (valid) {
       slot_e[i] = e;
       slot_row[i] = row;
@@ -111,16 +117,22 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
   for (int jb = 0; jb < n_tok; jb += tokens_per_pass) {
     const int jj = tid / K, k = tid % K, j = jb + jj;
     const bool active = jj < tokens_per_pass && j < n_tok;
-    int e = -1, pos = 0, n = 0;
+    // n: the token's slots here (a task whenever n > 0: the layout counted it so);
+    // kept: those with a row (all of them unless rows_per_expert dropped some).
+    int e = -1, pos = 0, n = 0, kept = 0;
     if (active) {
       e = slot_e[j * K + k];
       for (int k2 = 0; k2 < K; ++k2) {  // stable rank by expert: K is small, O(K^2) beats a sort
         const int e2 = slot_e[j * K + k2];
         if (e2 >= 0) {
           ++n;
-          pos += e2 < e || (e2 == e && k2 < k);
+          if (fixed_rows < 0 || slot_row[j * K + k2] >= 0) {
+            ++kept;
+            pos += e2 < e || (e2 == e && k2 < k);
+          }
         }
       }
+      if (e >= 0 && slot_row[j * K + k] < 0) e = -1;  // dropped: no row to list
     }
     const int opens = active && k == 0 && n > 0;  // one per token with rows here
     int before, pass_tasks;
@@ -134,7 +146,7 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
         h.task_rows[at + pos] = slot_row[j * K + k];
         h.task_k[at + pos] = k;
       }
-      if (k >= n) {  // positions n..K-1 hold no row
+      if (k >= kept) {  // positions kept..K-1 hold no row
         h.task_rows[at + k] = -1;
         h.task_k[at + k] = -1;
       }
@@ -169,11 +181,11 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
     out.src_token[row] = -1;
     out.probs[row] = 0.f;
   }
-  // The zero rows after each expert's rows (expert_alignment > 1) say "no source" too, in every
-  // mode: they lie below R. The candidates over the grid's threads.
+  // The zero rows after each expert's rows (expert_alignment > 1 or rows_per_expert) say "no
+  // source" too, in every mode: they lie below R. The candidates over the grid's threads.
   for (int64_t i = (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kFillThreads + tid;
-       i < HandleArrays::gap_candidates(ws.cfg); i += stride) {
-    const int64_t row = h.gap_row(ws.cfg, i);
+       i < HandleArrays::gap_candidates(ws.cfg, gap_width); i += stride) {
+    const int64_t row = h.gap_row(gap_width, i);
     if (row < 0 || row >= out.row_cap) continue;
     out.src_rank[row] = -1;
     out.src_token[row] = -1;

@@ -283,6 +283,28 @@ __device__ int pad_experts(const CommContext& c, const HandleArrays& h, int rows
   return rows + padding;
 }
 
+// rows_per_expert N, after the rows' scan (as pad_experts): local expert e's rows move to
+// [e * N, (e + 1) * N), zero rows after its received ones. An expert with more than N rows is
+// reported (kExpertOverflow, a data error: the call completes) and gets no zero rows; the fill
+// drops its rows past N, so no row lands in the next expert's rows. Returns R = E * N.
+__device__ int fix_expert_rows(const CommContext& c, const HandleArrays& h, int rows, int N) {
+  const int W = c.world, E = c.ws.cfg.num_local_experts;
+  const int per_expert = W * HandleArrays::chunks_per_call(c.ws.cfg);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int first = h.chunk_rows[static_cast<size_t>(e) * per_expert];
+    const int next = e + 1 < E ? h.chunk_rows[static_cast<size_t>(e + 1) * per_expert] : rows;
+    if (next - first > N) report_error(c, kExpertOverflow, e, N, next - first);
+    h.gap_len[e] = max(N - (next - first), 0);
+    h.gap_begin[e] = e * N - first;  // the shift of e's groups; its zero rows' start below
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < E * per_expert; i += blockDim.x) h.chunk_rows[i] += h.gap_begin[i / per_expert];
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) h.gap_begin[e] = (e + 1) * N - h.gap_len[e];
+  __syncthreads();
+  return E * N;
+}
+
 // The host report (RowOutputs::host_report): totals, then the error words as they stand now.
 // Called by one thread after a block barrier, so every report_error of this kernel is in.
 __device__ void write_host_report(const CommContext& c, int32_t* report, const int32_t* totals) {
@@ -304,6 +326,11 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
   if (threadIdx.x == 0) {
     stop = aborted(c);
     over = 0;
+    // For the fill and the transfers of this handle (HandleArrays::pad_info), aborted or not:
+    // the scratch is fresh memory.
+    const int N = out.rows_per_expert;
+    h.pad_info[0] = N >= 0 ? N : c.ws.cfg.expert_alignment - 1;
+    h.pad_info[1] = N;
     for (int i = 0; i < 4; ++i) totals[i] = 0;
   }
   __syncthreads();
@@ -312,7 +339,12 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
     const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
     // Rows in contract order: expert, then source, then chunk (then token, then k: fill).
     int rows = block_exclusive_scan<THREADS, ITEMS>(h.chunk_rows, E * W * cpc);
-    if (c.ws.cfg.expert_alignment > 1) rows = pad_experts<THREADS, ITEMS>(c, h, rows);
+    const int A = c.ws.cfg.expert_alignment, N = out.rows_per_expert;
+    if (N >= 0)
+      rows = fix_expert_rows(c, h, rows, N);
+    else if (A > 1)
+      rows = pad_experts<THREADS, ITEMS>(c, h, rows);
+
     layout_stamp(c, 0, kStScanRows);
     // tokens_per_expert: the distance between consecutive experts' first rows.
     for (int e = threadIdx.x; e < E; e += blockDim.x) {

@@ -18,8 +18,8 @@ class DispatchFunction(torch.autograd.Function):
     returned through ``out_handle`` (a one-element list), since it is not a tensor."""
 
     @staticmethod
-    def forward(ctx, backend, out_handle, x, topk_weights, topk_idx):
-        tokens, probs, handle = backend.dispatch(x, topk_idx, topk_weights)
+    def forward(ctx, backend, out_handle, x, topk_weights, topk_idx, rows_per_expert=None):
+        tokens, probs, handle = backend.dispatch(x, topk_idx, topk_weights, rows_per_expert)
         ctx.backend, ctx.handle = backend, handle
         out_handle.append(handle)
         return tokens, probs
@@ -30,7 +30,7 @@ class DispatchFunction(torch.autograd.Function):
         grad_x, grad_w = ctx.backend.combine(
             grad_tokens.contiguous(), ctx.handle,
             grad_probs=grad_probs.contiguous() if want_w else None)
-        return None, None, grad_x, grad_w, None
+        return None, None, grad_x, grad_w, None, None
 
 
 class CombineFunction(torch.autograd.Function):

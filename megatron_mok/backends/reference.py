@@ -63,14 +63,26 @@ def build_layout(all_idx: torch.Tensor, counts: torch.Tensor, rank: int, num_loc
     return e[order], s[order], t[order], k[order]
 
 
-def padded_positions(row_e: torch.Tensor, num_local_experts: int, alignment: int):
+def padded_positions(row_e: torch.Tensor, num_local_experts: int, alignment: int,
+                     rows_per_expert: Optional[int] = None, rank: int = 0):
     """Where the rows of :func:`build_layout` go when each expert's rows are followed by zero
-    rows up to a multiple of ``alignment`` (``Buffer(expert_alignment=)``).
+    rows: up to a multiple of ``alignment`` (``Buffer(expert_alignment=)``), or, with
+    ``rows_per_expert`` ``N`` (``dispatch(rows_per_expert=)``), up to exactly ``N`` rows.
 
     Returns ``(pos [R0] int64, tokens_per_expert [E_local] int64, R)``: row ``i`` of the
-    unpadded layout is row ``pos[i]``; the counts and ``R`` include the zero rows."""
+    unpadded layout is row ``pos[i]``; the counts and ``R`` include the zero rows. Raises
+    ``RuntimeError`` when an expert has more than ``N`` rows."""
     counts = torch.bincount(row_e, minlength=num_local_experts).to(torch.int64)
-    padded = (counts + alignment - 1) // alignment * alignment
+    if rows_per_expert is not None:
+        over = (counts > rows_per_expert).nonzero().flatten()
+        if over.numel():
+            e = int(over[0])
+            raise RuntimeError(
+                f"megatron_mok: rank {rank}: local expert {e} received {int(counts[e])} rows, more "
+                f"than rows_per_expert={rows_per_expert}; the capacity must hold every routed row")
+        padded = torch.full_like(counts, rows_per_expert)
+    else:
+        padded = (counts + alignment - 1) // alignment * alignment
     shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(counts, 0) - counts)
     pos = torch.arange(row_e.numel(), dtype=torch.int64, device=row_e.device) + shift[row_e]
     return pos, padded, int(padded.sum())
@@ -101,7 +113,7 @@ class ReferenceBackend:
         self.buf = buf
 
     # ----------------------------------------------------------------------------- dispatch
-    def dispatch(self, x, topk_idx, topk_weights):
+    def dispatch(self, x, topk_idx, topk_weights, rows_per_expert=None):
         settle(x.device)
         b = self.buf
         W, t_max, K = b.world_size, b.max_tokens_per_rank, b.topk
@@ -116,8 +128,10 @@ class ReferenceBackend:
         all_x = self._gather_tokens(x)
 
         row_e, row_s, row_t, row_k = build_layout(all_idx, counts, b.rank, b.num_local_experts)
-        # pos: each row's place (with expert_alignment, zero rows follow each expert's rows)
-        pos, tpe, R = padded_positions(row_e, b.num_local_experts, b.expert_alignment)
+        # pos: each row's place (with expert_alignment or rows_per_expert, zero rows follow each
+        # expert's rows)
+        pos, tpe, R = padded_positions(row_e, b.num_local_experts, b.expert_alignment,
+                                       rows_per_expert, b.rank)
         out_rows = b._out_rows(R)
         tokens = x.new_zeros(out_rows, b.hidden)
         tokens[pos] = all_x[row_s, row_t]

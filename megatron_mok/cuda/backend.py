@@ -41,6 +41,10 @@ DEFAULT_CHUNK_TOKENS = 64
 FILL_FIRST_MAX_BYTES = 64 << 20
 TIMEOUT = 1     # ErrorCode kTimeout (csrc/include/mok/config.h)
 BAD_EXPERT = 2  # ErrorCode kBadExpert (csrc/include/mok/config.h): a data error, not a protocol one
+EXPERT_OVERFLOW = 6  # ErrorCode kExpertOverflow: rows_per_expert too small, a data error too
+# Data errors leave the ring protocol intact and only the reporting rank knows: it launches its
+# transfer like its peers (they wait for its staged tokens), then raises.
+DATA_ERRORS = (BAD_EXPERT, EXPERT_OVERFLOW)
 # Speculative eager dispatch: rows allocated before R is known = this margin over the largest R
 # of the last SPEC_HISTORY calls, plus one chunk of slack.
 SPEC_MARGIN, SPEC_HISTORY = 1.10, 8
@@ -291,7 +295,7 @@ class CudaBackend:
         self._raise_if_error(self.error_words.cpu().tolist())
 
     # ---------------------------------------------------------------------------- dispatch
-    def dispatch(self, x, topk_idx, topk_weights):
+    def dispatch(self, x, topk_idx, topk_weights, rows_per_expert=None):
         self._alive()
         b = self.buf
         T = x.shape[0]
@@ -301,12 +305,15 @@ class CudaBackend:
         idx = topk_idx.contiguous()
         w = topk_weights.contiguous()
         static = b.max_recv_tokens is not None
+        if rows_per_expert is not None and not static:
+            return self._dispatch_fixed(x, T, idx, w, scratch, tpe, stream, rows_per_expert)
+        fixed = bindings.NO_ROWS_PER_EXPERT if rows_per_expert is None else rows_per_expert
         layout_cap = b.max_recv_tokens if static else (1 << 62)
         if self.speculative and not static:
             return self._dispatch_speculative(x, T, idx, w, scratch, tpe, stream)
         ce_side = self.ce_overlap and not self.speculative
         if static and not ce_side and not self.separate_launches:
-            return self._dispatch_static(x, T, idx, w, scratch, tpe, stream)
+            return self._dispatch_static(x, T, idx, w, scratch, tpe, stream, fixed)
         main = torch.cuda.current_stream(self.device)
         if static:
             # (A static dispatch staged beside the layout, MOK_DISPATCH_CE_OVERLAP=1: the transfer
@@ -318,7 +325,7 @@ class CudaBackend:
             self._stage_copy_beside(x, T, main)
         self._check(self.lib.mok_dispatch_layout(
             self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
-            self._ptr(w), T, b.num_experts, self._ptr(tpe), layout_cap, -1, int(not static)))
+            self._ptr(w), T, b.num_experts, self._ptr(tpe), layout_cap, -1, int(not static), fixed))
         staged = None
         fill_first = self.fill_first and not static
         if fill_first:
@@ -338,7 +345,7 @@ class CudaBackend:
                 self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)
             self._layout_read.synchronize()
             report = self.host_report
-            if report[4] != BAD_EXPERT:  # protocol errors: nothing more to launch
+            if report[4] not in DATA_ERRORS:  # protocol errors: nothing more to launch
                 self._raise_if_error(report[4:])
             R = cap = report[0]
             tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
@@ -370,18 +377,19 @@ class CudaBackend:
                 # Later work on this stream (an in-place update of x, the next call) comes after
                 # the staging.
                 main.wait_event(staged)
-        if not static and self.host_report[4] == BAD_EXPERT:
+        if not static and self.host_report[4] in DATA_ERRORS:
             # A bad expert id (dropped like -1) leaves the protocol intact and only this rank
             # knows: its transfer is launched like its peers' (they wait for its staged tokens),
             # then it raises. Raising before the launch would leave the peers to time out.
             self._raise_if_error(self.host_report[4:])
         return tokens, probs, self._handle(T, R, cap, src_rank, src_token, tpe, scratch)
 
-    def _dispatch_static(self, x, T, idx, w, scratch, tpe, stream):
+    def _dispatch_static(self, x, T, idx, w, scratch, tpe, stream, fixed=bindings.NO_ROWS_PER_EXPERT):
         """A static-shape dispatch (``max_recv_tokens``): every output is allocated first, then
         layout, fill, copy-engine staging and transfer are queued by ONE library call
         (``mok_dispatch_launch``): nothing but that call's own host time between the launches
-        (NOTES #51). Reads nothing on the host; graph-capturable."""
+        (NOTES #51). Reads nothing on the host; graph-capturable. With ``rows_per_expert``
+        (``fixed`` >= 0) R = E_local * N is known here."""
         b = self.buf
         cap = b.max_recv_tokens
         tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
@@ -389,20 +397,48 @@ class CudaBackend:
         steps = bindings.STEP_LAYOUT | bindings.STEP_FILL | bindings.STEP_TRANSFER
         if self.ce_stage:
             steps |= bindings.STEP_STAGE_COPY
-        self._launch(steps, stream, scratch, x, T, idx, w, tpe, probs, src, tokens, cap, self.ce_mode)
-        return tokens, probs, self._handle(T, None, cap, src[0], src[1], tpe, scratch)
+        self._launch(steps, stream, scratch, x, T, idx, w, tpe, probs, src, tokens, cap, self.ce_mode,
+                     fixed)
+        R = b.num_local_experts * fixed if fixed >= 0 else None
+        return tokens, probs, self._handle(T, R, cap, src[0], src[1], tpe, scratch)
 
-    def _launch(self, steps, stream, scratch, x, T, idx, w, tpe, probs, src, out, cap, mode) -> None:
+    def _dispatch_fixed(self, x, T, idx, w, scratch, tpe, stream, n):
+        """``rows_per_expert`` on an eager Buffer: R = E_local * N is known before the layout, so
+        the rows are allocated and every step is queued first (the issue's "allocate, launch,
+        then read"); the host then reads the layout's report for errors only, while the fill and
+        the transfer run. A data error (a bad expert id, an expert past N) raises after the
+        launch, as in the eager dispatch; a protocol error stops the queued kernels on the
+        device (they check the error report) and raises here."""
+        b = self.buf
+        R = b.num_local_experts * n
+        tokens = torch.empty(R, b.hidden, dtype=b.dtype, device=x.device)
+        probs, src = self._row_outputs(R, x.device)
+        self._check(self.lib.mok_dispatch_layout(
+            self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
+            self._ptr(w), T, b.num_experts, self._ptr(tpe), R, -1, 1, n))
+        self._layout_read.record(torch.cuda.current_stream(self.device))
+        steps = bindings.STEP_FILL | bindings.STEP_TRANSFER
+        if self.ce_stage:
+            steps |= bindings.STEP_STAGE_COPY
+        self._launch(steps, stream, scratch, x, T, None, None, None, probs, src, tokens, R, self.ce_mode)
+        self._layout_read.synchronize()
+        self._raise_if_error(self.host_report[4:])
+        return tokens, probs, self._handle(T, R, R, src[0], src[1], tpe, scratch)
+
+    def _launch(self, steps, stream, scratch, x, T, idx, w, tpe, probs, src, out, cap, mode,
+                fixed=bindings.NO_ROWS_PER_EXPERT) -> None:
         """``mok_dispatch_launch``: the ``steps`` of a dispatch (layout, fill, copy-engine
         staging, transfer; ``bindings.STEP_*``) queued by one library call. Fill pads rows
-        [R, cap); the transfer's blocks come from the call's size (``_roles``)."""
+        [R, cap); the transfer's blocks come from the call's size (``_roles``); ``fixed``: the
+        layout's rows_per_expert."""
         blocks, producers, _ = self._roles(T)
         ptr = self._ptr
         src_rank, src_token = self._row_ptrs(src)
         self._check(self.lib.mok_dispatch_launch(
             self.ctx, stream, steps, scratch.data_ptr(), ptr(idx),
             int(idx is not None and idx.dtype == torch.int64), ptr(w), T, self.buf.num_experts,
-            ptr(tpe), src_rank, src_token, ptr(probs), 1, ptr(x), ptr(out), cap, blocks, producers, mode))
+            ptr(tpe), src_rank, src_token, ptr(probs), 1, ptr(x), ptr(out), cap, blocks, producers, mode,
+            fixed))
 
     def _dispatch_speculative(self, x, T, idx, w, scratch, tpe, stream):
         """Eager dispatch in the issue's order: allocate, launch, then read R.
@@ -421,7 +457,7 @@ class CudaBackend:
         probs_all, src_all = self._row_outputs(self.rows_bound, x.device)
         self._check(self.lib.mok_dispatch_layout(
             self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
-            self._ptr(w), T, b.num_experts, self._ptr(tpe), 1 << 62, cap, 1))
+            self._ptr(w), T, b.num_experts, self._ptr(tpe), 1 << 62, cap, 1, bindings.NO_ROWS_PER_EXPERT))
         main = torch.cuda.current_stream(self.device)
         self._layout_read.record(main)
         self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)

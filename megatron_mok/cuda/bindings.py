@@ -6,7 +6,7 @@ import ctypes
 from ctypes import c_double, c_float, c_int, c_int64, c_size_t, c_uint64, c_void_p, POINTER
 
 # The C ABI version this file declares (MOK_ABI_VERSION in csrc/api/mok_api.h).
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 _SIGNATURES = {
     "mok_abi_version": (c_int, []),
@@ -20,7 +20,7 @@ _SIGNATURES = {
     "mok_set_peers": (c_int, [c_void_p, POINTER(c_uint64), c_int, c_double]),
     "mok_set_host_report": (c_int, [c_void_p, c_void_p]),
     "mok_dispatch_layout": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int,
-                                    c_int, c_void_p, c_int64, c_int64, c_int]),
+                                    c_int, c_void_p, c_int64, c_int64, c_int, c_int64]),
     "mok_dispatch_fill": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int]),
     "mok_dispatch_transfer": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int,
                                       c_void_p, c_int64, c_int, c_int, c_int]),
@@ -28,7 +28,7 @@ _SIGNATURES = {
     "mok_dispatch_ce_stage_supported": (c_int, [c_void_p]),
     "mok_dispatch_launch": (c_int, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_void_p,
                                     c_int, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_int,
-                                    c_void_p, c_void_p, c_int64, c_int, c_int, c_int]),
+                                    c_void_p, c_void_p, c_int64, c_int, c_int, c_int, c_int64]),
     "mok_layout_fused": (c_int, [c_void_p, c_int]),
     "mok_set_pdl": (c_int, [c_void_p, c_int]),
     "mok_pdl": (c_int, [c_void_p]),
@@ -46,6 +46,8 @@ STEP_LAYOUT, STEP_FILL, STEP_STAGE_COPY, STEP_TRANSFER = 1, 2, 4, 8
 # not zeroed" and "the copy engine staged x" (see csrc/api/mok_api.h).
 TRANSFER_BOTH, TRANSFER_STAGE, TRANSFER_PULL = 0, 1, 2
 TRANSFER_NO_PAD, TRANSFER_CE_STAGED = 4, 8
+# rows_per_expert off (mok_dispatch_layout / mok_dispatch_launch).
+NO_ROWS_PER_EXPERT = -1
 
 
 def declare(lib: ctypes.CDLL) -> None:

@@ -8,6 +8,7 @@ ERROR_CODES = {
     3: "receive overflow",
     4: "aborted",
     5: "configuration mismatch",
+    6: "expert overflow",
 }
 
 WAIT_KINDS = {
@@ -80,4 +81,8 @@ def describe(report, timeout_s: float, max_recv_tokens, abandoned=()) -> str:
                 "where MOK_EAGER_SPECULATIVE=1, MOK_EAGER_STAGE_FIRST is not 1 and "
                 "max_recv_tokens is not set; every rank of "
                 "the group must have the same. This Buffer can no longer be used.")
+    if code == 6:
+        return (f"megatron_mok: rank {rank}: local expert {peer} received {detail} rows, more than "
+                f"rows_per_expert={what}; its rows past {what} were dropped (not written, not "
+                "combined). The capacity must hold every routed row.")
     return f"megatron_mok: rank {rank}: {kind} (peer {peer}, wait kind {what}, detail {detail})"

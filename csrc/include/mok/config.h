@@ -102,6 +102,8 @@ enum ErrorCode : int32_t {
   kAborted = 4,         // stopped because another block reported an error
   kConfigMismatch = 5,  // ranks disagree on MOK_EAGER_SPECULATIVE (their dispatches would
                         // make different numbers of transfers): a protocol error
+  kExpertOverflow = 6,  // rows_per_expert: a local expert received more rows (peer = the
+                        // expert, what = N, detail = its rows); the rows past N are dropped
 };
 
 // What a spin-wait was waiting for (Workspace::error.what).

@@ -204,11 +204,12 @@ __device__ inline void report_error(const CommContext& c, int32_t code, int32_t 
 
 // True once this rank's kernels reported an error that breaks the protocol (a timeout): spin
 // waits give up and kernels skip their work. Data errors leave the protocol intact and do not
-// abort: a bad expert id is dropped like -1, and static-shape rows past max_recv_tokens are not
-// written; every rank's call then completes and the host raises at its next read.
+// abort: a bad expert id is dropped like -1, static-shape rows past max_recv_tokens are not
+// written, and neither are an expert's rows past rows_per_expert; every rank's call then
+// completes and the host raises at its next read.
 __device__ inline bool aborted(const CommContext& c) {
   const int32_t code = ld_volatile(&c.error()->code);
-  return code != kOk && code != kBadExpert && code != kRecvOverflow;
+  return code != kOk && code != kBadExpert && code != kRecvOverflow && code != kExpertOverflow;
 }
 
 // Spin until *flag >= target (acquire, system scope). False on timeout or abort: the caller

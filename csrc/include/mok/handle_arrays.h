@@ -46,6 +46,10 @@ struct HandleArrays {
   int32_t* dest_total;
   int32_t* gap_begin;
   int32_t* gap_len;
+  // Written by the layout's scan, for the fill and the transfers of this handle: [0] the zero
+  // rows one expert may have (A - 1 with expert_alignment A, N with rows_per_expert N, else
+  // 0), [1] rows_per_expert N or -1.
+  int32_t* pad_info;
   size_t total_bytes;
 
   // At least one: every layout kernel launches one block per chunk, and T_max = 0 is legal.
@@ -60,14 +64,14 @@ struct HandleArrays {
     return local < 0 ? -1 : send_base[(t / cfg.chunk_tokens) * cfg.world_size + d] + local;
   }
 
-  // expert_alignment A > 1: the zero rows are E_local x (A - 1) candidates (expert e's o-th
-  // possible zero row is candidate e * (A - 1) + o); the row candidate i names, or -1 (none).
-  __host__ __device__ static int64_t gap_candidates(const WorkspaceConfig& cfg) {
-    return static_cast<int64_t>(cfg.num_local_experts) * (cfg.expert_alignment - 1);
+  // The zero rows (expert_alignment A > 1, or rows_per_expert N) are E_local x width
+  // candidates, width = pad_info[0] (A - 1 or N): expert e's o-th possible zero row is candidate
+  // e * width + o. The row candidate i names, or -1 (none).
+  __host__ __device__ static int64_t gap_candidates(const WorkspaceConfig& cfg, int width) {
+    return static_cast<int64_t>(cfg.num_local_experts) * width;
   }
-  __host__ __device__ int64_t gap_row(const WorkspaceConfig& cfg, int64_t i) const {
-    const int per = cfg.expert_alignment - 1;
-    const int e = static_cast<int>(i / per), o = static_cast<int>(i - static_cast<int64_t>(e) * per);
+  __host__ __device__ int64_t gap_row(int width, int64_t i) const {
+    const int e = static_cast<int>(i / width), o = static_cast<int>(i - static_cast<int64_t>(e) * width);
     return o < gap_len[e] ? static_cast<int64_t>(gap_begin[e]) + o : -1;
   }
 
@@ -100,6 +104,7 @@ struct HandleArrays {
     a.dest_total = (int32_t*)take(W * 4);
     a.gap_begin = (int32_t*)take(E * 4);
     a.gap_len = (int32_t*)take(E * 4);
+    a.pad_info = (int32_t*)take(2 * 4);
     a.total_bytes = off;
     return a;
   }

@@ -43,6 +43,9 @@ struct RowOutputs {
   // rank's ErrorReport. An eager dispatch reads it after an event, with no copy queued
   // (nullptr: static-shape and cached calls, which read nothing).
   int32_t* host_report = nullptr;
+  // Layout: rows_per_expert N >= 0 gives every local expert exactly N rows (zero rows after its
+  // received ones; rows past N dropped, error kExpertOverflow); -1: off.
+  int32_t rows_per_expert = -1;
 };
 
 // Publish my routing (send-side layout included) and build the receive layout's counts.
