@@ -535,10 +535,11 @@ def full_pass(buf, x0: torch.Tensor, idx: torch.Tensor, w0: torch.Tensor, seed: 
     if by_hand is None:
         by_hand = in_loopback() and x0.is_cuda and buf.requested_backend == "reference"
     if by_hand:
-        assert expert_out_override is None and rows_per_expert is None
+        assert expert_out_override is None
         gy = seeded(seed + 1, (x0.shape[0], buf.hidden), device=x0.device)
         return _on_cpu(backward_by_hand(buf, x0, idx, w0,
-                                        lambda r, t, p: sample_expert(r, t, p, seed, buf.dtype), gy))
+                                        lambda r, t, p: sample_expert(r, t, p, seed, buf.dtype), gy,
+                                        rows_per_expert))
     x = x0.detach().clone().requires_grad_(True)
     w = w0.detach().clone().requires_grad_(True)
     res = buf.dispatch(x, idx, w, rows_per_expert=rows_per_expert)
@@ -563,7 +564,8 @@ def _on_cpu(out: Dict[str, Any]) -> Dict[str, Any]:
     return {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
 
 
-def backward_by_hand(buf, x0, idx, w0, expert, gy: torch.Tensor) -> Dict[str, torch.Tensor]:
+def backward_by_hand(buf, x0, idx, w0, expert, gy: torch.Tensor,
+                     rows_per_expert: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """Dispatch, ``expert(res, tokens, probs) -> expert_out``, combine, and the backward of
     ``(y.float() * gy).sum()`` written out as the contract states it: combine's backward is
     a cached dispatch of ``grad_y``; dispatch's is a combine of the row gradients carrying
@@ -575,7 +577,7 @@ def backward_by_hand(buf, x0, idx, w0, expert, gy: torch.Tensor) -> Dict[str, to
     The CUDA backend's backward ops only launch kernels, so they keep using autograd."""
     backend = buf._backend_for(x0)
     with torch.no_grad():
-        res = buf.dispatch(x0.detach(), idx, w0.detach())
+        res = buf.dispatch(x0.detach(), idx, w0.detach(), rows_per_expert=rows_per_expert)
     tokens = res.tokens.detach().requires_grad_(True)
     probs = res.probs.detach().requires_grad_(True)
     with torch.enable_grad():
