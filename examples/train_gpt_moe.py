@@ -50,6 +50,9 @@ def parse_args(argv=None):
                         "allocates on CUDA)")
     p.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
     p.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    p.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="drop-and-pad: every expert gets capacity x EP rows (needs "
+                        "--moe-expert-capacity-factor)")
     p.add_argument("--moe-flex-dispatcher-backend", default="deepep")
     p.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="a shared expert of this FFN size in every MoE layer")
@@ -71,6 +74,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.moe_shared_expert_overlap and not args.moe_shared_expert_intermediate_size:
         p.error("--moe-shared-expert-overlap needs --moe-shared-expert-intermediate-size")
+    if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
+        p.error("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     return args
 
 
@@ -100,6 +105,7 @@ def build_model(args, device):
         moe_router_load_balancing_type=lb,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff if lb != "none" else 0.0,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_overlap=args.moe_shared_expert_overlap,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, **extra)

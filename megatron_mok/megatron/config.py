@@ -46,10 +46,9 @@ def config_problems(config) -> list:
         p.append(f"expert tensor parallelism is {etp}; MoK dispatches whole tokens over the "
                  "expert-parallel group only: set expert_tensor_parallel_size=1 "
                  "(--expert-tensor-parallel-size 1), or use moe_token_dispatcher_type='alltoall'")
-    if getattr(config, "moe_pad_expert_input_to_capacity", False):
-        p.append("moe_pad_expert_input_to_capacity (drop-and-pad) is set; MoK is dropless and "
-                 "returns exactly the routed rows: unset it (a capacity factor alone, which "
-                 "drops in the router, works), or use 'alltoall'")
+    # moe_pad_expert_input_to_capacity (drop-and-pad) works: the dispatcher drops the padding
+    # routes and gives every local expert capacity x EP rows (MokTokenDispatcher); Megatron's
+    # own check asks for moe_expert_capacity_factor.
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
         p.append("overlap_moe_expert_parallel_comm is set; MoK has no split 1F1B A2A overlap "
                  "schedule yet: unset overlap_moe_expert_parallel_comm")

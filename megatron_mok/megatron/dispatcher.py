@@ -25,6 +25,13 @@ call them).
 One Buffer is shared by every MoE layer with the same (group, experts, hidden, top-k,
 dtype) -- as Megatron's DeepEP path shares one ``deep_ep.Buffer`` -- so the CUDA workspace
 is allocated once per process, not once per layer.
+
+Drop-and-pad (``moe_pad_expert_input_to_capacity``): the router's map then selects, per
+expert, exactly ``capacity`` tokens of this rank, the padding ones with prob 0. MoK drops the
+padding routes before the exchange and asks the Buffer for ``N = capacity x EP`` rows per
+local expert (``Buffer.dispatch(rows_per_expert=N)``: the received rows, then zero rows), the
+shapes Megatron's ``alltoall`` gives its experts; ``tokens_per_expert`` is ``[N] * E_local``,
+known on the host.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron.core import utils as mcore_utils
+from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .config import MokConfigError, MokOptions, config_problems
@@ -137,6 +145,13 @@ class MokTokenDispatcher(MoETokenDispatcher):
         if self.tp_size != 1:
             problems.append(f"the expert tensor-parallel group has {self.tp_size} ranks; set "
                             "expert_tensor_parallel_size=1")
+        # Drop-and-pad (see the module docstring). Megatron's config check asks for the
+        # capacity factor; this catches a config edited after that check.
+        self.drop_and_pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
+        self.capacity_factor = getattr(config, "moe_expert_capacity_factor", None)
+        if self.drop_and_pad and self.capacity_factor is None:
+            problems.append("moe_pad_expert_input_to_capacity is set without "
+                            "moe_expert_capacity_factor; set the capacity factor")
         if problems:
             raise MokConfigError("MokTokenDispatcher cannot run this config:\n  - "
                                  + "\n  - ".join(problems))
@@ -162,6 +177,7 @@ class MokTokenDispatcher(MoETokenDispatcher):
         self._probs_dtype: Optional[torch.dtype] = None
         self._handle = None
         self._tokens_per_expert: Optional[torch.Tensor] = None
+        self._capacity: Optional[int] = None        # drop-and-pad: this call's capacity
 
     # ------------------------------------------------------------------------- configuring
     def configure_for_experts(self, experts) -> None:
@@ -170,7 +186,8 @@ class MokTokenDispatcher(MoETokenDispatcher):
         Megatron 0.16's legacy ``GroupedMLP`` hands the counts to ``grouped_gemm``, which
         wants a host tensor; every other expert class takes a device tensor (SequentialMLP
         and unfused TEGroupedMLP call ``.tolist()`` themselves; 0.19's fused TEGroupedMLP
-        uses it on the device with no host sync).
+        uses it on the device with no host sync). With drop-and-pad the counts are known on
+        the host and made there, whatever this picks (:meth:`token_dispatch`).
         """
         if self.options.tokens_per_expert != "auto":
             return
@@ -280,6 +297,23 @@ class MokTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = hidden_states.shape
         hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
         self._probs_dtype = probs.dtype
+        if self.drop_and_pad:
+            # Megatron's capacity for these T tokens (the router's apply_router_token_dropping
+            # and alltoall's preprocess compute the same number).
+            self._capacity = get_capacity(num_tokens=routing_map.shape[0] * self.topk,
+                                          num_experts=self.num_experts,
+                                          capacity_factor=self.capacity_factor)
+            # The router filled each expert's column up to `capacity` tokens with padding
+            # routes of prob exactly 0 (its probs are 0 off the top-k). Drop them: they never
+            # cross the exchange, the Buffer puts zero rows in their place. A real route has
+            # prob > 0 for softmax / sigmoid scores; one that underflowed to 0 would add
+            # nothing anyway: its output term and expert gradients are scaled by that 0, and
+            # a score that is exactly 0 has zero derivative w.r.t. the router logits
+            # (softmax: p_i (d_ij - p_j); sigmoid: p (1 - p)). (fp16 probs without an fp32
+            # router dtype: a score below ~6e-8 rounds to 0 there, and its logit gradient is
+            # scaled by that tiny score, not exactly 0.) After this mask each token has at most
+            # K routes again.
+            routing_map = routing_map & (probs != 0)
         self._topk_idx, topk_weights = routing_map_to_topk(routing_map, probs, self.topk)
         return hidden_states, topk_weights
 
@@ -296,25 +330,61 @@ class MokTokenDispatcher(MoETokenDispatcher):
         # First: a call with too many tokens raises here, before the shared experts' hooks
         # start (Megatron 0.19 checks their order: a half-run forward would fail the next one).
         self.buffer = self._get_buffer(hidden_states)
+        rows = self.rows_per_expert() if self.drop_and_pad else None
         shared = self.shared_experts
         if shared is not None:
             # pre_forward_comm makes the shared stream wait for the current one (the input).
             shared.pre_forward_comm(hidden_states.view(self.hidden_shape))
             shared.linear_fc1_forward_and_act()
         with _CommStream(self._comm_stream(hidden_states)) as comm:
-            res = self.buffer.dispatch(hidden_states, self._topk_idx, probs)
+            res = self.buffer.dispatch(hidden_states, self._topk_idx, probs, rows_per_expert=rows)
             comm.hand_over(res.tokens, res.probs, res.tokens_per_expert)
         self._topk_idx = None
         self._handle = res.handle
-        self._tokens_per_expert = res.tokens_per_expert
+        if rows is None:
+            self._tokens_per_expert = res.tokens_per_expert
+        else:
+            # Known without reading the device (as alltoall's drop-and-pad counts): a host
+            # tensor, which every expert class takes (SequentialMLP's .tolist() then costs no
+            # sync); on the device only when MOK_TOKENS_PER_EXPERT=device asks (a fill kernel,
+            # no host read).
+            on_device = self.options.tokens_per_expert == "device"
+            self._tokens_per_expert = torch.full(
+                (self.num_local_experts,), rows, dtype=torch.long,
+                device=res.tokens.device if on_device else "cpu")
         return res.tokens, res.probs
+
+    def rows_per_expert(self) -> int:
+        """Drop-and-pad: ``N``, the rows every local expert gets (valid after
+        :meth:`dispatch_preprocess` and with :attr:`buffer` set).
+
+        ``capacity x EP``: each of the EP ranks exchanging tokens through the Buffer (its
+        group is the EP group) sends an expert at most ``capacity`` routes (the router's
+        per-column cap), so the rows fit when every EP rank has the same token count, which
+        ``alltoall``'s drop-and-pad assumes too (a rank with more tokens, hence a larger
+        capacity, could overflow a peer's expert: an error, raised by the reference backend at
+        the dispatch, by the CUDA backend at its next host read). It is what ``alltoall``
+        gives (``capacity x tp_size x ep_size``, expert TP being 1 here).
+
+        With ``moe_router_padding_for_quantization`` it is rounded up to the Buffer's
+        ``expert_alignment`` (Megatron's FP8 / FP4 alignment): the Buffer needs ``N`` to be a
+        multiple of it, and the experts, which then skip their own padding, need every
+        expert's row count aligned for the quantized grouped GEMM. The extra rows are zero
+        rows. Without that flag the alignment is 1.
+        """
+        if self._capacity is None:
+            raise RuntimeError("MoK: rows_per_expert needs a preceding dispatch_preprocess")
+        n = self._capacity * self.buffer.world_size
+        align = self.buffer.expert_alignment
+        return -(-n // align) * align
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """No data movement: ``(tokens [R, H], tokens_per_expert [E_local] int64, probs [R])``.
 
         ``probs`` comes back in the router's dtype (as ``alltoall`` returns it);
         ``tokens_per_expert`` is on the device, or on the host for experts that need it
-        (that copy is the one host sync of this dispatcher; see docs/MEGATRON.md).
+        (that copy is the one host sync of this dispatcher; see docs/MEGATRON.md). With
+        drop-and-pad it is ``[N] * E_local`` made on the host (``R = E_local x N``): no copy.
         """
         tokens_per_expert = self._tokens_per_expert
         self._tokens_per_expert = None

@@ -11,13 +11,28 @@ CPU (gloo, reference backend; runs in CI):
 - The SM budget each layer gives its Buffer (48 without overlap, the Buffer default with it).
 - ``moe_router_padding_for_quantization``: the Buffer pads each expert's rows to 16 (zero
   rows), the layer's output and gradients unchanged (bitwise on CPU; on GPUs below).
+- Drop-and-pad (``moe_pad_expert_input_to_capacity``) at EP = 1, 2, 4, capacity factors that
+  drop routes (0.5) and that pad (2.0), both drop policies: the experts get ``capacity x EP``
+  rows per local expert (the routed rows, then zero rows: the padding routes never cross the
+  exchange) and ``tokens_per_expert`` on the host, as from Megatron's ``alltoall`` with
+  drop-and-pad, whose outputs and gradients mok's match within 1e-5 (fp32). Not asserted
+  bitwise, though they are on the CPU this was written on: alltoall's padding rows are real
+  tokens with prob 0 placed among the routed rows (token order), mok's are zero rows after
+  them, so each expert GEMM sees other rows and another row order, and nothing promises that
+  a row's result or a weight-gradient sum is independent of those. Against mok with the same
+  capacity factor and no padding (and with the padding rows aligned to 16 for FP8): bitwise,
+  as long as every expert gets >= 4 rows (the worker checks it: CPU GEMMs of <= 3 rows take
+  another kernel, whose rows differ in the last bit). A capacity above the token count
+  (factor 5), which alltoall's permute cannot run, against the unpadded layer only.
 
 GPU (NCCL, CUDA backend; ``MOK_BACKEND=cuda`` so a missing build fails instead of falling
 back): the same round trip and layout on 2 GPUs, and the full layer against ``alltoall`` over
 the same EP=2 group in bf16. The same three at EP = 1 on ONE GPU (world size 1: every path of
 the adapter and the CUDA backend except the NVLink exchange), for machines with one GPU.
 Megatron's ``SharedExpertMLP`` overlapped on its own stream: bitwise the outputs and parameter
-gradients of the unoverlapped layer, close to ``alltoall`` with the same overlap.
+gradients of the unoverlapped layer, close to ``alltoall`` with the same overlap. Drop-and-pad
+on one GPU and on two (the CPU worker's code path, bf16 tolerances; needs the CUDA backend's
+``Buffer.dispatch(rows_per_expert=)``).
 """
 
 from __future__ import annotations
@@ -70,6 +85,53 @@ def test_layer_num_sms_cpu(world):
 def test_router_padding_for_quantization_cpu(world):
     counts = run_distributed(W.layer_router_padding, world)
     assert all(c % 16 == 0 for per_rank in counts for c in per_rank)
+
+
+def _check_drop_and_pad(reports, capacity_factor):
+    """What the ranks' :func:`W.layer_drop_and_pad` saw: one ``N``, ``E_local x N`` rows per
+    rank; a capacity below the load dropped routes (fewer rows than the ranks' T x K routes),
+    one above it left zero rows on every rank. Returns the rows received by all ranks."""
+    assert len({r["N"] for r in reports}) == 1, reports
+    assert all(r["rows"] + r["zero_rows"] == r["N"] * r["local_experts"] for r in reports)
+    rows = sum(r["rows"] for r in reports)
+    if capacity_factor < 1:
+        assert rows < sum(r["routes"] for r in reports), reports
+    else:
+        assert all(r["zero_rows"] > 0 for r in reports), reports
+    return rows
+
+
+@pytest.mark.parametrize("drop_policy", ["probs", "position"])
+@pytest.mark.parametrize("capacity_factor", [0.5, 2.0])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_drop_and_pad_mok_vs_alltoall_cpu(world, capacity_factor, drop_policy):
+    reports = run_distributed(W.layer_drop_and_pad, world, capacity_factor, drop_policy)
+    _check_drop_and_pad(reports, capacity_factor)
+    assert all("grad:router.weight" in r["max_err_vs_alltoall"] for r in reports)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_drop_and_pad_capacity_above_tokens_cpu(world):
+    # capacity ceil(T x 2 / 8 x 5) > T tokens: the router pads every expert with every token;
+    # mok moves only the routed rows, and all of them (nothing is dropped)
+    reports = run_distributed(W.layer_drop_and_pad, world, 5.0, "probs", False)
+    assert all(r["N"] > r["tokens"] * world for r in reports), reports
+    assert _check_drop_and_pad(reports, 5.0) == sum(r["routes"] for r in reports)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity_factor", [0.5, 2.0])
+def test_drop_and_pad_one_gpu(capacity_factor):
+    reports = run_distributed(W.layer_drop_and_pad, 1, capacity_factor, "probs",
+                              backend_env="cuda", backend="nccl")
+    _check_drop_and_pad(reports, capacity_factor)
+
+
+@pytest.mark.multigpu
+def test_drop_and_pad_gpu():
+    reports = run_distributed(W.layer_drop_and_pad, 2, 0.5, "position", backend_env="cuda",
+                              backend="nccl")
+    _check_drop_and_pad(reports, 0.5)
 
 
 @pytest.mark.multigpu

@@ -41,7 +41,7 @@ LAYER_PROBE = textwrap.dedent("""
     y.sum().backward()
     try:
         harness.moe_config("mok", ep_size=1, num_experts=4, topk=2, hidden=16,
-                           moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0)
+                           overlap_moe_expert_parallel_comm=True)
         config_error = None
     except ValueError as e:
         config_error = str(e)
@@ -116,7 +116,7 @@ def test_launcher_runs_script_unchanged_and_builds_mok(tmp_path):
     assert out["argv"] == [str(script), "--foo", "1"]
     assert out["path0"] == str(script_dir)
     assert out["y_shape"] == [6, 2, 16] and out["x_grad_finite"]
-    assert "moe_pad_expert_input_to_capacity" in out["config_error"]
+    assert "overlap_moe_expert_parallel_comm" in out["config_error"]
     assert "installed the 'mok' token dispatcher" in p.stderr
 
     # the same script without the launcher: 'mok' is not a dispatcher Megatron knows
@@ -182,7 +182,7 @@ def test_patch_builds_mok_without_install(tmp_path):
     assert out["megatron_core"].startswith(str(root)), out["megatron_core"]
     assert out["dispatcher"] == "MokTokenDispatcher"
     assert out["overlap_config"] == ["mok", True]
-    assert "moe_pad_expert_input_to_capacity" in out["config_error"]
+    assert "overlap_moe_expert_parallel_comm" in out["config_error"]
     # the package is never installed in that process
     assert "installed the 'mok'" not in p.stderr
 

@@ -17,8 +17,10 @@ import mok_megatron_workers as W
 pytestmark = pytest.mark.megatron
 
 
-@pytest.mark.parametrize("extra", [(), ("--moe-shared-expert-intermediate-size", "32")],
-                         ids=["routed", "shared_expert"])
+@pytest.mark.parametrize("extra", [(), ("--moe-shared-expert-intermediate-size", "32"),
+                                   ("--moe-expert-capacity-factor", "1.0",
+                                    "--moe-pad-expert-input-to-capacity")],
+                         ids=["routed", "shared_expert", "drop_and_pad"])
 def test_example_trains_same_losses_with_alltoall_and_mok(tmp_path, extra):
     runs = {}
     for d in ("alltoall", "mok"):
@@ -28,7 +30,10 @@ def test_example_trains_same_losses_with_alltoall_and_mok(tmp_path, extra):
         summary = json.loads(out.read_text())
         assert summary["dispatcher"] == d and summary["world_size"] == 2
         # 2 layers x (fc1 64x32 + fc2 32x64) when the shared expert is on
-        assert summary["shared_expert_parameters_this_rank"] == (8192 if extra else 0)
+        shared = "--moe-shared-expert-intermediate-size" in extra
+        assert summary["shared_expert_parameters_this_rank"] == (8192 if shared else 0)
+        assert summary["args"]["moe_pad_expert_input_to_capacity"] == \
+            ("--moe-pad-expert-input-to-capacity" in extra)
         assert summary["losses"] == losses[0] and len(losses[0]) == 5
         assert summary["tokens_per_s_per_gpu"] > 0 and summary["median_step_time_s"] > 0
         assert all(math.isfinite(v) for v in summary["losses"])

@@ -80,8 +80,7 @@ def test_uninstall_restores_and_reinstall_works():
      "expert_tensor_parallel_size=1"),
     (dict(tensor_model_parallel_size=2, sequence_parallel=True),       # ETP defaults to TP
      "expert_tensor_parallel_size=1"),
-    (dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
-     "unset it"),
+    (dict(overlap_moe_expert_parallel_comm=True), "overlap_moe_expert_parallel_comm"),
     (dict(num_moe_experts=None), "num_moe_experts"),
 ])
 def test_unsupported_configs_fail_at_config_time(overrides, needle):
@@ -92,9 +91,15 @@ def test_unsupported_configs_fail_at_config_time(overrides, needle):
 
 
 def test_supported_variants_build_configs():
-    # router-side token dropping (capacity factor, no padding) and a non-overlapped
-    # shared expert are fine: MoK just sees fewer routes / Megatron runs the shared expert
+    # router-side token dropping (capacity factor, no padding), drop-and-pad, and a
+    # non-overlapped shared expert are fine: MoK just sees fewer routes / gives every expert
+    # capacity x EP rows / Megatron runs the shared expert
     _cfg(moe_expert_capacity_factor=1.25)
+    cfg = _cfg(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    assert cfg.moe_pad_expert_input_to_capacity and cfg.moe_token_dispatcher_type == "mok"
+    # ... and Megatron's own check that drop-and-pad needs a capacity factor still runs
+    with pytest.raises(ValueError, match="moe_expert_capacity_factor must be set"):
+        _cfg(moe_pad_expert_input_to_capacity=True)
     _cfg(moe_shared_expert_intermediate_size=32)
     # other dispatchers are untouched by the MoK checks
     _cfg(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=32,
@@ -115,7 +120,7 @@ def test_shared_expert_overlap_config_is_validated_as_alltoall():
     # a failed validation leaves no config with a borrowed type behind either
     with pytest.raises(mm.MokConfigError):
         _cfg(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True,
-             moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+             overlap_moe_expert_parallel_comm=True)
 
 
 def test_version_gate():
