@@ -51,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--shared-ffn", type=int, default=0,
                    help="a shared expert of this FFN size in every layer (0: none)")
+    p.add_argument("--drop-and-pad", type=float, default=None, metavar="CF",
+                   help="every layer with moe_expert_capacity_factor=CF and "
+                        "moe_pad_expert_input_to_capacity (Megatron's drop-and-pad)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--iters", type=int, default=20)
@@ -202,6 +205,8 @@ def run(args):
               moe_aux_loss_coeff=1e-2 if device.type == "cuda" else 0.0)
     if args.shared_ffn > 0:
         kw["moe_shared_expert_intermediate_size"] = args.shared_ffn
+    if args.drop_and_pad is not None:
+        kw.update(moe_expert_capacity_factor=args.drop_and_pad, moe_pad_expert_input_to_capacity=True)
     g = torch.Generator().manual_seed(args.seed + rank)
     x = torch.randn(args.tokens, 1, args.hidden, generator=g).to(dtype).to(device)
     gy = torch.randn(args.tokens, 1, args.hidden, generator=g).to(dtype).to(device)
@@ -266,6 +271,7 @@ def run(args):
         "shape": {"tokens_per_rank": args.tokens, "hidden": args.hidden,
                   "ffn_hidden": args.ffn_hidden, "num_experts": args.num_experts,
                   "topk": args.topk, "shared_ffn": args.shared_ffn,
+                  "drop_and_pad_capacity_factor": args.drop_and_pad,
                   "schedule": "sequential" if args.sequential else "interleaved",
                   "experts": "SequentialMLP (Megatron local spec)"},
         "versions": {"torch": torch.__version__, "megatron_core": package_info.__version__},

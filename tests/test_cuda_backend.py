@@ -554,12 +554,18 @@ def test_cuda_cached_dispatch(name, static_extra, world_size):
     run_distributed(_cached_cuda, world_size, name, static_extra, backend="nccl", timeout=300)
 
 
-def _graph(rank, world_size, seed, backward):
+def _graph(rank, world_size, seed, backward, fixed_rows=False):
     """Capture dispatch -> expert -> combine (and optionally the backward) of static-shape
-    mode in one CUDA graph; replay it on new inputs copied into the static tensors."""
+    mode in one CUDA graph; replay it on new inputs copied into the static tensors.
+    ``fixed_rows``: the dispatch passes ``rows_per_expert`` (N = every row a local expert
+    could get), with max_recv_tokens 3 rows past E_local * N."""
     dev = _device_for(rank)
     E, H, K, T, dtype = 4 * world_size, 128, 4, 64, torch.bfloat16
     M = T * K * world_size                                    # never overflows
+    n = None
+    if fixed_rows:
+        n = T * K * world_size
+        M = 4 * n + 3
     buf = mok_buffer(E, H, K, T, dtype, "cuda", dev, max_recv_tokens=M, timeout_s=30)
     ref = mok_buffer(E, H, K, T, dtype, "reference", dev, max_recv_tokens=M)
     x_s = torch.zeros(T, H, dtype=dtype, device=dev, requires_grad=backward)
@@ -581,7 +587,7 @@ def _graph(rank, world_size, seed, backward):
         return (tokens.float() * probs[:, None] * 1.5).to(dtype)
 
     def step(b, x, idx, w):
-        res = b.dispatch(x, idx, w)
+        res = b.dispatch(x, idx, w, rows_per_expert=n)
         y = b.combine(expert(res.tokens, res.probs), res.handle)
         outs = [res.tokens, res.probs, res.src_rank, res.src_token, res.tokens_per_expert, y]
         if backward:
@@ -620,7 +626,7 @@ def _graph(rank, world_size, seed, backward):
         sync_device()
         buf.check_errors()
         if backward and in_loopback():     # the reference's backward must not use autograd there
-            r = backward_by_hand(ref, x, idx, w, lambda res, t, p: expert(t, p), gy_s)
+            r = backward_by_hand(ref, x, idx, w, lambda res, t, p: expert(t, p), gy_s, n)
             want = [r[k] for k in ("tokens", "probs", "src_rank", "src_token", "tokens_per_expert",
                                    "y", "grad_x", "grad_topk_weights")]
         else:
@@ -640,6 +646,11 @@ def test_cuda_graph_static_shape_forward(world_size):
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
 def test_cuda_graph_static_shape_forward_backward(world_size):
     run_distributed(_graph, world_size, 6, True, backend="nccl", timeout=300, fresh=True)
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.gpu)] + GPU_WORLD_SIZES)
+def test_cuda_graph_rows_per_expert(world_size):
+    run_distributed(_graph, world_size, 8, True, True, backend="nccl", timeout=300, fresh=True)
 
 
 def _missing_peer(rank, world_size, timeout_s):

@@ -206,6 +206,11 @@ def test_loopback_graph_static_shape(backward):
 
 
 @gpu
+def test_loopback_graph_rows_per_expert():
+    run_loopback(_graph, 3, 9, True, True, timeout=300)
+
+
+@gpu
 def test_loopback_missing_peer_times_out():
     out = run_loopback(_missing_peer, 4, 2, timeout=120)
     for took, msg in out[:-1]:
