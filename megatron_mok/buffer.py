@@ -137,7 +137,9 @@ class Buffer:
                 ``N`` rows is an error (the reference backend raises; the CUDA backend drops
                 the rows past ``N``, never writing outside the expert's rows, and raises at
                 the next host read). A multiple of ``expert_alignment``; with
-                ``max_recv_tokens``, ``E_local * N`` must fit in it.
+                ``max_recv_tokens``, ``E_local * N`` must fit in it. ``R`` being known, the
+                CUDA backend's dispatch is CUDA-graph capturable on any Buffer (while captured
+                it reads nothing: errors surface at ``check_errors``).
 
         Returns:
             :class:`DispatchResult` with expert-major ``tokens [R, H]``, ``probs [R]``,

@@ -554,18 +554,19 @@ def test_cuda_cached_dispatch(name, static_extra, world_size):
     run_distributed(_cached_cuda, world_size, name, static_extra, backend="nccl", timeout=300)
 
 
-def _graph(rank, world_size, seed, backward, fixed_rows=False):
+def _graph(rank, world_size, seed, backward, fixed_rows=None):
     """Capture dispatch -> expert -> combine (and optionally the backward) of static-shape
     mode in one CUDA graph; replay it on new inputs copied into the static tensors.
     ``fixed_rows``: the dispatch passes ``rows_per_expert`` (N = every row a local expert
-    could get), with max_recv_tokens 3 rows past E_local * N."""
+    could get), with max_recv_tokens 3 rows past E_local * N (``"static"``) or on an eager
+    Buffer, whose dispatch then reads nothing while captured (``"eager"``)."""
     dev = _device_for(rank)
     E, H, K, T, dtype = 4 * world_size, 128, 4, 64, torch.bfloat16
     M = T * K * world_size                                    # never overflows
     n = None
     if fixed_rows:
         n = T * K * world_size
-        M = 4 * n + 3
+        M = 4 * n + 3 if fixed_rows == "static" else None
     buf = mok_buffer(E, H, K, T, dtype, "cuda", dev, max_recv_tokens=M, timeout_s=30)
     ref = mok_buffer(E, H, K, T, dtype, "reference", dev, max_recv_tokens=M)
     x_s = torch.zeros(T, H, dtype=dtype, device=dev, requires_grad=backward)
@@ -649,8 +650,9 @@ def test_cuda_graph_static_shape_forward_backward(world_size):
 
 
 @pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.gpu)] + GPU_WORLD_SIZES)
-def test_cuda_graph_rows_per_expert(world_size):
-    run_distributed(_graph, world_size, 8, True, True, backend="nccl", timeout=300, fresh=True)
+@pytest.mark.parametrize("mode", ("static", "eager"))
+def test_cuda_graph_rows_per_expert(world_size, mode):
+    run_distributed(_graph, world_size, 8, True, mode, backend="nccl", timeout=300, fresh=True)
 
 
 def _missing_peer(rank, world_size, timeout_s):

@@ -206,8 +206,9 @@ def test_loopback_graph_static_shape(backward):
 
 
 @gpu
-def test_loopback_graph_rows_per_expert():
-    run_loopback(_graph, 3, 9, True, True, timeout=300)
+@pytest.mark.parametrize("mode", ("static", "eager"))
+def test_loopback_graph_rows_per_expert(mode):
+    run_loopback(_graph, 3, 9, True, mode, timeout=300)
 
 
 @gpu

@@ -408,21 +408,26 @@ class CudaBackend:
         then read"); the host then reads the layout's report for errors only, while the fill and
         the transfer run. A data error (a bad expert id, an expert past N) raises after the
         launch, as in the eager dispatch; a protocol error stops the queued kernels on the
-        device (they check the error report) and raises here."""
+        device (they check the error report) and raises here. Under CUDA-graph capture nothing
+        is read (no host sync may be captured): errors then surface at ``check_errors`` or at
+        the next eager dispatch's read, as in static-shape mode."""
         b = self.buf
         R = b.num_local_experts * n
+        read = not torch.cuda.is_current_stream_capturing()
         tokens = torch.empty(R, b.hidden, dtype=b.dtype, device=x.device)
         probs, src = self._row_outputs(R, x.device)
         self._check(self.lib.mok_dispatch_layout(
             self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
-            self._ptr(w), T, b.num_experts, self._ptr(tpe), R, -1, 1, n))
-        self._layout_read.record(torch.cuda.current_stream(self.device))
+            self._ptr(w), T, b.num_experts, self._ptr(tpe), R, -1, int(read), n))
+        if read:
+            self._layout_read.record(torch.cuda.current_stream(self.device))
         steps = bindings.STEP_FILL | bindings.STEP_TRANSFER
         if self.ce_stage:
             steps |= bindings.STEP_STAGE_COPY
         self._launch(steps, stream, scratch, x, T, None, None, None, probs, src, tokens, R, self.ce_mode)
-        self._layout_read.synchronize()
-        self._raise_if_error(self.host_report[4:])
+        if read:
+            self._layout_read.synchronize()
+            self._raise_if_error(self.host_report[4:])
         return tokens, probs, self._handle(T, R, R, src[0], src[1], tpe, scratch)
 
     def _launch(self, steps, stream, scratch, x, T, idx, w, tpe, probs, src, out, cap, mode,
