@@ -241,6 +241,27 @@ def _fixed_rows_vs_reference(rank, world_size, name, seed, alignment, extra, bac
                                 capacity_extra=extra)
 
 
+def _fixed_rows_separate_launches(rank, world_size, seed):
+    """A static-shape dispatch with rows_per_expert through the backend's general path (one
+    library call per step, as ``separate_launches`` and the copy-engine overlap take it) equals
+    the reference's, bitwise, forward and backward, and knows R on the host."""
+    dev = _device_for(rank)
+    spec = contract_cases(world_size)["random"]
+    x, idx, w = spec_inputs(spec, world_size, torch.bfloat16, seed, device=dev)[rank]
+    n = spec["T_max"] * spec["K"] * world_size
+    cap = spec["E"] // world_size * n + 7
+    cud = _buffer(spec, torch.bfloat16, "cuda", device=dev, max_recv_tokens=cap)
+    cud._get_backend("cuda").separate_launches = True
+    ref = _buffer(spec, torch.bfloat16, "reference", device=dev, max_recv_tokens=cap)
+    a = full_pass(cud, x, idx, w, seed, rows_per_expert=n)
+    assert_same_results(a, full_pass(ref, x, idx, w, seed, rows_per_expert=n),
+                        f"separate launches rank {rank}")
+    assert cud.dispatch(x, idx, w, rows_per_expert=n).handle.num_rows == cap - 7
+    check_and_destroy(cud)
+    ref.destroy()
+    return True
+
+
 def _rows_overflow(rank, world_size, seed, backend="cuda"):
     """``rows_per_expert`` one short of this rank's fullest expert: a static-shape dispatch
     drops that expert's rows past N (each expert keeps its first N rows in contract order, the
@@ -385,6 +406,11 @@ def test_cuda_rows_per_expert_big_layout(env, world_size):
     gaps = run_distributed(_alignment_big_layout, world_size, env, 1, capacity_extra=2,
                            backend="nccl", timeout=300)
     assert min(gaps) >= 2 * 128
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.gpu)] + GPU_WORLD_SIZES)
+def test_cuda_rows_per_expert_separate_launches(world_size):
+    run_distributed(_fixed_rows_separate_launches, world_size, 91, backend="nccl", timeout=300)
 
 
 @pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.gpu)] + GPU_WORLD_SIZES)

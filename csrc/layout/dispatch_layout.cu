@@ -344,7 +344,6 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
       rows = fix_expert_rows(c, h, rows, N);
     else if (A > 1)
       rows = pad_experts<THREADS, ITEMS>(c, h, rows);
-
     layout_stamp(c, 0, kStScanRows);
     // tokens_per_expert: the distance between consecutive experts' first rows.
     for (int e = threadIdx.x; e < E; e += blockDim.x) {

@@ -331,7 +331,7 @@ class CudaBackend:
         if fill_first:
             probs_all, src_all = self._row_outputs(self.rows_bound, x.device)
         if static:
-            R, cap = None, b.max_recv_tokens
+            R, cap = (b.num_local_experts * fixed if fixed >= 0 else None), b.max_recv_tokens
         else:
             # The one host read of an eager dispatch: R (and the error report with it). The
             # host waits for the layout kernels only: the fill (fill-first) or the staging
