@@ -12,13 +12,15 @@
 #   bench  benchmarks/bench_layer.py (alltoall, flex if deep_ep, mok); JSON: OUT_DIR/bench/
 #   ab_shared  the same A/B with a shared expert in every MoE layer, overlapped with the
 #          dispatch (moe_shared_expert_overlap); JSON: OUT_DIR/ab_shared/*.json
+#   ab_drop_and_pad  the same A/B with drop-and-pad (capacity factor 1.0, padded to capacity:
+#          every expert gets capacity x EP rows); JSON: OUT_DIR/ab_drop_and_pad/*.json
 #   all    ab tests bench
 # Each stage stays well under 5 minutes on 2x H200.
 #
 # megatron-core is installed from ./.whl when it is not importable (no registry needed).
 set -euo pipefail
 
-OUT_DIR=${1:?usage: run_gpu_ab.sh OUT_DIR [ab|tests|bench|all]...}
+OUT_DIR=${1:?usage: run_gpu_ab.sh OUT_DIR [ab|ab_shared|ab_drop_and_pad|tests|bench|all]...}
 shift || true
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(ab)
@@ -47,10 +49,11 @@ EOF
 
 for stage in "${STAGES[@]}"; do
   case "$stage" in
-    ab|ab_shared)
+    ab|ab_shared|ab_drop_and_pad)
       # 60 steps, bf16, 4 MoE layers, 16 experts top-4, 4x1024 tokens per GPU per step.
       SHARED=()
       [ "$stage" = ab_shared ] && SHARED=(--moe-shared-expert-intermediate-size 1024 --moe-shared-expert-overlap)
+      [ "$stage" = ab_drop_and_pad ] && SHARED=(--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity)
       $PY "$REPO/examples/ab_dispatchers.py" --nproc-per-node "$NPROC" --out "$OUT_DIR/$stage" -- \
         --train-iters 60 --bf16 --num-layers 4 --hidden-size 1024 --ffn-hidden-size 2048 \
         --moe-ffn-hidden-size 1024 --num-attention-heads 8 --num-experts 16 \
