@@ -22,7 +22,10 @@
 #    rounds (NOTES (MM), (NN): measured at W=1 only); with AB=5: the Megatron layer's SM budget
 #    (mok = 48 SMs by default, mok:sms=24, mok:sms=64, alltoall beside) and the cost of
 #    expert_alignment (profile_stages.py --expert-alignment 1,16,1,16) on 2 GPUs (NOTES, next
-#    experiments after session 16, items 7-8).
+#    experiments after session 16, items 7-8); with AB=6: the Megatron layer with drop-and-pad
+#    (capacity factor 1.0) against the same pair dropless, alltoall and mok interleaved, two
+#    rounds each (NOTES (RR) and item 9 after session 17: alltoall sends the padding routes
+#    over NVLink, mok drops them before the exchange).
 # Everything lands in $OUT/r.tgz; assemble with scripts/results_json.py.
 set -uo pipefail
 C=${1:?commit}; AB=${2:-1}
@@ -81,5 +84,14 @@ elif [ "$AB" = 5 ]; then
   step align 120 python3 -m torch.distributed.run --nproc-per-node 2 scripts/profile_stages.py \
     --sms 24,48 --expert-alignment 1,16,1,16 --out $R/align
   grep -E "^\|" $R/align.log
+elif [ "$AB" = 6 ]; then
+  install_wheels .whl /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  for i in 1 2; do for mode in dropandpad dropless; do
+    extra=(); [ $mode = dropandpad ] && extra=(--drop-and-pad 1.0)
+    step layer_${mode}_$i 150 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_layer.py \
+      --dispatchers alltoall,mok ${extra[@]+"${extra[@]}"} --tokens 16384 --hidden 7168 --ffn-hidden 512 \
+      --num-experts 16 --topk 8 --iters 30 --out-dir $R/layer --tag x2_${mode}_$i
+    grep -E "median" $R/layer_${mode}_$i.log
+  done; done
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r
