@@ -760,10 +760,10 @@ def example_train(rank, world, dispatcher, out_json, extra=()):
     return summary["losses"]
 
 
-def bench_layer_tiny(rank, world, out_dir):
+def bench_layer_tiny(rank, world, out_dir, extra=()):
     """``benchmarks/bench_layer.py --tiny`` in this (pooled) process group."""
     bench = _load("benchmarks/bench_layer.py", "mok_bench_layer")
     report = bench.run(bench.parse_args(["--tiny", "--iters", "20", "--warmup", "2",
                                          "--dispatchers", "alltoall,flex,mok,mok:sms=8",
-                                         "--out-dir", out_dir]))
+                                         "--out-dir", out_dir, *extra]))
     return report["path"]

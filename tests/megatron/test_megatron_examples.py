@@ -47,9 +47,11 @@ def test_example_trains_same_losses_with_alltoall_and_mok(tmp_path, extra):
                                                        runs["mok"]["losses"])
 
 
-def test_bench_layer_tiny_writes_report(tmp_path):
-    paths = run_distributed(W.bench_layer_tiny, 2, str(tmp_path))
+@pytest.mark.parametrize("extra", [(), ("--drop-and-pad", "1.0")], ids=("dropless", "drop_and_pad"))
+def test_bench_layer_tiny_writes_report(tmp_path, extra):
+    paths = run_distributed(W.bench_layer_tiny, 2, str(tmp_path), extra)
     report = json.loads(open(paths[0]).read())
+    assert report["shape"]["drop_and_pad_capacity_factor"] == (1.0 if extra else None)
     assert set(report["results"]) == {"alltoall", "mok", "mok:sms=8"}
     assert report["skipped"].get("flex")
     for r in report["results"].values():
