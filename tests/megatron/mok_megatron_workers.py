@@ -680,6 +680,83 @@ def layer_drop_and_pad(rank, world, capacity_factor, drop_policy, with_alltoall=
         h.destroy_parallel()
 
 
+def layer_drop_and_pad_graph_gpu(rank, world, capacity_factor=1.0):
+    """A Megatron MoE layer with drop-and-pad through ``mok`` captured whole (forward and
+    backward) in one CUDA graph with ``torch.cuda.graph``, then replayed on new inputs copied
+    into the static ones: output, input gradient and every parameter gradient bitwise equal to
+    an eager run of the same layer on the same input. Checks that the dispatcher's
+    drop-and-pad path is capture-safe (no host sync: the dispatch knows R = E_local x N and
+    reads nothing while captured; the experts get host counts), the groundwork for Megatron's
+    ``moe`` CUDA-graph scope (still refused at config time for mok). bf16, one GPU per rank."""
+    h = _setup(world, "cuda")
+    try:
+        dev = _device()
+        E, K, T, H, dt = 8, 2, 96, 64, torch.bfloat16
+        cfg = h.moe_config("mok", ep_size=world, num_experts=E, topk=K, hidden=H, dtype=dt,
+                           moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                           moe_expert_capacity_factor=capacity_factor,
+                           moe_pad_expert_input_to_capacity=True)
+        torch.manual_seed(0)
+        layer = h.build_moe_layer(cfg, device=dev, dtype=dt)
+        x_s = torch.zeros(T, 1, H, dtype=dt, device=dev, requires_grad=True)
+        gy_s = torch.zeros(T, 1, H, dtype=dt, device=dev)
+
+        def load(it):
+            g = torch.Generator().manual_seed(500 + 10 * rank + it)
+            x = torch.randn(T, 1, H, generator=g).to(dt).to(dev)
+            gy = torch.randn(T, 1, H, generator=g).to(dt).to(dev)
+            with torch.no_grad():
+                x_s.copy_(x)
+                gy_s.copy_(gy)
+            return x, gy
+
+        def step():
+            y, _ = layer(x_s)
+            y.backward(gy_s)
+            return y
+
+        load(0)
+        # The captured backward accumulates into these very tensors: keep them for the replays.
+        grads = {k: torch.zeros_like(p) for k, p in layer.named_parameters()}
+        params = dict(layer.named_parameters())
+        for k, p in params.items():
+            p.grad = grads[k]
+        x_s.grad = torch.zeros_like(x_s)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):           # warm-up: the Buffer, caches, autograd state
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_g = step()
+        for it in range(1, 5):
+            x, gy = load(it)
+            x_s.grad.zero_()
+            for g in grads.values():
+                g.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            layer.token_dispatcher.buffer.check_errors()
+            got = (y_g.detach().clone(), x_s.grad.detach().clone(),
+                   {k: g.clone() for k, g in grads.items()})
+            for p in params.values():
+                p.grad = None
+            want = _run_layer(layer, x, gy)         # eager, into fresh .grad tensors
+            for k, p in params.items():
+                p.grad = grads[k]
+            # The replay's gradients are 0 + g (accumulated into zeroed tensors): the same bits
+            # as g, except that -0.0 becomes +0.0; give the eager ones that same step.
+            want = (want[0], want[1] + 0, {k: g + 0 for k, g in want[2].items()})
+            _assert_runs_bitwise(got, want, f"graph replay {it} vs eager, rank {rank}")
+            assert float(want[0].abs().sum()) > 0
+        return True
+    finally:
+        h.destroy_parallel()
+
+
 def layer_shared_expert_overlap_gpu(rank, world, gate=False, comm_stream="current", backend_env="cuda"):
     """``moe_shared_expert_overlap`` with Megatron's ``SharedExpertMLP`` on its own CUDA stream,
     bf16: the ``mok`` layer with the overlap gives bitwise the output and parameter gradients

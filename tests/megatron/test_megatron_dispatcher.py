@@ -127,6 +127,11 @@ def test_drop_and_pad_one_gpu(capacity_factor):
     _check_drop_and_pad(reports, capacity_factor)
 
 
+@pytest.mark.gpu
+def test_drop_and_pad_layer_graph_capture_one_gpu():
+    assert run_distributed(W.layer_drop_and_pad_graph_gpu, 1, backend="nccl") == [True]
+
+
 @pytest.mark.multigpu
 def test_drop_and_pad_gpu():
     reports = run_distributed(W.layer_drop_and_pad, 2, 0.5, "position", backend_env="cuda",
