@@ -184,3 +184,32 @@ def test_routing_map_to_topk():
     # more routes than top-k is an error, not a silent drop
     with pytest.raises(RuntimeError, match="more than moe_router_topk"):
         routing_map_to_topk(torch.ones(2, 6, dtype=torch.bool), torch.ones(2, 6), 2)
+
+
+@pytest.mark.parametrize("scopes,drop_and_pad,needle", [
+    (["moe"], False, "dropless dispatch reads its row count"),
+    ([], False, "scope all"),                                  # the whole layer
+    (["moe_preprocess", "moe_router"], False, "dropless dispatch reads its row count"),
+    (["moe_preprocess", "moe_router"], True, "keeps its routing between the two"),
+    (["moe"], True, None),
+    ([], True, None),
+    (["moe_router"], False, None),
+    (["attn"], False, None),
+])
+def test_cuda_graph_scopes(scopes, drop_and_pad, needle):
+    # CUDA graphs over the MoE layer: with drop-and-pad the dispatch reads nothing while
+    # captured (tests/megatron: test_drop_and_pad_layer_graph_capture_one_gpu), so 'moe' and
+    # the whole layer pass; the partial preprocess capture and dropless dispatches do not.
+    import types
+    from megatron_mok.megatron.config import config_problems
+
+    cfg = types.SimpleNamespace(moe_token_dispatcher_type="mok", num_moe_experts=8,
+                                expert_tensor_parallel_size=1, tensor_model_parallel_size=1,
+                                cuda_graph_impl="transformer_engine", cuda_graph_modules=scopes,
+                                moe_pad_expert_input_to_capacity=drop_and_pad,
+                                moe_expert_capacity_factor=1.0 if drop_and_pad else None)
+    problems = [q for q in config_problems(cfg) if "CUDA graph" in q]
+    if needle is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and needle in problems[0], problems
