@@ -310,17 +310,10 @@ def _rows_overflow(rank, world_size, seed, backend="cuda"):
 
 
 def _rows_overflow_on_rank0_only(rank, world_size):
-    """An expert past rows_per_expert on one rank is that rank's error: it raises after its
-    launch, and its peers' dispatch completes (no stall until their timeout)."""
-    buf, x, idx, w, E = _small_cuda_case(rank, world_size, 6)
-    t0 = time.monotonic()
-    if rank == 0:
-        with pytest.raises(RuntimeError, match="more than rows_per_expert=0"):
-            buf.dispatch(x, idx, w, rows_per_expert=0)
-    else:  # no combine: rank 0 raised at its dispatch and makes none
-        buf.dispatch(x, idx, w, rows_per_expert=16 * world_size * 2)
-        buf.check_errors()
-    return time.monotonic() - t0
+    """An expert past rows_per_expert on one rank is that rank's error (_error_on_rank0_only)."""
+    return _error_on_rank0_only(rank, world_size, 6, "more than rows_per_expert=0",
+                                lambda idx, E: (idx, {"rows_per_expert": 0}),
+                                {"rows_per_expert": 16 * world_size * 2})
 
 
 def _alignment_big_layout(rank, world_size, env, alignment, backend="cuda", capacity_extra=None):
@@ -748,20 +741,33 @@ def test_cuda_bad_expert_id_is_an_error(world_size):
     run_distributed(_bad_expert_id_cuda, world_size, backend="nccl", timeout=120, fresh=True)
 
 
-def _bad_expert_id_on_rank0_only(rank, world_size):
-    """A bad id on one rank is that rank's error: it raises, and its peers' dispatch completes
-    (its transfer still runs, so they do not wait for its tokens until their timeout)."""
-    buf, x, idx, w, E = _small_cuda_case(rank, world_size, 4)
+def _error_on_rank0_only(rank, world_size, seed, match, rank0, peer_kw):
+    """A data error on one rank is that rank's error: it raises, and its peers' dispatch
+    completes (its transfer still runs, so they do not wait for its tokens until their timeout).
+    ``rank0(idx, E) -> (idx, dispatch kwargs)`` makes rank 0's error; the peers dispatch with
+    ``peer_kw`` and make no combine (rank 0 raised at its dispatch and makes none). Returns the
+    seconds this rank took."""
+    buf, x, idx, w, E = _small_cuda_case(rank, world_size, seed)
     t0 = time.monotonic()
     if rank == 0:
-        idx = idx.clone()
-        idx[5, 0] = E
-        with pytest.raises(RuntimeError, match=r"(?i)expert id"):
-            buf.dispatch(x, idx, w)
+        idx, kw = rank0(idx, E)
+        with pytest.raises(RuntimeError, match=match):
+            buf.dispatch(x, idx, w, **kw)
     else:
-        buf.dispatch(x, idx, w)
+        buf.dispatch(x, idx, w, **peer_kw)
         buf.check_errors()
     return time.monotonic() - t0
+
+
+def _bad_id_at_slot_5_0(idx, E):
+    idx = idx.clone()
+    idx[5, 0] = E
+    return idx, {}
+
+
+def _bad_expert_id_on_rank0_only(rank, world_size):
+    """A bad id on one rank is that rank's error (_error_on_rank0_only)."""
+    return _error_on_rank0_only(rank, world_size, 4, r"(?i)expert id", _bad_id_at_slot_5_0, {})
 
 
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)

@@ -254,24 +254,35 @@ __device__ int block_exclusive_scan(int32_t* a, int n) {
   return carry;
 }
 
-// expert_alignment A > 1, after the rows' scan (chunk_rows: each group's first row, unpadded;
-// `rows` their total): each local expert's rows are followed by zero rows up to a multiple of A.
-// Expert e's groups move down by the padding of the experts before it; gap_begin / gap_len say
-// where each expert's zero rows are (the fill marks them "no source", the transfer zeroes them).
-// An expert with no rows stays empty. Returns R with the padding. Whole block, after a barrier.
+// After the rows' scan (chunk_rows: each group's first row, unpadded; `rows` their total), the
+// zero rows after each local expert's rows:
+// - rows_per_expert N >= 0: up to exactly N rows; expert e's groups move to start at e * N. An
+//   expert with more than N rows is reported (kExpertOverflow, a data error: the call
+//   completes) and gets no zero rows; the fill drops its rows past N, so no row lands in the
+//   next expert's rows.
+// - else (expert_alignment A > 1): up to a multiple of A; expert e's groups move down by the
+//   padding of the experts before it (a block scan). An expert with no rows stays empty.
+// gap_begin / gap_len say where each expert's zero rows are (the fill marks them "no source",
+// the transfer zeroes them). Returns R with the zero rows. Whole block, after a barrier.
 template <int THREADS, int ITEMS>
-__device__ int pad_experts(const CommContext& c, const HandleArrays& h, int rows) {
+__device__ int pad_experts(const CommContext& c, const HandleArrays& h, int rows, int N) {
   const int W = c.world, E = c.ws.cfg.num_local_experts, A = c.ws.cfg.expert_alignment;
   const int per_expert = W * HandleArrays::chunks_per_call(c.ws.cfg);
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     const int first = h.chunk_rows[static_cast<size_t>(e) * per_expert];
     const int next = e + 1 < E ? h.chunk_rows[static_cast<size_t>(e + 1) * per_expert] : rows;
-    const int gap = (A - (next - first) % A) % A;
-    h.gap_len[e] = gap;
-    h.gap_begin[e] = gap;  // scanned next: the padding of the experts before e
+    const int count = next - first;
+    if (N >= 0) {
+      if (count > N) report_error(c, kExpertOverflow, e, N, count);
+      h.gap_len[e] = max(N - count, 0);
+      h.gap_begin[e] = e * N - first;  // the shift of e's groups
+    } else {
+      h.gap_len[e] = (A - count % A) % A;
+      h.gap_begin[e] = h.gap_len[e];  // scanned next: the padding of the experts before e
+    }
   }
   __syncthreads();
-  const int padding = block_exclusive_scan<THREADS, ITEMS>(h.gap_begin, E);
+  const int padding = N >= 0 ? E * N - rows : block_exclusive_scan<THREADS, ITEMS>(h.gap_begin, E);
   __syncthreads();
   for (int i = threadIdx.x; i < E * per_expert; i += blockDim.x) h.chunk_rows[i] += h.gap_begin[i / per_expert];
   __syncthreads();
@@ -281,28 +292,6 @@ __device__ int pad_experts(const CommContext& c, const HandleArrays& h, int rows
   }
   __syncthreads();
   return rows + padding;
-}
-
-// rows_per_expert N, after the rows' scan (as pad_experts): local expert e's rows move to
-// [e * N, (e + 1) * N), zero rows after its received ones. An expert with more than N rows is
-// reported (kExpertOverflow, a data error: the call completes) and gets no zero rows; the fill
-// drops its rows past N, so no row lands in the next expert's rows. Returns R = E * N.
-__device__ int fix_expert_rows(const CommContext& c, const HandleArrays& h, int rows, int N) {
-  const int W = c.world, E = c.ws.cfg.num_local_experts;
-  const int per_expert = W * HandleArrays::chunks_per_call(c.ws.cfg);
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    const int first = h.chunk_rows[static_cast<size_t>(e) * per_expert];
-    const int next = e + 1 < E ? h.chunk_rows[static_cast<size_t>(e + 1) * per_expert] : rows;
-    if (next - first > N) report_error(c, kExpertOverflow, e, N, next - first);
-    h.gap_len[e] = max(N - (next - first), 0);
-    h.gap_begin[e] = e * N - first;  // the shift of e's groups; its zero rows' start below
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < E * per_expert; i += blockDim.x) h.chunk_rows[i] += h.gap_begin[i / per_expert];
-  __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) h.gap_begin[e] = (e + 1) * N - h.gap_len[e];
-  __syncthreads();
-  return E * N;
 }
 
 // The host report (RowOutputs::host_report): totals, then the error words as they stand now.
@@ -339,11 +328,8 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
     const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);
     // Rows in contract order: expert, then source, then chunk (then token, then k: fill).
     int rows = block_exclusive_scan<THREADS, ITEMS>(h.chunk_rows, E * W * cpc);
-    const int A = c.ws.cfg.expert_alignment, N = out.rows_per_expert;
-    if (N >= 0)
-      rows = fix_expert_rows(c, h, rows, N);
-    else if (A > 1)
-      rows = pad_experts<THREADS, ITEMS>(c, h, rows);
+    if (out.rows_per_expert >= 0 || c.ws.cfg.expert_alignment > 1)
+      rows = pad_experts<THREADS, ITEMS>(c, h, rows, out.rows_per_expert);
     layout_stamp(c, 0, kStScanRows);
     // tokens_per_expert: the distance between consecutive experts' first rows.
     for (int e = threadIdx.x; e < E; e += blockDim.x) {

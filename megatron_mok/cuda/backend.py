@@ -305,15 +305,16 @@ class CudaBackend:
         idx = topk_idx.contiguous()
         w = topk_weights.contiguous()
         static = b.max_recv_tokens is not None
-        if rows_per_expert is not None and not static:
-            return self._dispatch_fixed(x, T, idx, w, scratch, tpe, stream, rows_per_expert)
         fixed = bindings.NO_ROWS_PER_EXPERT if rows_per_expert is None else rows_per_expert
+        known_R = None if rows_per_expert is None else b.num_local_experts * rows_per_expert
+        if known_R is not None and not static:
+            return self._dispatch_fixed(x, T, idx, w, scratch, tpe, stream, fixed, known_R)
         layout_cap = b.max_recv_tokens if static else (1 << 62)
         if self.speculative and not static:
             return self._dispatch_speculative(x, T, idx, w, scratch, tpe, stream)
         ce_side = self.ce_overlap and not self.speculative
         if static and not ce_side and not self.separate_launches:
-            return self._dispatch_static(x, T, idx, w, scratch, tpe, stream, fixed)
+            return self._dispatch_static(x, T, idx, w, scratch, tpe, stream, fixed, known_R)
         main = torch.cuda.current_stream(self.device)
         if static:
             # (A static dispatch staged beside the layout, MOK_DISPATCH_CE_OVERLAP=1: the transfer
@@ -331,7 +332,7 @@ class CudaBackend:
         if fill_first:
             probs_all, src_all = self._row_outputs(self.rows_bound, x.device)
         if static:
-            R, cap = (b.num_local_experts * fixed if fixed >= 0 else None), b.max_recv_tokens
+            R, cap = known_R, b.max_recv_tokens
         else:
             # The one host read of an eager dispatch: R (and the error report with it). The
             # host waits for the layout kernels only: the fill (fill-first) or the staging
@@ -384,12 +385,13 @@ class CudaBackend:
             self._raise_if_error(self.host_report[4:])
         return tokens, probs, self._handle(T, R, cap, src_rank, src_token, tpe, scratch)
 
-    def _dispatch_static(self, x, T, idx, w, scratch, tpe, stream, fixed=bindings.NO_ROWS_PER_EXPERT):
+    def _dispatch_static(self, x, T, idx, w, scratch, tpe, stream, fixed=bindings.NO_ROWS_PER_EXPERT,
+                         known_R=None):
         """A static-shape dispatch (``max_recv_tokens``): every output is allocated first, then
         layout, fill, copy-engine staging and transfer are queued by ONE library call
         (``mok_dispatch_launch``): nothing but that call's own host time between the launches
         (NOTES #51). Reads nothing on the host; graph-capturable. With ``rows_per_expert``
-        (``fixed`` >= 0) R = E_local * N is known here."""
+        (``fixed`` >= 0) R = E_local * N is known here (``known_R``)."""
         b = self.buf
         cap = b.max_recv_tokens
         tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
@@ -399,10 +401,9 @@ class CudaBackend:
             steps |= bindings.STEP_STAGE_COPY
         self._launch(steps, stream, scratch, x, T, idx, w, tpe, probs, src, tokens, cap, self.ce_mode,
                      fixed)
-        R = b.num_local_experts * fixed if fixed >= 0 else None
-        return tokens, probs, self._handle(T, R, cap, src[0], src[1], tpe, scratch)
+        return tokens, probs, self._handle(T, known_R, cap, src[0], src[1], tpe, scratch)
 
-    def _dispatch_fixed(self, x, T, idx, w, scratch, tpe, stream, n):
+    def _dispatch_fixed(self, x, T, idx, w, scratch, tpe, stream, n, R):
         """``rows_per_expert`` on an eager Buffer: R = E_local * N is known before the layout, so
         the rows are allocated and every step is queued first (the issue's "allocate, launch,
         then read"); the host then reads the layout's report for errors only, while the fill and
@@ -412,7 +413,6 @@ class CudaBackend:
         is read (no host sync may be captured): errors then surface at ``check_errors`` or at
         the next eager dispatch's read, as in static-shape mode."""
         b = self.buf
-        R = b.num_local_experts * n
         read = not torch.cuda.is_current_stream_capturing()
         tokens = torch.empty(R, b.hidden, dtype=b.dtype, device=x.device)
         probs, src = self._row_outputs(R, x.device)
