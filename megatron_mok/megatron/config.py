@@ -57,25 +57,23 @@ def config_problems(config) -> list:
                  "it to use MoK")
     if getattr(config, "cuda_graph_impl", "none") not in (None, "none"):
         scopes = cuda_graph_scope_names(config)
-        if getattr(config, "moe_pad_expert_input_to_capacity", False):
-            # Drop-and-pad: the dispatch knows its rows (capacity x EP per expert) and reads
-            # nothing while captured, so the MoE layer can be captured whole ('moe', or the
-            # whole layer). Not the partial 'moe_preprocess' capture: Megatron then carries
-            # the dispatcher's state from preprocess to dispatch through its cudagraph_attrs,
-            # which this dispatcher does not declare.
-            if "moe_preprocess" in scopes:
-                p.append("CUDA graphs capture 'moe_preprocess' apart from the dispatch; MoK's "
-                         "dispatcher keeps its routing between the two in Python: capture "
-                         "'moe' (the whole MoE layer: works with drop-and-pad) or "
-                         "'moe_router' only")
-        else:
-            bad = scopes & {"moe", "moe_preprocess"}
-            if not scopes or bad:
-                p.append(f"CUDA graphs cover the MoE dispatch (scope {sorted(bad) or 'all'}); "
-                         "MoK's dropless dispatch reads its row count on the host: capture only "
-                         "'moe_router' / attention scopes, use drop-and-pad "
-                         "(moe_pad_expert_input_to_capacity, with which 'moe' works), or "
-                         "disable CUDA graphs")
+        # Partial capture (moe_router, moe_preprocess) works with and without drop-and-pad:
+        # the router and dispatch_preprocess are captured, the dispatch runs eagerly after the
+        # graph, and Megatron hands the top-k ids over through the dispatcher's cudagraph_attrs
+        # (tests/megatron: test_partial_cuda_graphs_one_gpu).
+        whole_layer = not scopes or "full" in scopes
+        if not getattr(config, "moe_pad_expert_input_to_capacity", False) and (
+                whole_layer or "moe" in scopes):
+            # Drop-and-pad's dispatch knows its rows (capacity x EP per expert) and reads
+            # nothing while captured, so there the MoE layer can be captured whole ('moe', or
+            # the whole layer); a dropless dispatch reads its row count R on the host.
+            what = "the whole layer" if whole_layer else "scope 'moe'"
+            p.append(f"CUDA graphs cover the MoE dispatch ({what}); MoK's dropless dispatch "
+                     "reads its row count on the host: capture 'moe_router' / "
+                     "'moe_preprocess' (the router and the dispatch preprocess; the dispatch "
+                     "runs eagerly after them) and attention scopes, use drop-and-pad "
+                     "(moe_pad_expert_input_to_capacity, with which 'moe' works), or disable "
+                     "CUDA graphs")
     return p
 
 

@@ -169,8 +169,17 @@ class MokTokenDispatcher(MoETokenDispatcher):
         # "auto": device unless the experts read the counts on the host and cannot take a
         # device tensor (set by the MoELayer patch once the experts exist).
         self.tokens_per_expert_on_host = self.options.tokens_per_expert == "host"
-        # Nothing needs capturing for partial CUDA graphs (moe_preprocess is rejected).
-        self.cudagraph_attrs = []
+        # Partial CUDA graphs (scopes moe_router + moe_preprocess; Megatron's local impl always
+        # takes both): dispatch_preprocess runs inside the router's graph and token_dispatch
+        # eagerly after it, and at replay no Python of the graph runs. Megatron then hands the
+        # tensors named here from the graph's outputs back to this object before
+        # token_dispatch (0.16 / 0.19: MoETransformerLayer, and the TE impl's early-return
+        # signal). The top-k ids are the one tensor preprocess leaves for the dispatch, kept
+        # as [*leading dims of the layer's input, K] so that the input's shape travels with
+        # them; the rest is recomputed in token_dispatch (hidden_shape, the capacity) or the
+        # same for every call of the layer (the probs dtype). An eager call of another shape
+        # between the router's graph and the dispatch (evaluation) then changes nothing.
+        self.cudagraph_attrs = ["_topk_idx"]
         self.buffer = None
         self.hidden_shape = None
         self._topk_idx: Optional[torch.Tensor] = None
@@ -298,11 +307,6 @@ class MokTokenDispatcher(MoETokenDispatcher):
         hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
         self._probs_dtype = probs.dtype
         if self.drop_and_pad:
-            # Megatron's capacity for these T tokens (the router's apply_router_token_dropping
-            # and alltoall's preprocess compute the same number).
-            self._capacity = get_capacity(num_tokens=routing_map.shape[0] * self.topk,
-                                          num_experts=self.num_experts,
-                                          capacity_factor=self.capacity_factor)
             # The router filled each expert's column up to `capacity` tokens with padding
             # routes of prob exactly 0 (its probs are 0 off the top-k). Drop them: they never
             # cross the exchange, the Buffer puts zero rows in their place. A real route has
@@ -314,7 +318,8 @@ class MokTokenDispatcher(MoETokenDispatcher):
             # scaled by that tiny score, not exactly 0.) After this mask each token has at most
             # K routes again.
             routing_map = routing_map & (probs != 0)
-        self._topk_idx, topk_weights = routing_map_to_topk(routing_map, probs, self.topk)
+        topk_idx, topk_weights = routing_map_to_topk(routing_map, probs, self.topk)
+        self._topk_idx = topk_idx.view(*self.hidden_shape[:-1], self.topk)
         return hidden_states, topk_weights
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -327,6 +332,26 @@ class MokTokenDispatcher(MoETokenDispatcher):
         MoK's kernels take ``num_sms`` SMs; the shared experts' GEMMs get the rest.
         """
         hidden_states = hidden_states.contiguous()
+        ids = self._topk_idx
+        if ids is None or ids[..., 0].numel() != hidden_states.shape[0]:
+            raise RuntimeError(
+                "MoK: token_dispatch needs the top-k ids of these tokens from dispatch_preprocess "
+                f"({hidden_states.shape[0]} tokens; ids: "
+                f"{None if ids is None else tuple(ids.shape)}). Under partial CUDA graphs "
+                "(moe_router / moe_preprocess) Megatron restores them from the router graph's "
+                "outputs through cudagraph_attrs; a custom layer must call dispatch_preprocess "
+                "(or restore those attributes) before every token_dispatch.")
+        # The layer input's shape, for the shared experts' input and combine_postprocess.
+        self.hidden_shape = torch.Size((*ids.shape[:-1], hidden_states.shape[-1]))
+        ids = ids.reshape(-1, self.topk)
+        if self.drop_and_pad:
+            # Megatron's capacity for these T tokens (the router's apply_router_token_dropping
+            # and alltoall's preprocess compute the same number). Taken here, not in
+            # dispatch_preprocess: under partial CUDA graphs that runs only while captured, and
+            # an eager call of another token count in between would leave its capacity.
+            self._capacity = get_capacity(num_tokens=hidden_states.shape[0] * self.topk,
+                                          num_experts=self.num_experts,
+                                          capacity_factor=self.capacity_factor)
         # First: a call with too many tokens raises here, before the shared experts' hooks
         # start (Megatron 0.19 checks their order: a half-run forward would fail the next one).
         self.buffer = self._get_buffer(hidden_states)
@@ -337,7 +362,7 @@ class MokTokenDispatcher(MoETokenDispatcher):
             shared.pre_forward_comm(hidden_states.view(self.hidden_shape))
             shared.linear_fc1_forward_and_act()
         with _CommStream(self._comm_stream(hidden_states)) as comm:
-            res = self.buffer.dispatch(hidden_states, self._topk_idx, probs, rows_per_expert=rows)
+            res = self.buffer.dispatch(hidden_states, ids, probs, rows_per_expert=rows)
             comm.hand_over(res.tokens, res.probs, res.tokens_per_expert)
         self._topk_idx = None
         self._handle = res.handle
@@ -355,8 +380,8 @@ class MokTokenDispatcher(MoETokenDispatcher):
         return res.tokens, res.probs
 
     def rows_per_expert(self) -> int:
-        """Drop-and-pad: ``N``, the rows every local expert gets (valid after
-        :meth:`dispatch_preprocess` and with :attr:`buffer` set).
+        """Drop-and-pad: ``N``, the rows every local expert gets (valid inside and after
+        :meth:`token_dispatch`, which takes the capacity from its token count).
 
         ``capacity x EP``: each of the EP ranks exchanging tokens through the Buffer (its
         group is the EP group) sends an expert at most ``capacity`` routes (the router's
@@ -373,7 +398,7 @@ class MokTokenDispatcher(MoETokenDispatcher):
         rows. Without that flag the alignment is 1.
         """
         if self._capacity is None:
-            raise RuntimeError("MoK: rows_per_expert needs a preceding dispatch_preprocess")
+            raise RuntimeError("MoK: rows_per_expert needs a preceding token_dispatch")
         n = self._capacity * self.buffer.world_size
         align = self.buffer.expert_alignment
         return -(-n // align) * align

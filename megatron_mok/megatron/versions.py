@@ -69,15 +69,20 @@ def check_supported(version: str | None = None) -> str:
 
 
 def cuda_graph_scope_names(config) -> set:
-    """Names of the CUDA-graph scopes in ``config`` (0.16: ``cuda_graph_scope``;
-    0.19: ``cuda_graph_modules``), as lower-case strings."""
-    names = set()
+    """Names of the CUDA-graph scopes in ``config`` (0.16: ``cuda_graph_scope``; 0.19:
+    ``cuda_graph_modules``, or the deprecated ``cuda_graph_scope`` it migrates), as lower-case
+    strings. Before Megatron's ``__post_init__`` normalises them a field may still be its
+    default ``"full"`` (the whole layer, like an empty list), a comma-separated string, or
+    enum members; a ``"full"`` default beside scopes set in the other field is not counted."""
+    per_field = []
     for attr in ("cuda_graph_scope", "cuda_graph_modules"):
         val = getattr(config, attr, None)
-        if not val:
+        if val is None:
             continue
-        if isinstance(val, (str, bytes)):
+        if isinstance(val, str):
+            val = val.split(",") if val else []     # Megatron takes "attn,moe_router" too
+        elif not isinstance(val, (list, tuple)):
             val = [val]
-        for v in val:
-            names.add(str(getattr(v, "name", v)).lower())
-    return names
+        per_field.append({str(getattr(v, "name", v)).strip().lower() for v in val})
+    specific = [s for s in per_field if s and s != {"full"}]
+    return set().union(*(specific or per_field))

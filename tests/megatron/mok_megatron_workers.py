@@ -814,6 +814,216 @@ def layer_shared_expert_overlap_gpu(rank, world, gate=False, comm_stream="curren
         h.destroy_parallel()
 
 
+# ------------------------------------------------------------- partial CUDA graphs
+def _split_forward(layer, x, attrs=None):
+    """``MoELayer`` forward in the three pieces Megatron's partial CUDA graphs run it in
+    (``fwd_execution_map``: route + preprocess, expert compute, postprocess). Between the first
+    two, ``attrs`` (a callable) may replace the dispatcher's ``cudagraph_attrs`` tensors, as
+    Megatron does from the router graph's outputs. Returns ``(y, route outputs, attrs seen)``."""
+    disp = layer.token_dispatcher
+    full = layer.fwd_execution_map
+    try:
+        layer.fwd_execution_map = "route"
+        hidden, probs, shared = layer(x, intermediate_tensors=())
+        seen = {n: getattr(disp, n) for n in disp.cudagraph_attrs
+                if torch.is_tensor(getattr(disp, n, None))}
+        if attrs is not None:
+            layer.fwd_execution_map = full       # attrs may run whole calls of the layer
+            attrs(seen)
+        layer.fwd_execution_map = "expert_compute"
+        out, bias = layer(None, intermediate_tensors=(hidden, probs))
+        assert bias is None
+        layer.fwd_execution_map = "postprocess"
+        y = layer(None, intermediate_tensors=(out, shared))
+    finally:
+        layer.fwd_execution_map = full
+    return y, seen
+
+
+def partial_capture_attrs_cpu(rank, world, drop_and_pad):
+    """What Megatron's partial CUDA graphs (``moe_router`` + ``moe_preprocess``) do to the
+    dispatcher, on CPU: the router and ``dispatch_preprocess`` run in one piece, the dispatch
+    later, and between them Megatron may run other calls of the layer (an eager call of
+    another token count) before it hands back the tensors the dispatcher names in
+    ``cudagraph_attrs``. Checks: mok names exactly its top-k ids; with them handed back after
+    an eager call of fewer tokens, the split forward (output, input and parameter gradients)
+    is bitwise the whole forward of the same input, drop-and-pad included (its capacity comes
+    from the dispatched token count, not from the last preprocess); without them the dispatch
+    raises instead of using the other call's routing. The eager call in between has another
+    ``[S, B]`` shape too: the input's shape must come back with the ids."""
+    h = _setup(world)
+    try:
+        kw = dict(num_experts=4 * world, topk=2, hidden=32, moe_router_load_balancing_type="none",
+                  moe_aux_loss_coeff=0.0)
+        if drop_and_pad:
+            kw.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+        torch.manual_seed(0)
+        layer = h.build_moe_layer(h.moe_config("mok", ep_size=world, **kw))
+        disp = layer.token_dispatcher
+        assert disp.cudagraph_attrs == ["_topk_idx"], disp.cudagraph_attrs
+        g = torch.Generator().manual_seed(40 + rank)
+        x1, gy1 = torch.randn(40, 1, 32, generator=g), torch.randn(40, 1, 32, generator=g)
+        # Fewer tokens (a smaller capacity) in another [S, B] shape.
+        x2 = torch.randn(12, 2, 32, generator=g)
+
+        want = _run_layer(layer, x1, gy1)
+
+        def split_run(attrs):
+            xx = x1.clone().requires_grad_(True)
+            y, seen = _split_forward(layer, xx, attrs)
+            y.backward(gy1)
+            grads = {k: p.grad.detach().clone() for k, p in layer.named_parameters()}
+            for p in layer.parameters():
+                p.grad = None
+            return (y.detach(), xx.grad.detach(), grads), seen
+
+        saved = {}
+
+        def interleave(seen):
+            # Keep the router piece's tensors (a graph's static outputs), run an eager call of
+            # another token count, then hand them back.
+            saved.update({n: t.clone() for n, t in seen.items()})
+            with torch.no_grad():
+                layer(x2)
+            assert disp._topk_idx is None
+            for n, t in saved.items():
+                setattr(disp, n, t)
+
+        got, seen = split_run(interleave)
+        # [S, B, K]: the input's shape travels with the ids
+        assert sorted(seen) == ["_topk_idx"] and seen["_topk_idx"].shape == (40, 1, 2), seen
+        _assert_runs_bitwise(got, want, f"split forward with the ids handed back, rank {rank}")
+        assert float(want[0].abs().sum()) > 0
+
+        def lose(seen):
+            with torch.no_grad():
+                layer(x2)                       # consumes its own ids; x1's are not handed back
+
+        with pytest.raises(RuntimeError, match="needs the top-k ids"):
+            split_run(lose)
+        return True
+    finally:
+        h.destroy_parallel()
+
+
+def _moe_transformer_layer(h, cfg, dev):
+    """Megatron's ``MoETransformerLayer`` (the layer class whose local CUDA graphs capture the
+    MoE part partially) over the local GPT spec: local attention, ``SequentialMLP`` experts."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
+
+    spec = dataclasses.replace(h.local_layer_spec(cfg.num_moe_experts), module=MoETransformerLayer)
+    return build_module(spec, config=cfg, layer_number=1).to(dev)
+
+
+def _graph_scope_kwargs(scopes):
+    """The CUDA-graph scope field of this megatron-core (0.16 ``cuda_graph_scope``, 0.19
+    ``cuda_graph_modules``)."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    return {"cuda_graph_modules" if "cuda_graph_modules" in names else "cuda_graph_scope": scopes}
+
+
+def layer_partial_graphs_gpu(rank, world, drop_and_pad=False, shared=None):
+    """Megatron's own CUDA graphs (``cuda_graph_impl="local"``, scopes ``moe_router`` +
+    ``moe_preprocess``) over a ``MoETransformerLayer`` with ``mok``, dropless or drop-and-pad:
+    the router and ``dispatch_preprocess`` replay from a graph, MoK's dispatch, the experts and
+    the combine run eagerly, ``combine_postprocess`` and the residual replay from a second
+    graph. One recorded iteration, ``create_cudagraphs()``, then four on new inputs: output,
+    input gradient and every parameter gradient (graphed parameters accumulate into
+    ``main_grad``, as under Megatron's DDP) bitwise equal to an eager twin of the layer (same
+    weights, no graphs). The replays must really replay: the dispatcher's Python
+    ``dispatch_preprocess`` does not run in them while its ``token_dispatch`` runs in each.
+    ``shared``: ``None``, or ``"plain"`` (a shared expert, computed inside the router graph).
+    bf16, one GPU per rank."""
+    h = _setup(world, "cuda")
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer import cuda_graphs
+
+    # Megatron's local graphs need a graph-safe RNG tracker; the next worker gets a plain one.
+    tensor_parallel.model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True,
+                                                    force_reset_rng=True)
+    try:
+        dev = _device()
+        E, K, H, dt = 8, 2, 64, torch.bfloat16
+        kw = dict(num_experts=E, topk=K, hidden=H, ffn_hidden=128, dtype=dt,
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+        if drop_and_pad:
+            kw.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+        if shared is not None:
+            kw.update(moe_shared_expert_intermediate_size=96,
+                      moe_shared_expert_overlap=shared == "overlap")
+        torch.manual_seed(0)
+        graphed = _moe_transformer_layer(h, h.moe_config(
+            "mok", ep_size=world, cuda_graph_impl="local",
+            **_graph_scope_kwargs(["moe_router", "moe_preprocess"]), **kw), dev)
+        eager = _moe_transformer_layer(h, h.moe_config("mok", ep_size=world, **kw), dev)
+        eager.load_state_dict(graphed.state_dict())
+        assert graphed.use_partial_cudagraphs and not getattr(eager, "use_partial_cudagraphs", False)
+        disp = graphed.mlp.token_dispatcher
+        assert type(disp).__name__ == "MokTokenDispatcher"
+        params = dict(graphed.named_parameters())
+        for p in params.values():
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+
+        S, B = 48, 2
+
+        def run(layer, x, gy):
+            xx = x.clone().requires_grad_(True)
+            y, _ = layer(xx, attention_mask=None)
+            y.backward(gy)
+            grads = {}
+            for k, p in layer.named_parameters():
+                # The graphed parameters' gradients arrive in main_grad, the others' in .grad;
+                # both sums also turn -0.0 into +0.0 alike.
+                g = p.grad.float() if p.grad is not None else 0
+                grads[k] = g + (p.main_grad if hasattr(p, "main_grad") else 0)
+                p.grad = None
+                if hasattr(p, "main_grad"):
+                    p.main_grad.zero_()
+            return y.detach(), xx.grad.detach(), grads
+
+        def inputs(it):
+            g = torch.Generator().manual_seed(700 + 10 * rank + it)
+            return (torch.randn(S, B, H, generator=g).to(dt).to(dev),
+                    torch.randn(S, B, H, generator=g).to(dt).to(dev))
+
+        x, gy = inputs(0)
+        _assert_runs_bitwise(run(graphed, x, gy), run(eager, x, gy), "recorded iteration vs eager")
+        cuda_graphs.create_cudagraphs()
+        runners = graphed.cudagraph_manager_router.cudagraph_runners
+        assert runners and all(r.fwd_graph is not None and r.bwd_graph is not None for r in runners)
+
+        calls = {"preprocess": 0, "dispatch": 0}
+
+        def counted(name, fn):
+            def wrapper(*a, **k):
+                calls[name] += 1
+                return fn(*a, **k)
+            return wrapper
+
+        disp.dispatch_preprocess = counted("preprocess", disp.dispatch_preprocess)
+        disp.token_dispatch = counted("dispatch", disp.token_dispatch)
+        for it in range(1, 5):
+            x, gy = inputs(it)
+            got, want = run(graphed, x, gy), run(eager, x, gy)
+            _assert_runs_bitwise(got, want, f"replay {it} vs eager, rank {rank}")
+            assert float(want[0].abs().sum()) > 0
+        assert calls == {"preprocess": 0, "dispatch": 4}, calls
+        disp.buffer.check_errors()
+        return {"runners": len(runners), "calls": calls,
+                "params": sorted(k for k in params if "router" in k or "shared" in k)}
+    finally:
+        cuda_graphs.delete_cuda_graphs()
+        tensor_parallel.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+        h.destroy_parallel()
+
+
 # ------------------------------------------------------------------- example and benchmark
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

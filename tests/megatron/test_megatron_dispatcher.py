@@ -132,6 +132,26 @@ def test_drop_and_pad_layer_graph_capture_one_gpu():
     assert run_distributed(W.layer_drop_and_pad_graph_gpu, 1, backend="nccl") == [True]
 
 
+@pytest.mark.parametrize("drop_and_pad", [False, True])
+@pytest.mark.parametrize("world", [1, 2])
+def test_partial_capture_attrs_cpu(world, drop_and_pad):
+    assert run_distributed(W.partial_capture_attrs_cpu, world, drop_and_pad) == [True] * world
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drop_and_pad,shared", [(False, None), (True, None), (False, "plain")])
+def test_partial_cuda_graphs_one_gpu(drop_and_pad, shared):
+    # Megatron's local CUDA graphs over the router + dispatch preprocess, MoK's dispatch eager
+    reports = run_distributed(W.layer_partial_graphs_gpu, 1, drop_and_pad, shared, backend="nccl")
+    assert reports[0]["calls"] == {"preprocess": 0, "dispatch": 4}, reports
+
+
+@pytest.mark.multigpu
+def test_partial_cuda_graphs_gpu():
+    reports = run_distributed(W.layer_partial_graphs_gpu, 2, False, None, backend="nccl")
+    assert all(r["calls"]["dispatch"] == 4 for r in reports), reports
+
+
 @pytest.mark.multigpu
 def test_drop_and_pad_gpu():
     reports = run_distributed(W.layer_drop_and_pad, 2, 0.5, "position", backend_env="cuda",

@@ -187,19 +187,24 @@ def test_routing_map_to_topk():
 
 
 @pytest.mark.parametrize("scopes,drop_and_pad,needle", [
-    (["moe"], False, "dropless dispatch reads its row count"),
-    ([], False, "scope all"),                                  # the whole layer
-    (["moe_preprocess", "moe_router"], False, "dropless dispatch reads its row count"),
-    (["moe_preprocess", "moe_router"], True, "keeps its routing between the two"),
+    (["moe"], False, "(scope 'moe')"),
+    ([], False, "(the whole layer)"),
+    ("full", False, "(the whole layer)"),                     # Megatron's default, unnormalised
+    ("attn,moe", False, "(scope 'moe')"),                     # a comma-separated string
+    (["moe_preprocess", "moe_router"], False, None),          # partial capture: dispatch eager
+    (["moe_preprocess", "moe_router"], True, None),
+    ("moe_router,moe_preprocess", False, None),
     (["moe"], True, None),
     ([], True, None),
+    ("full", True, None),
     (["moe_router"], False, None),
     (["attn"], False, None),
 ])
 def test_cuda_graph_scopes(scopes, drop_and_pad, needle):
     # CUDA graphs over the MoE layer: with drop-and-pad the dispatch reads nothing while
     # captured (tests/megatron: test_drop_and_pad_layer_graph_capture_one_gpu), so 'moe' and
-    # the whole layer pass; the partial preprocess capture and dropless dispatches do not.
+    # the whole layer pass; a dropless dispatch reads R on the host, so only the partial
+    # capture (router + preprocess, the dispatch eager: test_partial_cuda_graphs_one_gpu) does.
     import types
     from megatron_mok.megatron.config import config_problems
 
