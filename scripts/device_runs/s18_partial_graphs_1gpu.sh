@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run s18-1 (benchmarks/results/README.md): Megatron's local CUDA graphs over the router and the
+# Runs s18-1, s18-2 (benchmarks/results/README.md; FULL=0: without the last step): Megatron's local CUDA graphs over the router and the
 # dispatch preprocess (scopes moe_router + moe_preprocess) with mok on ONE GPU, dropless and
 # drop-and-pad, replays vs an eager twin bitwise, on megatron-core 0.19.2 and 0.16.1; a
 # diagnostic of the same with an overlapped shared expert (moe_shared_expert_overlap: decides
@@ -14,17 +14,21 @@ for v in 19 16; do
   echo "[partial graphs, 0.$v] rc=$?"; tail -2 $R/partial_graphs_0$v.log
   grep -E "^(FAILED|ERROR)|Error|assert" $R/partial_graphs_0$v.log | head -20
 done
-PYTHONPATH=/tmp/site19:tests:tests/megatron timeout -k 5 120 python3 - > $R/overlap_diag.log 2>&1 <<'PY'
+cat > /tmp/overlap_diag.py <<'PY'
 import traceback
 from harness import run_distributed
 import mok_megatron_workers as W
-try:
-    print("RESULT", run_distributed(W.layer_partial_graphs_gpu, 1, False, "overlap", backend="nccl"))
-except Exception:
-    traceback.print_exc()
-    print("RESULT failed")
+if __name__ == "__main__":
+    try:
+        print("RESULT", run_distributed(W.layer_partial_graphs_gpu, 1, False, "overlap", backend="nccl"))
+    except Exception:
+        traceback.print_exc()
+        print("RESULT failed")
 PY
+PYTHONPATH=/tmp/site19:tests:tests/megatron timeout -k 5 120 python3 /tmp/overlap_diag.py > $R/overlap_diag.log 2>&1
 echo "[overlap diagnostic] rc=$?"; grep -E "RESULT|Error|error|assert" $R/overlap_diag.log | tail -12
-PYTHONPATH=/tmp/site19 timeout -k 5 300 python3 -m pytest -q -p no:cacheprovider tests/megatron -rs > $R/megatron_tests_019.log 2>&1
-echo "[tests/megatron 0.19.2] rc=$?"; tail -2 $R/megatron_tests_019.log; grep -E "^(FAILED|ERROR)" $R/megatron_tests_019.log | head
+if [ "${FULL:-1}" = 1 ]; then
+  PYTHONPATH=/tmp/site19 timeout -k 5 300 python3 -m pytest -q -p no:cacheprovider tests/megatron -rs > $R/megatron_tests_019.log 2>&1
+  echo "[tests/megatron 0.19.2] rc=$?"; tail -2 $R/megatron_tests_019.log
+fi
 cd $OUT && tar czf r.tgz r && rm -rf r

@@ -906,16 +906,17 @@ def partial_capture_attrs_cpu(rank, world, drop_and_pad):
         h.destroy_parallel()
 
 
-def _moe_transformer_layer(h, cfg, dev):
+def _moe_transformer_layer(h, cfg, dev, dtype):
     """Megatron's ``MoETransformerLayer`` (the layer class whose local CUDA graphs capture the
-    MoE part partially) over the local GPT spec: local attention, ``SequentialMLP`` experts."""
+    MoE part partially) over the local GPT spec: local attention, ``SequentialMLP`` experts;
+    every parameter in ``dtype`` (torch's LayerNorm is made in fp32), as ``build_moe_layer``."""
     import dataclasses
 
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_layer import MoETransformerLayer
 
     spec = dataclasses.replace(h.local_layer_spec(cfg.num_moe_experts), module=MoETransformerLayer)
-    return build_module(spec, config=cfg, layer_number=1).to(dev)
+    return build_module(spec, config=cfg, layer_number=1).to(dev).to(dtype)
 
 
 def _graph_scope_kwargs(scopes):
@@ -961,8 +962,8 @@ def layer_partial_graphs_gpu(rank, world, drop_and_pad=False, shared=None):
         torch.manual_seed(0)
         graphed = _moe_transformer_layer(h, h.moe_config(
             "mok", ep_size=world, cuda_graph_impl="local",
-            **_graph_scope_kwargs(["moe_router", "moe_preprocess"]), **kw), dev)
-        eager = _moe_transformer_layer(h, h.moe_config("mok", ep_size=world, **kw), dev)
+            **_graph_scope_kwargs(["moe_router", "moe_preprocess"]), **kw), dev, dt)
+        eager = _moe_transformer_layer(h, h.moe_config("mok", ep_size=world, **kw), dev, dt)
         eager.load_state_dict(graphed.state_dict())
         assert graphed.use_partial_cudagraphs and not getattr(eager, "use_partial_cudagraphs", False)
         disp = graphed.mlp.token_dispatcher
