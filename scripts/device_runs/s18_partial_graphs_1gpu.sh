@@ -25,7 +25,7 @@ if __name__ == "__main__":
         traceback.print_exc()
         print("RESULT failed")
 PY
-PYTHONPATH=/tmp/site19:tests:tests/megatron timeout -k 5 120 python3 /tmp/overlap_diag.py > $R/overlap_diag.log 2>&1
+PYTHONPATH=/tmp/site19:.:tests:tests/megatron timeout -k 5 120 python3 /tmp/overlap_diag.py > $R/overlap_diag.log 2>&1
 echo "[overlap diagnostic] rc=$?"; grep -E "RESULT|Error|error|assert" $R/overlap_diag.log | tail -12
 if [ "${FULL:-1}" = 1 ]; then
   PYTHONPATH=/tmp/site19 timeout -k 5 300 python3 -m pytest -q -p no:cacheprovider tests/megatron -rs > $R/megatron_tests_019.log 2>&1

@@ -952,8 +952,10 @@ def layer_partial_graphs_gpu(rank, world, drop_and_pad=False, shared=None):
     try:
         dev = _device()
         E, K, H, dt = 8, 2, 64, torch.bfloat16
+        # No dropout: the twins would draw different masks.
         kw = dict(num_experts=E, topk=K, hidden=H, ffn_hidden=128, dtype=dt,
-                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                  hidden_dropout=0.0, attention_dropout=0.0)
         if drop_and_pad:
             kw.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
         if shared is not None:
