@@ -62,6 +62,19 @@ def config_problems(config) -> list:
         # graph, and Megatron hands the top-k ids over through the dispatcher's cudagraph_attrs
         # (tests/megatron: test_partial_cuda_graphs_one_gpu).
         whole_layer = not scopes or "full" in scopes
+        partial = bool(scopes & {"moe_router", "moe_preprocess"})
+        if (partial and getattr(config, "cuda_graph_impl", None) == "local"
+                and getattr(config, "moe_shared_expert_overlap", False)):
+            # Megatron's local impl captures combine_postprocess in a graph of its own; there
+            # the overlapped shared expert's output, made eagerly beside the dispatch, is
+            # fetched. Capturing it fails in Megatron's overlap state machine ("get_output must
+            # be called from POST_FORWARD_COMM_DONE state", run s18-3); a replay would read the
+            # capture-time tensor.
+            p.append("moe_shared_expert_overlap with cuda_graph_impl='local' over 'moe_router' / "
+                     "'moe_preprocess': Megatron's local graphs capture combine_postprocess, "
+                     "which fetches the overlapped shared expert's output made outside the "
+                     "graph: unset moe_shared_expert_overlap (the shared expert is then "
+                     "captured with the router) or use cuda_graph_impl='transformer_engine'")
         if not getattr(config, "moe_pad_expert_input_to_capacity", False) and (
                 whole_layer or "moe" in scopes):
             # Drop-and-pad's dispatch knows its rows (capacity x EP per expert) and reads

@@ -940,8 +940,9 @@ def layer_partial_graphs_gpu(rank, world, drop_and_pad=False, shared=None):
     ``main_grad``, as under Megatron's DDP) bitwise equal to an eager twin of the layer (same
     weights, no graphs). The replays must really replay: the dispatcher's Python
     ``dispatch_preprocess`` does not run in them while its ``token_dispatch`` runs in each.
-    ``shared``: ``None``, or ``"plain"`` (a shared expert, computed inside the router graph).
-    bf16, one GPU per rank."""
+    ``shared``: ``None``, or ``"plain"`` (a shared expert, computed inside the router graph),
+    or ``"overlap"`` (``moe_shared_expert_overlap``: refused at config time with the local
+    impl, see ``config_problems``). bf16, one GPU per rank."""
     h = _setup(world, "cuda")
     from megatron.core import tensor_parallel
     from megatron.core.transformer import cuda_graphs
@@ -979,6 +980,12 @@ def layer_partial_graphs_gpu(rank, world, drop_and_pad=False, shared=None):
         def run(layer, x, gy):
             xx = x.clone().requires_grad_(True)
             y, _ = layer(xx, attention_mask=None)
+            if isinstance(y, tuple):
+                # megatron-core 0.16.1's graph runner returns the replayed postprocess (the
+                # layer's output) as a 1-tuple where its eager path returns the tensor (run
+                # s18-3); 0.19 returns the tensor. Megatron's code, not MoK's.
+                assert len(y) == 1 and layer is graphed, (type(y), len(y))
+                y = y[0]
             y.backward(gy)
             grads = {}
             for k, p in layer.named_parameters():

@@ -218,3 +218,21 @@ def test_cuda_graph_scopes(scopes, drop_and_pad, needle):
         assert problems == []
     else:
         assert len(problems) == 1 and needle in problems[0], problems
+
+
+@pytest.mark.parametrize("impl,scopes,ok", [
+    ("local", ["moe_router", "moe_preprocess"], False),
+    ("local", "moe_router", False),
+    ("transformer_engine", ["moe_router", "moe_preprocess"], True),   # postprocess not captured
+    ("local", ["attn"], True),
+])
+def test_cuda_graphs_with_shared_expert_overlap(impl, scopes, ok):
+    import types
+    from megatron_mok.megatron.config import config_problems
+
+    cfg = types.SimpleNamespace(moe_token_dispatcher_type="mok", num_moe_experts=8,
+                                expert_tensor_parallel_size=1, tensor_model_parallel_size=1,
+                                cuda_graph_impl=impl, cuda_graph_modules=scopes,
+                                moe_shared_expert_overlap=True)
+    problems = [q for q in config_problems(cfg) if "moe_shared_expert_overlap" in q]
+    assert (problems == []) == ok, problems
