@@ -10,7 +10,13 @@ Dispatchers: ``alltoall``, ``flex`` (only when ``deep_ep`` imports) and ``mok``;
 the shared expert on its own stream beside the dispatch and the combine), and ``mok:high`` /
 ``mok:overlap:high`` run MoK's kernels on a high-priority stream (``MOK_COMM_STREAM=high``
 for that layer); ``mok:sms=N`` gives that layer's MoK kernels N SMs (``MOK_NUM_SMS``; plain
-``mok`` takes the dispatcher's default, docs/MEGATRON.md). Every layer
+``mok`` takes the dispatcher's default, docs/MEGATRON.md). ``:graphs`` (any dispatcher, CUDA
+only) runs that layer under Megatron's own partial CUDA graphs (``cuda_graph_impl="local"``,
+scopes ``moe_router`` + ``moe_preprocess``: router and dispatch preprocess replayed, the rest
+eager); with any ``:graphs`` variant every layer is a ``MoETransformerLayer`` (attention + MoE,
+no dropout) instead of a bare ``MoELayer``, so graphed and eager layers differ only in the
+graphs, and the first interleaved round records, ``create_cudagraphs()`` follows it (a warm-up
+round). Every layer
 gets the same router / expert weights (Megatron's local ``SequentialMLP`` experts) and the
 same per-rank input. Each timed iteration is one forward + backward of the layer; time is
 CUDA events on GPU (``perf_counter`` on CPU), median over ``--iters`` (>= 20) iterations after
@@ -77,17 +83,20 @@ def parse_args(argv=None):
                 "also takes :high and :sms=N (e.g. mok:overlap:high, mok:sms=24)")
     if any("overlap" in modes for _, modes in variants) and args.shared_ffn <= 0:
         p.error("':overlap' dispatchers overlap a shared expert: give --shared-ffn")
+    if any("graphs" in modes for _, modes in variants) and args.warmup < 2:
+        p.error("':graphs' needs --warmup >= 2 (the first round records the graphs)")
     return args
 
 
 def dispatcher_variant(d: str):
     """``"mok:overlap:high"`` -> ``("mok", {"overlap", "high"})``; ``None`` if not a variant
-    this script knows. MoK's own modes: ``high`` (``MOK_COMM_STREAM=high``) and ``sms=N``
-    (``MOK_NUM_SMS=N``, N > 0), each for that layer only."""
+    this script knows. Any dispatcher's modes: ``overlap``, ``graphs``; MoK's own: ``high``
+    (``MOK_COMM_STREAM=high``) and ``sms=N`` (``MOK_NUM_SMS=N``, N > 0), each for that layer
+    only."""
     name, *modes = d.split(":")
     modes = set(modes)
     own = {m for m in modes if m == "high" or m.startswith("sms=")}
-    if not modes - own <= {"overlap"} or (own and name != "mok"):
+    if not modes - own <= {"overlap", "graphs"} or (own and name != "mok"):
         return None
     if any(m.startswith("sms=") and not (m[4:].isdigit() and int(m[4:]) > 0) for m in own):
         return None
@@ -128,20 +137,28 @@ def init_distributed():
     _init()
 
 
+def _forward(layer, x):
+    """The layer's output tensor: ``MoELayer`` and ``TransformerLayer`` both return a pair;
+    megatron-core 0.16's graph runner wraps a replayed ``MoETransformerLayer`` output in a
+    1-tuple."""
+    y = layer(x)[0]
+    return y[0] if isinstance(y, tuple) else y
+
+
 def time_iteration(layer, x, gy, device) -> float:
     """One forward + backward of ``layer`` in seconds (CUDA events on GPU); grads cleared."""
     xx = x.detach().requires_grad_(True)
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        y, _ = layer(xx)
+        y = _forward(layer, xx)
         y.backward(gy)
         end.record()
         torch.cuda.synchronize()
         dt = start.elapsed_time(end) / 1e3
     else:
         t0 = time.perf_counter()
-        y, _ = layer(xx)
+        y = _forward(layer, xx)
         y.backward(gy)
         dt = time.perf_counter() - t0
     for p in layer.parameters():
@@ -149,11 +166,12 @@ def time_iteration(layer, x, gy, device) -> float:
     return dt
 
 
-def bench_interleaved(layers, x, gy, iters, warmup, device):
+def bench_interleaved(layers, x, gy, iters, warmup, device, after_first_round=None):
     """One iteration of each layer in turn, the starting layer rotating, so a drift of the
     host's or the GPU's speed during the run (seen up to 2x on the lent machines,
     benchmarks/NOTES.md item 7) reaches every dispatcher alike (``--sequential`` passes one
-    layer at a time). Returns ``{name: [seconds] * iters}``."""
+    layer at a time). ``after_first_round`` (e.g. Megatron's ``create_cudagraphs``) runs once,
+    after the first (warm-up) round. Returns ``{name: [seconds] * iters}``."""
     names = list(layers)
     times = {d: [] for d in names}
     for i in range(warmup + iters):
@@ -162,6 +180,8 @@ def bench_interleaved(layers, x, gy, iters, warmup, device):
             dt = time_iteration(layers[d], x, gy, device)
             if i >= warmup:
                 times[d].append(dt)
+        if i == 0 and after_first_round is not None:
+            after_first_round()
     return times
 
 
@@ -196,6 +216,8 @@ def run(args):
         elif "overlap" in modes and device.type != "cuda":
             # Megatron's SharedExpertMLP makes a CUDA stream for the overlap
             skipped[d] = "the shared expert overlap needs CUDA"
+        elif "graphs" in modes and device.type != "cuda":
+            skipped[d] = "CUDA graphs need CUDA"
         if d in skipped:
             wanted.remove(d)
 
@@ -207,6 +229,11 @@ def run(args):
         kw["moe_shared_expert_intermediate_size"] = args.shared_ffn
     if args.drop_and_pad is not None:
         kw.update(moe_expert_capacity_factor=args.drop_and_pad, moe_pad_expert_input_to_capacity=True)
+    # ':graphs' variants: every layer a MoETransformerLayer (see the module docstring).
+    graphs = any("graphs" in dispatcher_variant(d)[1] for d in wanted)
+    if graphs:
+        kw.update(hidden_dropout=0.0, attention_dropout=0.0)
+        harness.use_cudagraphable_rng(args.seed)
     g = torch.Generator().manual_seed(args.seed + rank)
     x = torch.randn(args.tokens, 1, args.hidden, generator=g).to(dtype).to(device)
     gy = torch.randn(args.tokens, 1, args.hidden, generator=g).to(dtype).to(device)
@@ -217,12 +244,20 @@ def run(args):
         extra = {"moe_flex_dispatcher_backend": "deepep"} if name == "flex" else {}
         if "overlap" in modes:
             extra["moe_shared_expert_overlap"] = True
+        if "graphs" in modes:
+            extra.update(cuda_graph_impl="local",
+                         **harness.graph_scope_kwargs(["moe_router", "moe_preprocess"]))
         cfg = harness.moe_config(name, ep_size=world, **kw, **extra)
         if "high" in modes:
             cfg.moe_mok_comm_stream = "high"     # MOK_COMM_STREAM=high for this layer only
         if variant_num_sms(modes) is not None:
             cfg.moe_mok_num_sms = variant_num_sms(modes)   # MOK_NUM_SMS, this layer only
-        layer = harness.build_moe_layer(cfg, device=device, dtype=dtype)
+        if graphs:
+            layer = harness.build_moe_transformer_layer(cfg, device=device, dtype=dtype)
+            for p in layer.parameters():    # graphed parameters' grads go to main_grad
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+        else:
+            layer = harness.build_moe_layer(cfg, device=device, dtype=dtype)
         if state is not None:
             layer.load_state_dict(state)
         return layer
@@ -233,7 +268,8 @@ def run(args):
         med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
         slowest = med.clone()
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        backend = getattr(layer.token_dispatcher, "backend_name", None)
+        moe = getattr(layer, "mlp", layer)      # MoETransformerLayer or MoELayer
+        backend = getattr(moe.token_dispatcher, "backend_name", None)
         results[d] = {"median_ms_slowest_rank": slowest.item() * 1e3,
                       "median_ms_this_rank0": med.item() * 1e3,
                       "min_ms_rank0": min(times) * 1e3, "max_ms_rank0": max(times) * 1e3,
@@ -252,7 +288,13 @@ def run(args):
         for d in group:
             layers[d] = build(d, state)
             state = state if state is not None else layers[d].state_dict()
-        all_times = bench_interleaved(layers, x, gy, args.iters, args.warmup, device)
+        record_then_capture = None
+        if any("graphs" in dispatcher_variant(d)[1] for d in group):
+            from megatron.core.transformer.cuda_graphs import create_cudagraphs
+
+            record_then_capture = create_cudagraphs
+        all_times = bench_interleaved(layers, x, gy, args.iters, args.warmup, device,
+                                      after_first_round=record_then_capture)
         for d in group:
             report_one(d, layers.pop(d), all_times[d])
 
@@ -273,7 +315,11 @@ def run(args):
                   "topk": args.topk, "shared_ffn": args.shared_ffn,
                   "drop_and_pad_capacity_factor": args.drop_and_pad,
                   "schedule": "sequential" if args.sequential else "interleaved",
-                  "experts": "SequentialMLP (Megatron local spec)"},
+                  "experts": "SequentialMLP (Megatron local spec)",
+                  "layer": ("MoETransformerLayer (local attention, no dropout)" if graphs
+                            else "MoELayer"),
+                  "cuda_graphs": ("':graphs' variants: local impl, moe_router + moe_preprocess"
+                                  if graphs else None)},
         "versions": {"torch": torch.__version__, "megatron_core": package_info.__version__},
         "results": results, "skipped": skipped,
     }
@@ -286,6 +332,11 @@ def run(args):
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
         print(f"wrote {path}", flush=True)
+    if graphs:
+        from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+        delete_cuda_graphs()
+        harness.use_cudagraphable_rng(args.seed, on=False)
     harness.destroy_parallel()
     report["path"] = path
     return report

@@ -172,6 +172,39 @@ def build_moe_layer(config, device: Optional[torch.device] = None, dtype=None,
     return layer
 
 
+def build_moe_transformer_layer(config, device: torch.device, dtype=None):
+    """Megatron's ``MoETransformerLayer`` (the layer class whose local CUDA graphs capture the
+    MoE part partially: router + dispatch preprocess, and the postprocess) over the local GPT
+    spec: local attention, ``SequentialMLP`` experts; every parameter in ``dtype`` (torch's
+    LayerNorm is made in fp32)."""
+    import dataclasses as dc
+
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
+
+    spec = dc.replace(local_layer_spec(config.num_moe_experts), module=MoETransformerLayer)
+    layer = build_module(spec, config=config, layer_number=1).to(device)
+    return layer.to(dtype) if dtype is not None else layer
+
+
+def graph_scope_kwargs(scopes) -> dict:
+    """``{field: scopes}`` for this megatron-core's CUDA-graph scope field (0.16
+    ``cuda_graph_scope``, 0.19 ``cuda_graph_modules``)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    return {"cuda_graph_modules" if "cuda_graph_modules" in names else "cuda_graph_scope": scopes}
+
+
+def use_cudagraphable_rng(seed: int, on: bool = True) -> None:
+    """Megatron's local CUDA graphs need a graph-safe RNG tracker (``on``); ``on=False`` puts a
+    plain one back (the tracker is process-global)."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=on,
+                                                    force_reset_rng=True)
+
+
 def enable_cpu_alltoall() -> None:
     """Make Megatron's ``alltoall`` dispatcher construct and run without CUDA (see module doc).
 

@@ -906,30 +906,6 @@ def partial_capture_attrs_cpu(rank, world, drop_and_pad):
         h.destroy_parallel()
 
 
-def _moe_transformer_layer(h, cfg, dev, dtype):
-    """Megatron's ``MoETransformerLayer`` (the layer class whose local CUDA graphs capture the
-    MoE part partially) over the local GPT spec: local attention, ``SequentialMLP`` experts;
-    every parameter in ``dtype`` (torch's LayerNorm is made in fp32), as ``build_moe_layer``."""
-    import dataclasses
-
-    from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_layer import MoETransformerLayer
-
-    spec = dataclasses.replace(h.local_layer_spec(cfg.num_moe_experts), module=MoETransformerLayer)
-    return build_module(spec, config=cfg, layer_number=1).to(dev).to(dtype)
-
-
-def _graph_scope_kwargs(scopes):
-    """The CUDA-graph scope field of this megatron-core (0.16 ``cuda_graph_scope``, 0.19
-    ``cuda_graph_modules``)."""
-    import dataclasses
-
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    names = {f.name for f in dataclasses.fields(TransformerConfig)}
-    return {"cuda_graph_modules" if "cuda_graph_modules" in names else "cuda_graph_scope": scopes}
-
-
 def layer_partial_graphs_gpu(rank, world, drop_and_pad=False, shared=None):
     """Megatron's own CUDA graphs (``cuda_graph_impl="local"``, scopes ``moe_router`` +
     ``moe_preprocess``) over a ``MoETransformerLayer`` with ``mok``, dropless or drop-and-pad:
@@ -944,12 +920,9 @@ def layer_partial_graphs_gpu(rank, world, drop_and_pad=False, shared=None):
     or ``"overlap"`` (``moe_shared_expert_overlap``: refused at config time with the local
     impl, see ``config_problems``). bf16, one GPU per rank."""
     h = _setup(world, "cuda")
-    from megatron.core import tensor_parallel
     from megatron.core.transformer import cuda_graphs
 
-    # Megatron's local graphs need a graph-safe RNG tracker; the next worker gets a plain one.
-    tensor_parallel.model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True,
-                                                    force_reset_rng=True)
+    h.use_cudagraphable_rng(1234)       # the next worker gets a plain tracker back (finally)
     try:
         dev = _device()
         E, K, H, dt = 8, 2, 64, torch.bfloat16
@@ -963,10 +936,10 @@ def layer_partial_graphs_gpu(rank, world, drop_and_pad=False, shared=None):
             kw.update(moe_shared_expert_intermediate_size=96,
                       moe_shared_expert_overlap=shared == "overlap")
         torch.manual_seed(0)
-        graphed = _moe_transformer_layer(h, h.moe_config(
+        graphed = h.build_moe_transformer_layer(h.moe_config(
             "mok", ep_size=world, cuda_graph_impl="local",
-            **_graph_scope_kwargs(["moe_router", "moe_preprocess"]), **kw), dev, dt)
-        eager = _moe_transformer_layer(h, h.moe_config("mok", ep_size=world, **kw), dev, dt)
+            **h.graph_scope_kwargs(["moe_router", "moe_preprocess"]), **kw), dev, dt)
+        eager = h.build_moe_transformer_layer(h.moe_config("mok", ep_size=world, **kw), dev, dt)
         eager.load_state_dict(graphed.state_dict())
         assert graphed.use_partial_cudagraphs and not getattr(eager, "use_partial_cudagraphs", False)
         disp = graphed.mlp.token_dispatcher
@@ -1030,7 +1003,7 @@ def layer_partial_graphs_gpu(rank, world, drop_and_pad=False, shared=None):
                 "params": sorted(k for k in params if "router" in k or "shared" in k)}
     finally:
         cuda_graphs.delete_cuda_graphs()
-        tensor_parallel.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+        h.use_cudagraphable_rng(1234, on=False)
         h.destroy_parallel()
 
 

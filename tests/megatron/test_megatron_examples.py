@@ -132,7 +132,11 @@ def test_bench_layer_dispatcher_variants():
     assert v("mok:overlap:high") == ("mok", {"overlap", "high"})
     assert v("mok:sms=24") == ("mok", {"sms=24"}) and bench.variant_num_sms({"sms=24"}) == 24
     assert bench.variant_num_sms({"overlap"}) is None
+    assert v("alltoall:graphs") == ("alltoall", {"graphs"})
+    assert v("mok:graphs:sms=64") == ("mok", {"graphs", "sms=64"})
     for bad in ("alltoall:high", "flex:sms=8", "mok:sms=0", "mok:sms=x", "mok:sms=", "mok:fast"):
         assert v(bad) is None, bad
     with pytest.raises(SystemExit):
         bench.parse_args(["--dispatchers", "mok,mok:sms=-1"])
+    with pytest.raises(SystemExit):              # the first round records the graphs
+        bench.parse_args(["--dispatchers", "mok,mok:graphs", "--warmup", "1"])
