@@ -25,7 +25,10 @@
 #    experiments after session 16, items 7-8); with AB=6: the Megatron layer with drop-and-pad
 #    (capacity factor 1.0) against the same pair dropless, alltoall and mok interleaved, two
 #    rounds each (NOTES (RR) and item 9 after session 17: alltoall sends the padding routes
-#    over NVLink, mok drops them before the exchange).
+#    over NVLink, mok drops them before the exchange); with AB=7: the layer under Megatron's
+#    partial CUDA graphs (moe_router + moe_preprocess, the dispatch eager) against the same layer
+#    eager, alltoall and mok interleaved, two rounds at 4096 tokens (NOTES item 13, (SS): the
+#    same kind of gain for both; measured at W=1 only).
 # Everything lands in $OUT/r.tgz; assemble with scripts/results_json.py.
 set -uo pipefail
 C=${1:?commit}; AB=${2:-1}
@@ -93,5 +96,13 @@ elif [ "$AB" = 6 ]; then
       --num-experts 16 --topk 8 --iters 30 --out-dir $R/layer --tag x2_${mode}_$i
     grep -E "median" $R/layer_${mode}_$i.log
   done; done
+elif [ "$AB" = 7 ]; then
+  install_wheels .whl /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  for i in 1 2; do
+    step layer_graphs_$i 150 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_layer.py \
+      --dispatchers alltoall,alltoall:graphs,mok,mok:graphs --tokens 4096 --hidden 2048 \
+      --iters 40 --out-dir $R/layer --tag x2_graphs_$i
+    grep -E "median" $R/layer_graphs_$i.log
+  done
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r
