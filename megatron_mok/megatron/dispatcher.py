@@ -32,6 +32,10 @@ padding routes before the exchange and asks the Buffer for ``N = capacity x EP``
 local expert (``Buffer.dispatch(rows_per_expert=N)``: the received rows, then zero rows), the
 shapes Megatron's ``alltoall`` gives its experts; ``tokens_per_expert`` is ``[N] * E_local``,
 known on the host.
+
+Partial CUDA graphs (``moe_router`` + ``moe_preprocess``): ``dispatch_preprocess`` is
+captured with the router, the dispatch runs eagerly after the graph; the top-k ids cross
+from one to the other through ``cudagraph_attrs`` (see ``__init__``), dropless included.
 """
 
 from __future__ import annotations

@@ -177,12 +177,10 @@ def build_moe_transformer_layer(config, device: torch.device, dtype=None):
     MoE part partially: router + dispatch preprocess, and the postprocess) over the local GPT
     spec: local attention, ``SequentialMLP`` experts; every parameter in ``dtype`` (torch's
     LayerNorm is made in fp32)."""
-    import dataclasses as dc
-
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_layer import MoETransformerLayer
 
-    spec = dc.replace(local_layer_spec(config.num_moe_experts), module=MoETransformerLayer)
+    spec = dataclasses.replace(local_layer_spec(config.num_moe_experts), module=MoETransformerLayer)
     layer = build_module(spec, config=config, layer_number=1).to(device)
     return layer.to(dtype) if dtype is not None else layer
 
