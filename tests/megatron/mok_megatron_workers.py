@@ -906,6 +906,69 @@ def partial_capture_attrs_cpu(rank, world, drop_and_pad):
         h.destroy_parallel()
 
 
+def te_partial_capture_cpu(rank, world, drop_and_pad):
+    """The Transformer Engine impl's partial capture (``cuda_graph_impl="transformer_engine"``,
+    ``moe_router`` + ``moe_preprocess``) through Megatron's own code, on CPU without TE: while
+    "capturing" (Megatron's ``is_graph_capturing`` made to say so) the ``MoELayer`` returns
+    early after the preprocess with ``[hidden, probs, *dispatcher attrs]`` (its
+    ``MoECudaGraphPartialCaptureSignal``), from which Megatron learns ``valid_cudagraph_attrs``;
+    at "replay" ``TransformerLayer`` sets those attrs from the graph's outputs, puts hidden and
+    probs in the layer's ``cudagraph_tensor_store`` and runs the layer, which skips router and
+    preprocess. Here, with an eager call of another shape in between, that resumed forward
+    (output, input and parameter gradients) is bitwise the plain forward of the same input."""
+    h = _setup(world)
+    from megatron.core.transformer.moe import moe_utils
+
+    try:
+        kw = dict(num_experts=4 * world, topk=2, hidden=32, moe_router_load_balancing_type="none",
+                  moe_aux_loss_coeff=0.0, cuda_graph_impl="transformer_engine",
+                  **h.graph_scope_kwargs(["moe_router", "moe_preprocess"]))
+        if drop_and_pad:
+            kw.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+        torch.manual_seed(0)
+        layer = h.build_moe_layer(h.moe_config("mok", ep_size=world, **kw))
+        disp = layer.token_dispatcher
+        g = torch.Generator().manual_seed(60 + rank)
+        x1, gy1 = torch.randn(40, 1, 32, generator=g), torch.randn(40, 1, 32, generator=g)
+        x2 = torch.randn(12, 2, 32, generator=g)
+        want = _run_layer(layer, x1, gy1)          # not capturing, empty store: plain forward
+
+        xx = x1.clone().requires_grad_(True)
+        capturing = moe_utils.is_graph_capturing
+        moe_utils.is_graph_capturing = lambda: True
+        try:
+            outs = layer(xx)                        # the graph's outputs
+        finally:
+            moe_utils.is_graph_capturing = capturing
+        assert disp.valid_cudagraph_attrs == ["_topk_idx"], disp.valid_cudagraph_attrs
+        assert isinstance(outs, (list, tuple)) and len(outs) == 3, type(outs)
+        hidden, probs, ids = outs
+        assert ids.shape == (40, 1, 2) and ids.dtype == torch.int64, ids.shape
+        with torch.no_grad():
+            layer(x2)                               # an eager call of another shape
+        for name, t in zip(disp.valid_cudagraph_attrs, [ids]):   # TransformerLayer's replay
+            setattr(disp, name, t)
+        layer.cudagraph_tensor_store.set(hidden_states=hidden, probs=probs)
+        calls = []
+        preprocess = disp.dispatch_preprocess
+        disp.dispatch_preprocess = lambda *a, **k: calls.append(1) or preprocess(*a, **k)
+        try:
+            y, bias = layer(hidden)
+        finally:
+            layer.cudagraph_tensor_store.clear()
+            del disp.dispatch_preprocess            # the class's method again
+        assert bias is None and calls == [], calls   # router and preprocess were skipped
+        y.backward(gy1)
+        grads = {k: p.grad.detach().clone() for k, p in layer.named_parameters()}
+        for p in layer.parameters():
+            p.grad = None
+        _assert_runs_bitwise((y.detach(), xx.grad.detach(), grads), want,
+                             f"TE-impl partial capture, resumed vs plain, rank {rank}")
+        return True
+    finally:
+        h.destroy_parallel()
+
+
 def layer_partial_graphs_gpu(rank, world, drop_and_pad=False, shared=None):
     """Megatron's own CUDA graphs (``cuda_graph_impl="local"``, scopes ``moe_router`` +
     ``moe_preprocess``) over a ``MoETransformerLayer`` with ``mok``, dropless or drop-and-pad:

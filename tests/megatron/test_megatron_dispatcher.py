@@ -138,6 +138,13 @@ def test_partial_capture_attrs_cpu(world, drop_and_pad):
     assert run_distributed(W.partial_capture_attrs_cpu, world, drop_and_pad) == [True] * world
 
 
+@pytest.mark.parametrize("drop_and_pad", [False, True])
+@pytest.mark.parametrize("world", [1, 2])
+def test_te_partial_capture_cpu(world, drop_and_pad):
+    # Megatron's TE-impl partial capture path (early-return signal, tensor store), no TE needed
+    assert run_distributed(W.te_partial_capture_cpu, world, drop_and_pad) == [True] * world
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("drop_and_pad,shared", [(False, None), (True, None), (False, "plain")])
 def test_partial_cuda_graphs_one_gpu(drop_and_pad, shared):
