@@ -190,7 +190,6 @@ class MokTokenDispatcher(MoETokenDispatcher):
         self._probs_dtype: Optional[torch.dtype] = None
         self._handle = None
         self._tokens_per_expert: Optional[torch.Tensor] = None
-        self._capacity: Optional[int] = None        # drop-and-pad: this call's capacity
 
     # ------------------------------------------------------------------------- configuring
     def configure_for_experts(self, experts) -> None:
@@ -307,8 +306,9 @@ class MokTokenDispatcher(MoETokenDispatcher):
         if probs.shape != routing_map.shape:
             raise ValueError(f"probs {tuple(probs.shape)} must match routing_map "
                              f"{tuple(routing_map.shape)}")
-        self.hidden_shape = hidden_states.shape
-        hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
+        # token_dispatch takes the layer input's shape from the ids (see __init__).
+        leading = hidden_states.shape[:-1]
+        hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
         self._probs_dtype = probs.dtype
         if self.drop_and_pad:
             # The router filled each expert's column up to `capacity` tokens with padding
@@ -323,7 +323,7 @@ class MokTokenDispatcher(MoETokenDispatcher):
             # K routes again.
             routing_map = routing_map & (probs != 0)
         topk_idx, topk_weights = routing_map_to_topk(routing_map, probs, self.topk)
-        self._topk_idx = topk_idx.view(*self.hidden_shape[:-1], self.topk)
+        self._topk_idx = topk_idx.view(*leading, self.topk)
         return hidden_states, topk_weights
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -348,18 +348,10 @@ class MokTokenDispatcher(MoETokenDispatcher):
         # The layer input's shape, for the shared experts' input and combine_postprocess.
         self.hidden_shape = torch.Size((*ids.shape[:-1], hidden_states.shape[-1]))
         ids = ids.reshape(-1, self.topk)
-        if self.drop_and_pad:
-            # Megatron's capacity for these T tokens (the router's apply_router_token_dropping
-            # and alltoall's preprocess compute the same number). Taken here, not in
-            # dispatch_preprocess: under partial CUDA graphs that runs only while captured, and
-            # an eager call of another token count in between would leave its capacity.
-            self._capacity = get_capacity(num_tokens=hidden_states.shape[0] * self.topk,
-                                          num_experts=self.num_experts,
-                                          capacity_factor=self.capacity_factor)
         # First: a call with too many tokens raises here, before the shared experts' hooks
         # start (Megatron 0.19 checks their order: a half-run forward would fail the next one).
         self.buffer = self._get_buffer(hidden_states)
-        rows = self.rows_per_expert() if self.drop_and_pad else None
+        rows = self.rows_per_expert(hidden_states.shape[0]) if self.drop_and_pad else None
         shared = self.shared_experts
         if shared is not None:
             # pre_forward_comm makes the shared stream wait for the current one (the input).
@@ -383,11 +375,15 @@ class MokTokenDispatcher(MoETokenDispatcher):
                 device=res.tokens.device if on_device else "cpu")
         return res.tokens, res.probs
 
-    def rows_per_expert(self) -> int:
-        """Drop-and-pad: ``N``, the rows every local expert gets (valid inside and after
-        :meth:`token_dispatch`, which takes the capacity from its token count).
+    def rows_per_expert(self, num_tokens: int) -> int:
+        """Drop-and-pad: ``N``, the rows every local expert gets when this rank dispatches
+        ``num_tokens`` tokens (with :attr:`buffer` set).
 
-        ``capacity x EP``: each of the EP ranks exchanging tokens through the Buffer (its
+        ``capacity x EP``, ``capacity`` being Megatron's for these tokens (the router's
+        ``apply_router_token_dropping`` and alltoall's preprocess compute the same number).
+        Taken from the dispatched token count, not in ``dispatch_preprocess``: under partial
+        CUDA graphs that runs only while captured, and an eager call of another token count in
+        between would leave its capacity. ``capacity x EP``: each of the EP ranks exchanging tokens through the Buffer (its
         group is the EP group) sends an expert at most ``capacity`` routes (the router's
         per-column cap), so the rows fit when every EP rank has the same token count, which
         ``alltoall``'s drop-and-pad assumes too (a rank with more tokens, hence a larger
@@ -401,9 +397,9 @@ class MokTokenDispatcher(MoETokenDispatcher):
         expert's row count aligned for the quantized grouped GEMM. The extra rows are zero
         rows. Without that flag the alignment is 1.
         """
-        if self._capacity is None:
-            raise RuntimeError("MoK: rows_per_expert needs a preceding token_dispatch")
-        n = self._capacity * self.buffer.world_size
+        capacity = get_capacity(num_tokens=num_tokens * self.topk, num_experts=self.num_experts,
+                                capacity_factor=self.capacity_factor)
+        n = capacity * self.buffer.world_size
         align = self.buffer.expert_alignment
         return -(-n // align) * align
 
