@@ -198,15 +198,20 @@ def dispatcher_layout_and_grads(rank, world, ep_size, dtype_name, backend_env=No
 
 
 # ------------------------------------------------------------------------ full MoELayer
+def _take_grads(layer):
+    """``{name: grad}`` of every parameter (copies), each ``.grad`` cleared for the next run."""
+    grads = {k: p.grad.detach().clone() for k, p in layer.named_parameters()}
+    for p in layer.parameters():
+        p.grad = None
+    return grads
+
+
 def _run_layer(layer, x, gy):
     xx = x.clone().requires_grad_(True)
     y, bias = layer(xx)
     assert bias is None
     y.backward(gy)
-    grads = {k: p.grad.detach().clone() for k, p in layer.named_parameters()}
-    for p in layer.parameters():
-        p.grad = None
-    return y.detach(), xx.grad.detach(), grads
+    return y.detach(), xx.grad.detach(), _take_grads(layer)
 
 
 _EXPERT_KEY = re.compile(r"experts\.local_experts\.(\d+)\.(.*)")
@@ -840,6 +845,21 @@ def _split_forward(layer, x, attrs=None):
     return y, seen
 
 
+def _partial_capture_case(h, world, rank, drop_and_pad, seed, **config):
+    """The CPU partial-capture checks' layer (mok, EP = ``world``, reference backend) and
+    inputs: ``x1, gy1`` of 40 tokens, and ``x2``: fewer tokens (with drop-and-pad a smaller
+    capacity) in another ``[S, B]`` shape, for an eager call between capture and replay."""
+    kw = dict(num_experts=4 * world, topk=2, hidden=32, moe_router_load_balancing_type="none",
+              moe_aux_loss_coeff=0.0, **config)
+    if drop_and_pad:
+        kw.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    torch.manual_seed(0)
+    layer = h.build_moe_layer(h.moe_config("mok", ep_size=world, **kw))
+    g = torch.Generator().manual_seed(seed + rank)
+    x1, gy1 = torch.randn(40, 1, 32, generator=g), torch.randn(40, 1, 32, generator=g)
+    return layer, x1, gy1, torch.randn(12, 2, 32, generator=g)
+
+
 def partial_capture_attrs_cpu(rank, world, drop_and_pad):
     """What Megatron's partial CUDA graphs (``moe_router`` + ``moe_preprocess``) do to the
     dispatcher, on CPU: the router and ``dispatch_preprocess`` run in one piece, the dispatch
@@ -853,18 +873,9 @@ def partial_capture_attrs_cpu(rank, world, drop_and_pad):
     ``[S, B]`` shape too: the input's shape must come back with the ids."""
     h = _setup(world)
     try:
-        kw = dict(num_experts=4 * world, topk=2, hidden=32, moe_router_load_balancing_type="none",
-                  moe_aux_loss_coeff=0.0)
-        if drop_and_pad:
-            kw.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
-        torch.manual_seed(0)
-        layer = h.build_moe_layer(h.moe_config("mok", ep_size=world, **kw))
+        layer, x1, gy1, x2 = _partial_capture_case(h, world, rank, drop_and_pad, 40)
         disp = layer.token_dispatcher
         assert disp.cudagraph_attrs == ["_topk_idx"], disp.cudagraph_attrs
-        g = torch.Generator().manual_seed(40 + rank)
-        x1, gy1 = torch.randn(40, 1, 32, generator=g), torch.randn(40, 1, 32, generator=g)
-        # Fewer tokens (a smaller capacity) in another [S, B] shape.
-        x2 = torch.randn(12, 2, 32, generator=g)
 
         want = _run_layer(layer, x1, gy1)
 
@@ -872,10 +883,7 @@ def partial_capture_attrs_cpu(rank, world, drop_and_pad):
             xx = x1.clone().requires_grad_(True)
             y, seen = _split_forward(layer, xx, attrs)
             y.backward(gy1)
-            grads = {k: p.grad.detach().clone() for k, p in layer.named_parameters()}
-            for p in layer.parameters():
-                p.grad = None
-            return (y.detach(), xx.grad.detach(), grads), seen
+            return (y.detach(), xx.grad.detach(), _take_grads(layer)), seen
 
         saved = {}
 
@@ -920,17 +928,10 @@ def te_partial_capture_cpu(rank, world, drop_and_pad):
     from megatron.core.transformer.moe import moe_utils
 
     try:
-        kw = dict(num_experts=4 * world, topk=2, hidden=32, moe_router_load_balancing_type="none",
-                  moe_aux_loss_coeff=0.0, cuda_graph_impl="transformer_engine",
-                  **h.graph_scope_kwargs(["moe_router", "moe_preprocess"]))
-        if drop_and_pad:
-            kw.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
-        torch.manual_seed(0)
-        layer = h.build_moe_layer(h.moe_config("mok", ep_size=world, **kw))
+        layer, x1, gy1, x2 = _partial_capture_case(
+            h, world, rank, drop_and_pad, 60, cuda_graph_impl="transformer_engine",
+            **h.graph_scope_kwargs(["moe_router", "moe_preprocess"]))
         disp = layer.token_dispatcher
-        g = torch.Generator().manual_seed(60 + rank)
-        x1, gy1 = torch.randn(40, 1, 32, generator=g), torch.randn(40, 1, 32, generator=g)
-        x2 = torch.randn(12, 2, 32, generator=g)
         want = _run_layer(layer, x1, gy1)          # not capturing, empty store: plain forward
 
         xx = x1.clone().requires_grad_(True)
@@ -959,10 +960,7 @@ def te_partial_capture_cpu(rank, world, drop_and_pad):
             del disp.dispatch_preprocess            # the class's method again
         assert bias is None and calls == [], calls   # router and preprocess were skipped
         y.backward(gy1)
-        grads = {k: p.grad.detach().clone() for k, p in layer.named_parameters()}
-        for p in layer.parameters():
-            p.grad = None
-        _assert_runs_bitwise((y.detach(), xx.grad.detach(), grads), want,
+        _assert_runs_bitwise((y.detach(), xx.grad.detach(), _take_grads(layer)), want,
                              f"TE-impl partial capture, resumed vs plain, rank {rank}")
         return True
     finally:
