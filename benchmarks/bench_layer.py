@@ -83,8 +83,13 @@ def parse_args(argv=None):
                 "also takes :high and :sms=N (e.g. mok:overlap:high, mok:sms=24)")
     if any("overlap" in modes for _, modes in variants) and args.shared_ffn <= 0:
         p.error("':overlap' dispatchers overlap a shared expert: give --shared-ffn")
-    if any("graphs" in modes for _, modes in variants) and args.warmup < 2:
-        p.error("':graphs' needs --warmup >= 2 (the first round records the graphs)")
+    if any("graphs" in modes for _, modes in variants):
+        if args.warmup < 2:
+            p.error("':graphs' needs --warmup >= 2 (the first round records the graphs)")
+        if args.sequential:
+            # Megatron's local graphs are created once per process, for every layer recorded
+            # by then: a later group's layers could not be captured.
+            p.error("':graphs' does not go with --sequential (one create_cudagraphs per process)")
     return args
 
 
@@ -289,7 +294,7 @@ def run(args):
             layers[d] = build(d, state)
             state = state if state is not None else layers[d].state_dict()
         record_then_capture = None
-        if any("graphs" in dispatcher_variant(d)[1] for d in group):
+        if graphs:      # one interleaved group (parse_args refuses --sequential)
             from megatron.core.transformer.cuda_graphs import create_cudagraphs
 
             record_then_capture = create_cudagraphs

@@ -140,3 +140,6 @@ def test_bench_layer_dispatcher_variants():
         bench.parse_args(["--dispatchers", "mok,mok:sms=-1"])
     with pytest.raises(SystemExit):              # the first round records the graphs
         bench.parse_args(["--dispatchers", "mok,mok:graphs", "--warmup", "1"])
+    with pytest.raises(SystemExit):              # graphs are created once per process
+        bench.parse_args(["--dispatchers", "mok:graphs,alltoall:graphs", "--sequential"])
+    bench.parse_args(["--dispatchers", "mok,mok:graphs"])
