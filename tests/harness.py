@@ -15,6 +15,13 @@ down, so the next call starts clean (when every rank returned or raised, the poo
 kept). Pass ``fresh=True`` for a call whose ``fn`` changes process-global state (Megatron's ``parallel_state``, a CUDA context that a trap
 may have broken): it gets its own processes, ended after the call.
 
+Shared-GPU mode (``MOK_TEST_SHARED_GPU=1``): a ``backend="nccl"`` call for more ranks than
+visible GPUs puts rank ``r`` on ``cuda:(r % GPUs)`` and joins the ranks with gloo (NCCL
+refuses two ranks on one GPU), so the multi-process tests run where one GPU is lent: the
+ranks' Buffers then map each other's workspaces with CUDA IPC (``cuda/peer_memory.py``) and
+the driver time-slices their kernels. The process-group path runs (separate processes and
+contexts, IPC-mapped peers); NVLink does not. ``rank_device(rank)`` is a test's device.
+
 ``fn`` must be importable by name (a module-level function of a test module or of this
 file), and its arguments and return value picklable.
 
@@ -49,6 +56,31 @@ from megatron_mok import loopback  # noqa: E402  (after the environment above)
 from megatron_mok.loopback import settle  # noqa: E402
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOK_TEST_TIMEOUT", "180"))
+SHARED_GPU = os.environ.get("MOK_TEST_SHARED_GPU", "") == "1"
+_RANK_DEVICE_ENV = "MOK_TEST_RANK_DEVICE"
+
+
+def gpus_for(world_size: int) -> bool:
+    """Whether a ``backend="nccl"`` call of ``world_size`` ranks can run here: a GPU per rank,
+    or shared-GPU mode with at least one GPU."""
+    n = torch.cuda.device_count()
+    return n >= world_size or (SHARED_GPU and n >= 1)
+
+
+def rank_device(rank: int) -> torch.device:
+    """The device of this rank's tensors: its loopback hub's device, its GPU in a
+    ``backend="nccl"`` call (``cuda:rank``, or ``cuda:(rank % GPUs)`` in shared-GPU mode), or
+    the CPU in a gloo call."""
+    import torch.distributed as dist
+
+    group = loopback.current()
+    if group is not None:                           # ranks as threads on one device
+        return group.hub.device
+    if os.environ.get(_RANK_DEVICE_ENV):
+        return torch.device(os.environ[_RANK_DEVICE_ENV])
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", rank)
+    return torch.device("cpu")
 _STARTUP_TIMEOUT_S = float(os.environ.get("MOK_TEST_STARTUP_TIMEOUT", "180"))
 
 
@@ -70,12 +102,17 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, env: Dict[
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        elif backend == "shared":   # shared-GPU mode: this rank's GPU, joined by gloo
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            os.environ[_RANK_DEVICE_ENV] = str(device)
         store = dist.TCPStore("127.0.0.1", port, is_master=False,
                               timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
         kwargs = {}
         if backend == "nccl":
             kwargs["device_id"] = torch.device("cuda", rank)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+        dist.init_process_group("gloo" if backend == "shared" else backend, store=store, rank=rank,
+                                world_size=world_size,
                                 timeout=timedelta(seconds=DEFAULT_TIMEOUT_S), **kwargs)
     except BaseException:
         result_q.put((-1, rank, "err", "process-group init failed:\n" + traceback.format_exc()))
@@ -121,7 +158,7 @@ class _Pool:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
         env = dict(_NO_MULTICAST_ENV)
-        if backend == "gloo":
+        if backend in ("gloo", "shared"):
             env.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
         # One process per rank: lazy kernel loading is safe and starts faster (conftest.py
@@ -236,7 +273,8 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo",
     Args:
         fn: a module-level function (pickled by name).
         world_size: number of ranks.
-        backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank ``r`` on ``cuda:r``).
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank ``r`` on ``cuda:r``; in shared-GPU mode,
+            with fewer GPUs than ranks, on ``cuda:(r % GPUs)`` over gloo: module docstring).
         timeout: seconds before the call counts as hung (default ``$MOK_TEST_TIMEOUT`` or 180).
         fresh: run on new processes, ended after the call (for ``fn``s with global state).
 
@@ -248,9 +286,12 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo",
         message), died, or the call timed out.
     """
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    if backend == "nccl" and torch.cuda.device_count() < world_size and gpus_for(world_size):
+        backend = "shared"
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise RuntimeError(f"backend='nccl' with world_size={world_size} needs {world_size} "
-                           f"GPUs, found {torch.cuda.device_count()}")
+                           f"GPUs, found {torch.cuda.device_count()} (MOK_TEST_SHARED_GPU=1 runs the ranks "
+                           f"as processes sharing the GPUs there are)")
     key = (world_size, backend)
     if fresh:
         pool = _Pool(world_size, backend)

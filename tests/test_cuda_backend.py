@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import oracle
 from harness import (ALIGNMENT_CASES, DTYPES, _buffer, check_alignment_case, check_and_destroy, settle, assert_bitwise, assert_same_results, backward_by_hand,
-                     contract_cases, full_pass, in_loopback, loopback_barrier, make_inputs, run_distributed,
+                     contract_cases, full_pass, gpus_for, in_loopback, loopback_barrier, make_inputs, rank_device, run_distributed,
                      spec_inputs, sync_device)
 from test_cached_dispatch import check_cached_case
 from test_static_shape import _overflow, check_static_case
@@ -27,7 +27,7 @@ from test_static_shape import _overflow, check_static_case
 GPU_WORLD_SIZES = [
     pytest.param(2, marks=[pytest.mark.gpu, pytest.mark.multigpu]),
     pytest.param(4, marks=[pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.skipif(
-        torch.cuda.device_count() < 4, reason="needs 4 GPUs")]),
+        not gpus_for(4), reason="needs 4 GPUs (or MOK_TEST_SHARED_GPU=1)")]),
 ]
 CASE_NAMES = tuple(contract_cases(2))
 # The layout's two paths: publish + count + scan fused into one launch (the default for
@@ -36,23 +36,12 @@ LAYOUT_PATHS = [pytest.param({}, id="fused_layout"),
                 pytest.param({"MOK_LAYOUT_FUSED": "0"}, id="three_kernel_layout")]
 
 
-def _device_for(rank):
-    from megatron_mok import loopback
-
-    group = loopback.current()
-    if group is not None:                           # ranks as threads on one device
-        return group.hub.device
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", rank)
-    return torch.device("cpu")
-
-
 # --------------------------------------------------------------------------- the comparisons
 def _backend_vs_reference(rank, world_size, name, seed, backend="cuda", **kw):
     """Forward + backward of ``backend`` and of the reference on the same inputs: every
     output and gradient bitwise equal; dispatch fields also against the oracle; the
     identity round trip exact."""
-    dev = _device_for(rank)
+    dev = rank_device(rank)
     spec = contract_cases(world_size)[name]
     for di, dtype in enumerate(DTYPES):
         inputs = spec_inputs(spec, world_size, dtype, seed + di, device=dev)
@@ -81,7 +70,7 @@ def _backend_vs_reference(rank, world_size, name, seed, backend="cuda", **kw):
 
 
 def _repeats_and_sms(rank, world_size, name, seed, backend="cuda", sms_list=(4, 16, 24), repeats=20):
-    dev = _device_for(rank)
+    dev = rank_device(rank)
     spec = contract_cases(world_size)[name]
     for di, dtype in enumerate((torch.bfloat16, torch.float32)):
         inputs = spec_inputs(spec, world_size, dtype, seed + di, device=dev)
@@ -111,7 +100,7 @@ def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, re
     (wraps many times); one call larger than the whole ring (``require_big``; otherwise one
     call of T_max tokens); each checked bitwise against the reference, with a full backward
     every 50th call."""
-    dev = _device_for(rank)
+    dev = rank_device(rank)
     H, K, E, dtype = 256, 4, 4 * world_size, torch.bfloat16
     disp, comb = ring_chunk_bytes(H, K)
     ring = chunks * max(disp, comb)
@@ -228,7 +217,7 @@ def _alignment_vs_reference(rank, world_size, name, seed, alignment, backend="cu
     mode."""
     spec = contract_cases(world_size)[name]
     return check_alignment_case(rank, world_size, spec, seed, backend, alignment,
-                                device=_device_for(rank), ref_backend="reference", static_extra=5)
+                                device=rank_device(rank), ref_backend="reference", static_extra=5)
 
 
 def _fixed_rows_vs_reference(rank, world_size, name, seed, alignment, extra, backend="cuda"):
@@ -237,7 +226,7 @@ def _fixed_rows_vs_reference(rank, world_size, name, seed, alignment, extra, bac
     static-shape mode."""
     spec = contract_cases(world_size)[name]
     return check_alignment_case(rank, world_size, spec, seed, backend, alignment,
-                                device=_device_for(rank), ref_backend="reference", static_extra=5,
+                                device=rank_device(rank), ref_backend="reference", static_extra=5,
                                 capacity_extra=extra)
 
 
@@ -245,7 +234,7 @@ def _fixed_rows_separate_launches(rank, world_size, seed):
     """A static-shape dispatch with rows_per_expert through the backend's general path (one
     library call per step, as ``separate_launches`` and the copy-engine overlap take it) equals
     the reference's, bitwise, forward and backward, and knows R on the host."""
-    dev = _device_for(rank)
+    dev = rank_device(rank)
     spec = contract_cases(world_size)["random"]
     x, idx, w = spec_inputs(spec, world_size, torch.bfloat16, seed, device=dev)[rank]
     n = spec["T_max"] * spec["K"] * world_size
@@ -267,7 +256,7 @@ def _rows_overflow(rank, world_size, seed, backend="cuda"):
     drops that expert's rows past N (each expert keeps its first N rows in contract order, the
     others are whole, zero rows after them), combine sums the kept rows only, and the error
     check names the expert; an eager dispatch raises the same error after its launch."""
-    dev = _device_for(rank)
+    dev = rank_device(rank)
     spec = dict(T=[37, 51, 20, 44][:world_size], T_max=60, E=4 * world_size, H=72, K=3,
                 case="random", idx_dtype=torch.int64)
     x, idx, w = spec_inputs(spec, world_size, torch.bfloat16, seed, device=dev)[rank]
@@ -324,7 +313,7 @@ def _alignment_big_layout(rank, world_size, env, alignment, backend="cuda", capa
                 E=128 * world_size, H=64, K=8, case="skewed", idx_dtype=torch.int64)
     env = env if in_loopback() else {"MOK_CHUNK_TOKENS": "8", **env}
     return _with_env(env, check_alignment_case, rank, world_size, spec,
-                     55 + alignment, backend, alignment, _device_for(rank), "reference", 4,
+                     55 + alignment, backend, alignment, rank_device(rank), "reference", 4,
                      (torch.bfloat16,), capacity_extra)
 
 
@@ -352,7 +341,7 @@ def _alignment_ignores_speculative(rank, world_size):
         spec = contract_cases(world_size)["random"]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            probe = _buffer(spec, torch.bfloat16, "cuda", device=_device_for(rank), expert_alignment=16)
+            probe = _buffer(spec, torch.bfloat16, "cuda", device=rank_device(rank), expert_alignment=16)
             be = probe._get_backend("cuda")
         assert not be.speculative and any("MOK_EAGER_SPECULATIVE" in str(w.message) for w in caught)
         probe.destroy()
@@ -538,7 +527,7 @@ def _staging_settings_disagree(rank, world_size):
     """Rank 1 turns copy-engine staging off, the others keep it: the Buffer must refuse on
     every rank (peers would read tokens from other slots than the ones staged), not hang."""
     env = {"MOK_DISPATCH_CE_STAGE": "0"} if rank == 1 else {}
-    dev = _device_for(rank)
+    dev = rank_device(rank)
     with pytest.raises(ValueError, match="disagree on the dispatch staging settings"):
         _with_env(env, lambda r, w: mok_buffer(4 * w, 64, 2, 32, torch.bfloat16, "cuda", dev), rank, world_size)
     return True
@@ -552,7 +541,7 @@ def test_cuda_ranks_with_different_staging_settings_are_refused(world_size):
 def _static_cuda(rank, world_size, name, extra_rows):
     spec = contract_cases(world_size)[name]
     return check_static_case(rank, world_size, spec, 41, extra_rows, backend="cuda",
-                             device=_device_for(rank))
+                             device=rank_device(rank))
 
 
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
@@ -563,7 +552,7 @@ def test_cuda_static_shape(name, extra_rows, world_size):
 
 def _cached_cuda(rank, world_size, name, static_extra):
     return check_cached_case(rank, world_size, contract_cases(world_size)[name], 61, backend="cuda",
-                             device=_device_for(rank), static_extra=static_extra)
+                             device=rank_device(rank), static_extra=static_extra)
 
 
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
@@ -579,7 +568,7 @@ def _graph(rank, world_size, seed, backward, fixed_rows=None):
     ``fixed_rows``: the dispatch passes ``rows_per_expert`` (N = every row a local expert
     could get), with max_recv_tokens 3 rows past E_local * N (``"static"``) or on an eager
     Buffer, whose dispatch then reads nothing while captured (``"eager"``)."""
-    dev = _device_for(rank)
+    dev = rank_device(rank)
     E, H, K, T, dtype = 4 * world_size, 128, 4, 64, torch.bfloat16
     M = T * K * world_size                                    # never overflows
     n = None
@@ -677,7 +666,7 @@ def test_cuda_graph_rows_per_expert(world_size, mode):
 def _missing_peer(rank, world_size, timeout_s):
     """The last rank never calls dispatch: the others must raise a timeout error in about
     ``timeout_s``, not hang."""
-    dev = _device_for(rank)
+    dev = rank_device(rank)
     buf = mok_buffer(2 * world_size, 64, 2, 32, torch.bfloat16, "cuda", dev, timeout_s=timeout_s)
     x, idx, w = make_inputs(1, world_size, [32] * world_size, 2 * world_size, 64, 2, torch.bfloat16,
                             device=dev)[rank]
@@ -702,6 +691,26 @@ def _missing_peer(rank, world_size, timeout_s):
         done()
 
 
+def _peer_mapping(rank, world_size):
+    """How this rank's Buffer mapped its peers: (IPC reason or None, pointers, own pointer)."""
+    buf = mok_buffer(2 * world_size, 64, 2, 32, torch.bfloat16, "cuda", rank_device(rank))
+    mem = buf._get_backend("cuda").mem
+    out = (mem.ipc_reason, list(mem.peer_ptrs), mem.tensor.data_ptr())
+    buf.destroy()
+    return out
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+def test_cuda_peer_mapping(world_size):
+    """A GPU per rank: symmetric memory. Ranks as processes sharing a GPU (shared-GPU mode):
+    CUDA IPC, which symmetric memory refuses. Either way every rank holds W distinct peer
+    pointers, its own being its workspace."""
+    shared = torch.cuda.device_count() < world_size
+    for rank, (reason, ptrs, own) in enumerate(run_distributed(_peer_mapping, world_size, backend="nccl")):
+        assert (reason is not None) == shared, (rank, reason)
+        assert len(ptrs) == world_size and len(set(ptrs)) == world_size and ptrs[rank] == own
+
+
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
 def test_cuda_missing_peer_times_out(world_size):
     timeout_s = 2
@@ -714,7 +723,7 @@ def test_cuda_missing_peer_times_out(world_size):
 def _small_cuda_case(rank, world_size, seed):
     """A small CUDA Buffer (2 experts per rank, H=64, K=2, 16 tokens, 10 s timeout) and this
     rank's inputs, for the error tests; also returns E."""
-    dev = _device_for(rank)
+    dev = rank_device(rank)
     E = 2 * world_size
     buf = mok_buffer(E, 64, 2, 16, torch.bfloat16, "cuda", dev, timeout_s=10)
     x, idx, w = make_inputs(seed, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
@@ -788,7 +797,7 @@ def _split_vs_reference(rank, world_size, env):
 
 
 def _split_calls(rank, world_size):
-    dev = _device_for(rank)
+    dev = rank_device(rank)
     H, K, E, dtype = 1288, 4, 4 * world_size, torch.bfloat16
     calls = [(20, "random"), (25, "duplicate"), (1, "random"), (7, "unrouted"), (0, "random"), (40, "skewed"),
              (28, "random")]
@@ -816,7 +825,7 @@ def _streamed_produce_calls(rank, world_size, backend="cuda", num_sms=2):
     token-dtype and fp32 partials; forward and backward against the reference, bitwise. A rank
     with more tokens than warps also stages its own partials in the produce phase (NOTES #38),
     so the same calls cover the consume loop that only sums partials (prob gradients too)."""
-    dev = _device_for(rank)
+    dev = rank_device(rank)
     warps = num_sms * 16                        # kCombineThreads / 32 warps per block
     H, dtype = 1288, torch.bfloat16
     calls = [(4, 300, "random"), (4, 257, "unrouted"), (4, 301, "skewed"), (4, 263, "one_expert"),
@@ -861,7 +870,7 @@ def _scan_tiles_calls(rank, world_size, backend="cuda"):
     nearly empty, skewed and unrouted routing; forward and backward against the reference,
     bitwise. The fused layout is the default at this size (<= 8192 groups);
     ``LAYOUT_PATHS`` runs the three-kernel layout too."""
-    dev = _device_for(rank)
+    dev = rank_device(rank)
     H, K, dtype, E_local = 16, 5, torch.bfloat16, 65
     cpc = -(-4100 // (E_local * world_size)) + 1
     T_max, E = 64 * cpc, E_local * world_size
@@ -902,7 +911,7 @@ def _fill_passes_calls(rank, world_size, K, chunk_tokens, backend="cuda"):
     MOK_CHUNK_TOKENS to ``chunk_tokens`` (None: the default, 64)."""
     C = int(chunk_tokens or 64)
     assert C * K > FILL_THREADS and (FILL_THREADS // K) < C, (C, K)
-    dev = _device_for(rank)
+    dev = rank_device(rank)
     H, dtype, E_local, T_max = 16, torch.bfloat16, 40, 3 * C + 17
     E = E_local * world_size
     buf = mok_buffer(E, H, K, T_max, dtype, backend, dev, timeout_s=30)
@@ -984,7 +993,7 @@ def test_cuda_speculative_on_some_ranks_only_is_an_error(world_size):
 
 
 def _overflow_cuda(rank, world_size):
-    return _overflow(rank, world_size, backend="cuda", device=_device_for(rank))
+    return _overflow(rank, world_size, backend="cuda", device=rank_device(rank))
 
 
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
@@ -994,7 +1003,7 @@ def test_cuda_static_overflow_raises(world_size):
 
 
 def _cuda_input_errors(rank, world_size):
-    dev = _device_for(rank)
+    dev = rank_device(rank)
     buf = mok_buffer(2 * world_size, 64, 2, 16, torch.bfloat16, "cuda", dev)
     x, idx, w = make_inputs(2, world_size, [16] * world_size, 2 * world_size, 64, 2, torch.bfloat16)[rank]
     with pytest.raises(ValueError, match=r"needs CUDA tensors"):
@@ -1013,7 +1022,7 @@ def test_cuda_input_errors():
 
 
 def _dispatch_outputs_are_plain_tensors(rank, world_size):
-    dev = _device_for(rank)
+    dev = rank_device(rank)
     for fill_first in ("0", "1"):     # read when the Buffer's backend is made
         os.environ["MOK_EAGER_FILL_FIRST"] = fill_first
         try:
@@ -1044,7 +1053,7 @@ def _speculative_calls(rank, world_size, set_env=True):
     if set_env:
         os.environ["MOK_EAGER_SPECULATIVE"] = "1"
     try:
-        dev = _device_for(rank)
+        dev = rank_device(rank)
         H, K, E, T_max, dtype = 256, 4, 4 * world_size, 512, torch.bfloat16
         buf = mok_buffer(E, H, K, T_max, dtype, "cuda", dev, timeout_s=30)
         ref = mok_buffer(E, H, K, T_max, dtype, "reference", dev)

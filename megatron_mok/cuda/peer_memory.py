@@ -5,12 +5,20 @@ rendezvous over the process group, read ``buffer_ptrs``), which handles the hand
 and works on NVLink fabrics beyond one host. NVLink multicast is never used: the
 multicast-disabling variables are set before anything is allocated. A loopback group
 (``megatron_mok.loopback``, test ranks as threads on one device) exchanges plain allocations.
+
+Ranks that are processes sharing one GPU (torch symmetric memory refuses them: "allocations
+from overlapping devices") map each other's workspaces with CUDA IPC instead, through torch's
+own CUDA tensor sharing (``torch.multiprocessing.reductions``). The driver time-slices their
+contexts, so each spin-wait on a peer lasts until the peer's context is scheduled: a mode for
+running multi-rank code where fewer GPUs than ranks are at hand (tests, examples), not for
+speed.
 """
 
 from __future__ import annotations
 
 import os
-from typing import List
+import socket
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +39,43 @@ def disable_multicast_env() -> None:
         os.environ.setdefault(k, v)
 
 
+def device_key(device: torch.device) -> Tuple[str, str]:
+    """``(host name, GPU UUID)``: equal for two processes exactly when they use the same GPU."""
+    return socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid)
+
+
+def shared_device_ranks(keys: Sequence[Tuple[str, str]]) -> List[List[int]]:
+    """Groups of ranks (by index into ``keys``, one :func:`device_key` per rank) that share a
+    GPU, those of two or more ranks only; ``[]`` when every rank has a GPU of its own."""
+    by_key: Dict[Tuple[str, str], List[int]] = {}
+    for r, k in enumerate(keys):
+        by_key.setdefault(tuple(k), []).append(r)
+    return [ranks for ranks in by_key.values() if len(ranks) > 1]
+
+
+def ipc_plan(keys: Sequence[Tuple[str, str]]) -> Optional[str]:
+    """Why this group needs CUDA IPC instead of symmetric memory (``None``: it does not).
+
+    Raises ValueError when some ranks share a GPU and the group spans several hosts (CUDA IPC
+    maps memory within one host only)."""
+    shared = shared_device_ranks(keys)
+    if not shared:
+        return None
+    hosts = {k[0] for k in keys}
+    if len(hosts) > 1:
+        raise ValueError(f"megatron_mok: ranks {shared} share a GPU, which needs CUDA IPC, but the "
+                         f"group spans hosts {sorted(hosts)}; CUDA IPC maps memory within one host")
+    return f"ranks {shared} share a GPU"
+
+
+def _local_index_of(uuid: str, fallback: int) -> int:
+    """This process's index of the GPU with ``uuid`` (``fallback`` when it is not visible)."""
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return i
+    return fallback
+
+
 class PeerMemory:
     """``nbytes`` of device memory on every rank of ``group``, zeroed, with peer pointers.
 
@@ -43,6 +88,7 @@ class PeerMemory:
     def __init__(self, nbytes: int, group, rank: int, world_size: int, device: torch.device):
         disable_multicast_env()
         self._handle = None
+        self.ipc_reason: Optional[str] = None
         self._peer_tensors: List[torch.Tensor] = []
         self.loopback = is_loopback(group)
         if self.loopback:
@@ -57,9 +103,15 @@ class PeerMemory:
             self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
             self.peer_ptrs: List[int] = [self.tensor.data_ptr()]
             return
+        group = group if group is not None else dist.group.WORLD
+        keys: List = [None] * world_size
+        dist.all_gather_object(keys, device_key(device), group=group)
+        self.ipc_reason = ipc_plan(keys)
+        if self.ipc_reason is not None:
+            self._map_with_ipc(nbytes, group, rank, world_size, device, keys)
+            return
         import torch.distributed._symmetric_memory as symm_mem
 
-        group = group if group is not None else dist.group.WORLD
         self.tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         self._handle = symm_mem.rendezvous(self.tensor, group.group_name)
         if getattr(self._handle, "multicast_ptr", 0):
@@ -74,6 +126,31 @@ class PeerMemory:
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
         torch.cuda.synchronize(device)
+
+    def _map_with_ipc(self, nbytes, group, rank, world_size, device, keys) -> None:
+        """Each rank allocates its workspace, shares it as torch shares CUDA tensors between
+        processes (an IPC handle plus a reference count the owner's allocator honours), and opens
+        every peer's: ``peer_ptrs`` are then valid in this process as with symmetric memory."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(device)
+        rebuild, args = reduce_tensor(self.tensor)
+        every: List = [None] * world_size
+        dist.all_gather_object(every, args, group=group)
+        self.peer_ptrs = []
+        for r, peer_args in enumerate(every):
+            if r == rank:
+                self.peer_ptrs.append(self.tensor.data_ptr())
+                continue
+            peer_args = list(peer_args)
+            # Field 6 is the owner's device index; the GPU may have another index here.
+            peer_args[6] = _local_index_of(keys[r][1], peer_args[6])
+            t = rebuild(*peer_args)
+            self._peer_tensors.append(t)
+            self.peer_ptrs.append(t.data_ptr())
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
 
     def free(self) -> None:
         self._handle = None

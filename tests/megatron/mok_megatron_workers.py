@@ -34,7 +34,9 @@ def _setup(ep_size: int, backend_env: str | None = None):
 
 
 def _device():
-    if dist.get_backend() == "nccl":
+    """This rank's device: its GPU under NCCL or in shared-GPU mode (ranks as processes on one
+    GPU, joined by gloo: tests/harness.py), else the CPU."""
+    if dist.get_backend() == "nccl" or os.environ.get("MOK_TEST_RANK_DEVICE"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
