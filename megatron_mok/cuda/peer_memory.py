@@ -130,20 +130,29 @@ class PeerMemory:
     def _map_with_ipc(self, nbytes, group, rank, world_size, device, keys) -> None:
         """Each rank allocates its workspace, shares it as torch shares CUDA tensors between
         processes (an IPC handle plus a reference count the owner's allocator honours), and opens
-        every peer's: ``peer_ptrs`` are then valid in this process as with symmetric memory."""
+        every peer's: ``peer_ptrs`` are then valid in this process as with symmetric memory.
+
+        One share per peer: each share counts one consumer, and the owner's allocator takes
+        the block back only once the count returns to zero (run s19-6: one share opened by
+        three peers never did, and a pool of four ranks ran out of memory after ~15 tests)."""
         from torch.multiprocessing.reductions import reduce_tensor
 
+        torch.cuda.ipc_collect()   # blocks of destroyed workspaces whose peers let go
         self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         torch.cuda.synchronize(device)
-        rebuild, args = reduce_tensor(self.tensor)
+        rebuild = None
+        shares: List = [None] * world_size
+        for r in range(world_size):
+            if r != rank:
+                rebuild, shares[r] = reduce_tensor(self.tensor)
         every: List = [None] * world_size
-        dist.all_gather_object(every, args, group=group)
+        dist.all_gather_object(every, shares, group=group)
         self.peer_ptrs = []
-        for r, peer_args in enumerate(every):
+        for r, their_shares in enumerate(every):
             if r == rank:
                 self.peer_ptrs.append(self.tensor.data_ptr())
                 continue
-            peer_args = list(peer_args)
+            peer_args = list(their_shares[rank])
             # Field 6 is the owner's device index; the GPU may have another index here.
             peer_args[6] = _local_index_of(keys[r][1], peer_args[6])
             t = rebuild(*peer_args)
@@ -157,3 +166,5 @@ class PeerMemory:
         self._peer_tensors = []
         self.tensor = None
         self.peer_ptrs = []
+        if self.ipc_reason is not None:
+            torch.cuda.ipc_collect()
