@@ -1,4 +1,4 @@
-"""Run s19-6's probe (benchmarks/results/README.md): does a destroyed Buffer's workspace go
+"""Runs s19-6 and s19-7's probe (benchmarks/results/README.md): does a destroyed Buffer's workspace go
 back to the GPU when ranks are processes sharing one GPU (CUDA IPC peer memory)? s19-5 ran
 out of GPU memory after ~15 W=4 tests in one pool of ranks (each rank held 31-37 GiB).
 

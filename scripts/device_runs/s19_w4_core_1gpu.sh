@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run s19-7 (benchmarks/results/README.md): every W=4 "core" test in shared-GPU mode (four
+# Run s19-8 (benchmarks/results/README.md): every W=4 "core" test in shared-GPU mode (four
 # processes on one GPU) after the IPC memory fix (72e772f), the 1000-call ring wrap last.
 C=${1:?commit}; LIMIT=${2:-300}
 . "$(dirname "$0")/common.sh"
