@@ -56,6 +56,7 @@ from megatron_mok import loopback  # noqa: E402  (after the environment above)
 from megatron_mok.loopback import settle  # noqa: E402
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOK_TEST_TIMEOUT", "180"))
+_STARTUP_TIMEOUT_S = float(os.environ.get("MOK_TEST_STARTUP_TIMEOUT", "180"))
 SHARED_GPU = os.environ.get("MOK_TEST_SHARED_GPU", "") == "1"
 _RANK_DEVICE_ENV = "MOK_TEST_RANK_DEVICE"
 
@@ -81,7 +82,6 @@ def rank_device(rank: int) -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", rank)
     return torch.device("cpu")
-_STARTUP_TIMEOUT_S = float(os.environ.get("MOK_TEST_STARTUP_TIMEOUT", "180"))
 
 
 class DistributedTestError(AssertionError):
