@@ -10,8 +10,11 @@
 # under one time limit (default 540 s); writes $OUT/r/{ids,tests}.log and lists in
 # $OUT/r/not_run.txt what the limit cut off, so the next call can take those first
 # (pass SELECT=file:PATH with a list of node ids).
+# WORLD=4 selects the 4-rank ids instead of the 2-rank ones. With MOK_TEST_SHARED_GPU=1 the
+# ranks are processes sharing the GPUs there are (tests/harness.py): one GPU runs them all.
 set -uo pipefail
 C=${1:?commit}; SELECT=${2:?select}; SHARD=${3:-0}; NSHARDS=${4:-1}; LIMIT=${5:-540}
+WORLD=${WORLD:-2}   # the world size whose test ids are selected (4: the 4-rank ids)
 . "$(dirname "$0")/common.sh"
 case "$SELECT" in
   core) K="not alternative_schedules" ;;
@@ -23,7 +26,7 @@ esac
 if [ -z "$K" ]; then cp "${SELECT#file:}" $R/all_ids.txt
 else
   python3 -m pytest --collect-only -q -m multigpu -k "$K" tests/test_cuda_backend.py -p no:cacheprovider 2>/dev/null \
-    | grep "::" | grep -E -- "-2\]$|\[2\]$" > $R/all_ids.txt
+    | grep "::" | grep -E -- "-${WORLD}\]$|\[${WORLD}\]$" > $R/all_ids.txt
 fi
 awk -v s=$SHARD -v n=$NSHARDS '(NR - 1) % n == s' $R/all_ids.txt > $R/ids.txt
 echo "$(wc -l < $R/ids.txt) of $(wc -l < $R/all_ids.txt) selected tests (shard $SHARD of $NSHARDS)"
