@@ -14,16 +14,26 @@ Three narrow, reversible changes, all on class attributes (no file is edited):
    communication and no CUDA state in its constructor), then puts a ``MokTokenDispatcher`` in
    its place (handing it the shared experts when they overlap with the dispatch). Everything
    else in the layer (router, experts, shared experts) is Megatron's.
+4. Megatron's ``should_free_input`` (the 1F1B EP overlap's rule for which schedule nodes free
+   their inputs after the forward; ``models/common/utils.py`` in 0.19,
+   ``models/gpt/fine_grained_callables.py`` in 0.16) keeps the inputs of a ``mok`` layer's
+   ``moe_dispatch`` and ``mlp`` nodes. Megatron frees them for its ``alltoall``, whose
+   preprocess and postprocess permute into new tensors; MoK's dispatch input is a view of the
+   pre-MLP layernorm's output, which the router keeps for its backward, and its dispatched
+   rows go to the experts as they are, which keep them for theirs. Freeing either would
+   corrupt the backward. (A ``mok`` config with ``overlap_moe_expert_parallel_comm`` is also
+   validated as ``alltoall``'s, like ``moe_shared_expert_overlap``.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 import typing
 from typing import Literal
 
-from .config import DISPATCHER_NAME, check_config
+from .config import DISPATCHER_NAME, MokConfigError, check_config
 
 _STATE = {"installed": False, "saved": {}}
 _TLS = threading.local()
@@ -76,12 +86,19 @@ def _patch_config(saved):
 
     def __post_init__(self, *args, **kwargs):
         check_config(self)
-        if (getattr(self, "moe_token_dispatcher_type", None) == DISPATCHER_NAME
-                and getattr(self, "moe_shared_expert_overlap", False)):
-            # Megatron accepts moe_shared_expert_overlap for its alltoall and flex dispatchers
-            # only; MoK drives the same SharedExpertMLP overlap hooks (dispatcher.py), so the
-            # config is validated as alltoall's (which also keeps Megatron's own checks of the
-            # overlap, e.g. against recomputing the shared experts).
+        is_mok = getattr(self, "moe_token_dispatcher_type", None) == DISPATCHER_NAME
+        ep_overlap = getattr(self, "overlap_moe_expert_parallel_comm", False)
+        if is_mok and ep_overlap and not saved.get("free_input"):
+            raise MokConfigError(
+                "overlap_moe_expert_parallel_comm with moe_token_dispatcher_type='mok' needs "
+                "Megatron's should_free_input, which this megatron-core does not have where "
+                "megatron_mok looks for it: unset overlap_moe_expert_parallel_comm")
+        if is_mok and (ep_overlap or getattr(self, "moe_shared_expert_overlap", False)):
+            # Megatron accepts moe_shared_expert_overlap and overlap_moe_expert_parallel_comm for
+            # its alltoall and flex dispatchers only. MoK drives the same SharedExpertMLP
+            # overlap hooks (dispatcher.py) and the same dispatch / combine stages as alltoall
+            # under the 1F1B overlap, so the config is validated as alltoall's (which keeps
+            # Megatron's own checks of both, e.g. against recomputation).
             with _as_dispatcher(self, "alltoall"):
                 return orig_post_init(self, *args, **kwargs)
         return orig_post_init(self, *args, **kwargs)
@@ -123,6 +140,43 @@ def _patch_moe_layer(saved):
     MoELayer.__init__ = __init__
 
 
+# Where Megatron defines should_free_input (0.19, 0.16); the first that has it is patched.
+_FREE_INPUT_MODULES = ("megatron.core.models.common.utils",
+                       "megatron.core.models.gpt.fine_grained_callables")
+_KEPT_NODES = ("moe_dispatch", "mlp")
+
+
+def _patch_free_input(saved):
+    """Item 4 of the module docstring. Leaves ``saved["free_input"]`` empty when no module has
+    ``should_free_input`` (the config check then refuses the overlap for ``mok``)."""
+    saved["free_input"] = []
+    for name in _FREE_INPUT_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        orig = getattr(mod, "should_free_input", None)
+        if orig is None:
+            continue
+
+        def should_free_input(node_name, is_moe, config, *args, _orig=orig, **kwargs):
+            if (node_name in _KEPT_NODES
+                    and getattr(config, "moe_token_dispatcher_type", None) == DISPATCHER_NAME):
+                return False
+            return _orig(node_name, is_moe, config, *args, **kwargs)
+
+        should_free_input.__wrapped__ = orig
+        should_free_input._mok_patched = True
+        mod.should_free_input = should_free_input
+        saved["free_input"].append((mod, orig))
+        return
+
+
+def _restore_free_input(saved):
+    for mod, orig in saved.get("free_input", []):
+        mod.should_free_input = orig
+
+
 def _pg_collection_of(dispatcher):
     """The ProcessGroupCollection the placeholder dispatcher was built with."""
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -138,8 +192,13 @@ def install() -> None:
     _patch_config(saved)
     try:
         _patch_moe_layer(saved)
+        _patch_free_input(saved)
     except Exception:
         _restore_config(saved)
+        if "moe_layer_init" in saved:
+            from megatron.core.transformer.moe.moe_layer import MoELayer
+
+            MoELayer.__init__ = saved["moe_layer_init"]
         raise
     _STATE["saved"] = saved
     _STATE["installed"] = True
@@ -162,6 +221,7 @@ def uninstall() -> None:
         return
     saved = _STATE["saved"]
     _restore_config(saved)
+    _restore_free_input(saved)
     if "moe_layer_init" in saved:
         from megatron.core.transformer.moe.moe_layer import MoELayer
 

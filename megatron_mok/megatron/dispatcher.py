@@ -214,10 +214,12 @@ class MokTokenDispatcher(MoETokenDispatcher):
         """SMs of MoK's kernels in this layer: ``MOK_NUM_SMS`` when set; else
         :data:`LAYER_NUM_SMS` when nothing runs beside them, or ``None`` (the Buffer's default:
         24, 64 for calls of at most 1024 tokens per rank) with ``moe_shared_expert_overlap``,
-        where the shared expert's GEMMs run beside the dispatch and the combine."""
+        where the shared expert's GEMMs run beside the dispatch and the combine, and with
+        ``overlap_moe_expert_parallel_comm``, where another micro-batch's compute does."""
         if self.options.num_sms is not None:
             return self.options.num_sms
-        if getattr(self.config, "moe_shared_expert_overlap", False):
+        if (getattr(self.config, "moe_shared_expert_overlap", False)
+                or getattr(self.config, "overlap_moe_expert_parallel_comm", False)):
             return None
         return LAYER_NUM_SMS
 

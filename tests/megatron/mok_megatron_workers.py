@@ -821,6 +821,123 @@ def layer_shared_expert_overlap_gpu(rank, world, gate=False, comm_stream="curren
         h.destroy_parallel()
 
 
+# ------------------------------------------------------------- 1F1B EP overlap
+def _gpt_batches(rank, n, batch, seq, vocab, dev):
+    """``n`` micro-batches of (tokens, positions, causal mask, labels), seeded per rank."""
+    g = torch.Generator().manual_seed(500 + rank)
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).view(1, 1, seq, seq)
+    pos = torch.arange(seq).view(1, -1).expand(batch, seq).contiguous()
+    out = []
+    for _ in range(n):
+        seqs = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        out.append(tuple(t.to(dev) for t in (seqs[:, :-1].contiguous(), pos, causal,
+                                              seqs[:, 1:].contiguous())))
+    return out
+
+
+def _train_step(model, batches):
+    """One ``forward_backward_no_pipelining`` over ``batches`` (the 1F1B EP overlap schedule
+    when the model's config asks for it): ``(losses [n], {param: grad})``."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    def loss_func(out):
+        loss = out.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    def forward_step(data_iterator, m, return_schedule_plan=False):
+        tokens, pos, mask, labels = next(data_iterator)
+        if return_schedule_plan:
+            return m.build_schedule_plan(tokens, pos, mask, labels=labels), loss_func
+        return m(tokens, pos, mask, labels=labels), loss_func
+
+    for p in model.parameters():
+        p.grad = None
+    store = forward_backward_no_pipelining(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+        num_microbatches=len(batches), seq_length=batches[0][0].shape[1],
+        micro_batch_size=batches[0][0].shape[0], forward_only=False)
+    losses = torch.stack([d["lm loss"].float().cpu() for d in store])
+    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+    for p in model.parameters():
+        p.grad = None
+    return losses, grads
+
+
+def gpt_ep_overlap_gpu(rank, world):
+    """Megatron's 1F1B EP overlap (``overlap_moe_expert_parallel_comm``, opted in with
+    ``MOK_EP_OVERLAP=1``) over a 2-layer ``GPTModel`` (local spec, bf16, EP = world), 3
+    micro-batches: with ``mok`` the dispatch ran on Megatron's communication stream (the split
+    schedule ran), the losses are bitwise those of the same model without the overlap (the
+    forward does the same math), and the gradients agree with it and with ``alltoall`` under
+    the overlap within bf16 tolerance (the schedule sums some gradients in another order).
+    Returns the largest differences and whether the mok gradients were bitwise equal."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_mok.megatron import dispatcher as D
+
+    h = _setup(world, "cuda")
+    os.environ["MOK_EP_OVERLAP"] = "1"
+    streams = []
+    orig_dispatch = D.MokTokenDispatcher.token_dispatch
+
+    def spy(self, *a, **k):
+        streams.append(torch.cuda.current_stream().cuda_stream)
+        return orig_dispatch(self, *a, **k)
+
+    D.MokTokenDispatcher.token_dispatch = spy
+    try:
+        dev = _device()
+        seq, batch, vocab, hidden = 64, 2, 256, 128
+        spec = h.local_layer_spec(4 * world)
+        models = {}
+        for name, disp, overlap in (("mok", "mok", False), ("mok_overlap", "mok", True),
+                                    ("alltoall_overlap", "alltoall", True)):
+            cfg = h.moe_config(disp, ep_size=world, num_layers=2, num_experts=4 * world, topk=2,
+                               hidden=hidden, ffn_hidden=256, dtype=torch.bfloat16,
+                               overlap_moe_expert_parallel_comm=overlap,
+                               hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02)
+            torch.manual_seed(0)
+            models[name] = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab,
+                                    max_sequence_length=seq, pre_process=True, post_process=True,
+                                    position_embedding_type="learned_absolute").to(dev, torch.bfloat16)
+        sd = models["mok"].state_dict()
+        for name in ("mok_overlap", "alltoall_overlap"):
+            models[name].load_state_dict(sd)
+        layer = models["mok_overlap"].decoder.layers[0].mlp
+        assert layer.token_dispatcher.num_sms() is None     # compute runs beside MoK here
+        batches = _gpt_batches(rank, 3, batch, seq, vocab, dev)
+        default = torch.cuda.current_stream().cuda_stream
+        runs = {}
+        for name in ("mok", "mok_overlap", "alltoall_overlap"):
+            streams.clear()
+            runs[name] = _train_step(models[name], batches)
+            if name == "mok":
+                assert streams and all(s == default for s in streams), streams
+            elif name == "mok_overlap":
+                # 3 micro-batches x 2 layers, each dispatch on Megatron's comm stream
+                assert len(streams) == 6 and all(s != default for s in streams), streams
+        (l0, g0), (l1, g1), (la, ga) = runs["mok"], runs["mok_overlap"], runs["alltoall_overlap"]
+        assert g0.keys() == g1.keys() == ga.keys() and len(g0) == len(list(models["mok"].parameters())), \
+            (sorted(g0), sorted(g1), sorted(ga))
+        _assert_bitwise(l1, l0, "losses, mok with the 1F1B EP overlap vs without")
+        report = {"losses": l1.tolist(), "grads_bitwise_vs_no_overlap": True}
+        for k in g0:
+            if not torch.equal(g1[k], g0[k]):
+                report["grads_bitwise_vs_no_overlap"] = False
+            torch.testing.assert_close(g1[k].float(), g0[k].float(), atol=2e-2, rtol=2e-2,
+                                       msg=lambda m: f"grad {k}: mok overlap vs no overlap: {m}")
+            torch.testing.assert_close(g1[k].float(), ga[k].float(), atol=2e-2, rtol=2e-2,
+                                       msg=lambda m: f"grad {k}: mok vs alltoall (overlap): {m}")
+        torch.testing.assert_close(l1, la, atol=1e-2, rtol=1e-2)
+        assert any(".experts." in k for k in g1) and all(float(v.abs().sum()) > 0 for v in g1.values())
+        report["max_grad_diff_vs_alltoall"] = max((g1[k].float() - ga[k].float()).abs().max().item() for k in g1)
+        return report
+    finally:
+        D.MokTokenDispatcher.token_dispatch = orig_dispatch
+        os.environ.pop("MOK_EP_OVERLAP", None)
+        h.destroy_parallel()
+
+
 # ------------------------------------------------------------- partial CUDA graphs
 def _split_forward(layer, x, attrs=None):
     """``MoELayer`` forward in the three pieces Megatron's partial CUDA graphs run it in

@@ -219,6 +219,13 @@ def test_shared_expert_overlap_gpu(comm_stream):
     assert "output" in reports[0]
 
 
+@pytest.mark.multigpu
+def test_ep_overlap_gpu():
+    # Megatron's 1F1B EP overlap with mok (MOK_EP_OVERLAP=1): GPTModel, EP=2, 3 micro-batches
+    reports = run_distributed(W.gpt_ep_overlap_gpu, 2, backend="nccl", fresh=True)
+    assert all(len(r["losses"]) == 3 for r in reports), reports
+
+
 @pytest.mark.gpu
 def test_router_padding_for_quantization_one_gpu():
     counts = run_distributed(W.layer_router_padding, 1, "cuda", backend="nccl")

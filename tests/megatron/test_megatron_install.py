@@ -83,7 +83,8 @@ def test_uninstall_restores_and_reinstall_works():
     (dict(overlap_moe_expert_parallel_comm=True), "overlap_moe_expert_parallel_comm"),
     (dict(num_moe_experts=None), "num_moe_experts"),
 ])
-def test_unsupported_configs_fail_at_config_time(overrides, needle):
+def test_unsupported_configs_fail_at_config_time(overrides, needle, monkeypatch):
+    monkeypatch.delenv("MOK_EP_OVERLAP", raising=False)     # the overlap's opt-in
     with pytest.raises(mm.MokConfigError) as e:
         _cfg(**overrides)
     assert needle in str(e.value)
@@ -121,6 +122,75 @@ def test_shared_expert_overlap_config_is_validated_as_alltoall():
     with pytest.raises(mm.MokConfigError):
         _cfg(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True,
              overlap_moe_expert_parallel_comm=True)
+
+
+def _overlap_cfg(**kw):
+    base = dict(overlap_moe_expert_parallel_comm=True, expert_model_parallel_size=2, bf16=True,
+                params_dtype=torch.bfloat16)
+    base.update(kw)
+    return _cfg(**base)
+
+
+def test_ep_overlap_is_an_opt_in(monkeypatch):
+    # Megatron's 1F1B EP overlap with mok: refused unless MOK_EP_OVERLAP=1 (it has not run on
+    # a GPU yet); with it, the config is validated as alltoall's and stays mok
+    monkeypatch.delenv("MOK_EP_OVERLAP", raising=False)
+    with pytest.raises(mm.MokConfigError, match="MOK_EP_OVERLAP=1"):
+        _overlap_cfg()
+    monkeypatch.setenv("MOK_EP_OVERLAP", "1")
+    cfg = _overlap_cfg()
+    assert cfg.moe_token_dispatcher_type == "mok" and cfg.overlap_moe_expert_parallel_comm
+    assert dataclasses.replace(cfg, moe_router_topk=4).moe_token_dispatcher_type == "mok"
+    # Megatron's own checks of the overlap still run (as alltoall's): with the type left as
+    # 'mok' it would reject the dispatcher; as alltoall it rejects fp32 and full recompute
+    with pytest.raises((ValueError, AssertionError), match="bf16 or fp16"):
+        _overlap_cfg(bf16=False, params_dtype=torch.float32)
+    with pytest.raises((ValueError, AssertionError), match="recomput"):
+        _overlap_cfg(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    # the MoK checks still come first: an unsupported setting beside the overlap is named
+    with pytest.raises(mm.MokConfigError, match="expert_tensor_parallel_size=1"):
+        _overlap_cfg(expert_tensor_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)
+
+
+def _should_free_input():
+    """Megatron's should_free_input as the 1F1B schedule calls it, and its argument count."""
+    import importlib
+
+    from megatron_mok.megatron import _patch
+
+    for name in _patch._FREE_INPUT_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(mod, "should_free_input"):
+            return mod
+    pytest.fail("no megatron-core module defines should_free_input")
+
+
+def test_ep_overlap_keeps_the_inputs_mok_still_needs(monkeypatch):
+    # The overlap frees some schedule nodes' inputs after their forward. For mok the dispatch
+    # input (a view of the layernorm output the router keeps) and the dispatched rows (which
+    # the experts keep) must stay; the combine input may go, as for alltoall.
+    monkeypatch.setenv("MOK_EP_OVERLAP", "1")
+    mod = _should_free_input()
+    mok = _overlap_cfg()
+    a2a = _overlap_cfg(moe_token_dispatcher_type="alltoall")
+    n_args = mod.should_free_input.__wrapped__.__code__.co_argcount
+    extra = (4,) * (n_args - 3)                         # 0.19: num_local_experts
+    call = lambda name, cfg: mod.should_free_input(name, True, cfg, *extra)  # noqa: E731
+    orig = lambda name, cfg: mod.should_free_input.__wrapped__(name, True, cfg, *extra)  # noqa: E731
+    assert not call("moe_dispatch", mok) and not call("mlp", mok)
+    assert call("moe_combine", mok) == orig("moe_combine", mok) is True
+    for name in ("moe_dispatch", "mlp", "moe_combine", "pre_dispatch_computation"):
+        assert call(name, a2a) == orig(name, a2a), name       # other dispatchers: Megatron's rule
+    assert orig("moe_dispatch", a2a) and orig("mlp", a2a)     # what mok must not inherit
+    mm.uninstall()
+    try:
+        assert not getattr(mod.should_free_input, "_mok_patched", False)
+    finally:
+        mm.install()
+    assert mod.should_free_input._mok_patched
 
 
 def test_version_gate():
