@@ -19,8 +19,9 @@ Three narrow, reversible changes, all on class attributes (no file is edited):
    ``models/gpt/fine_grained_callables.py`` in 0.16) keeps the inputs of a ``mok`` layer's
    ``moe_dispatch`` and ``mlp`` nodes. Megatron frees them for its ``alltoall``, whose
    preprocess and postprocess permute into new tensors; MoK's dispatch input is a view of the
-   pre-MLP layernorm's output, which the router keeps for its backward, and its dispatched
-   rows go to the experts as they are, which keep them for theirs. Freeing either would
+   pre-MLP layernorm's output, which the router's gate (unless it computes in fp32) and a
+   non-overlapped shared expert keep for their backward, and its dispatched rows go to the
+   experts as they are, which keep them for theirs. Freeing either would
    corrupt the backward. (A ``mok`` config with ``overlap_moe_expert_parallel_comm`` is also
    validated as ``alltoall``'s, like ``moe_shared_expert_overlap``.)
 """
