@@ -173,6 +173,13 @@ def _patch_free_input(saved):
         return
 
 
+def free_input_module():
+    """The megatron-core module whose ``should_free_input`` :func:`install` wrapped (``None``:
+    not installed, or no module has it)."""
+    entries = _STATE["saved"].get("free_input") or []
+    return entries[0][0] if entries else None
+
+
 def _restore_free_input(saved):
     for mod, orig in saved.get("free_input", []):
         mod.should_free_input = orig

@@ -6,6 +6,7 @@ shared MoK Buffers) in ``finally``, so pooled ranks can take the next call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import warnings
@@ -842,7 +843,7 @@ def _train_step(model, batches):
 
     def loss_func(out):
         loss = out.float().mean()
-        return loss, {"lm loss": loss.detach()}
+        return loss, {"lm loss": loss.detach().clone()}  # Megatron divides loss in place
 
     def forward_step(data_iterator, m, return_schedule_plan=False):
         tokens, pos, mask, labels = next(data_iterator)
@@ -863,11 +864,195 @@ def _train_step(model, batches):
     return losses, grads
 
 
+class _FakeStream:
+    """A stand-in for ``torch.cuda.Stream`` / ``Event`` on CPU: every wait and record is a no-op
+    (CPU work runs in program order, which is what the events order on a GPU)."""
+
+    cuda_stream = 0
+
+    def __init__(self, *a, **k):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+@contextlib.contextmanager
+def _cpu_cuda_streams():
+    """Megatron's 1F1B EP overlap schedule on CPU tensors: its streams, events, NVTX ranges and
+    ``record_stream`` calls become no-ops, so the schedule's data flow (the split nodes, the
+    detached inputs, the freed ones, the interleaved micro-batches) runs as on a GPU, without
+    the concurrency."""
+    import torch.cuda.nvtx as nvtx
+
+    saved = [(torch.cuda, n, getattr(torch.cuda, n)) for n in ("Event", "Stream", "stream", "current_stream")]
+    saved += [(nvtx, n, getattr(nvtx, n)) for n in ("range_push", "range_pop", "range")]
+    saved.append((torch.Tensor, "record_stream", torch.Tensor.record_stream))
+    one = _FakeStream()
+    torch.cuda.Event = torch.cuda.Stream = _FakeStream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda *a, **k: one
+    nvtx.range_push = nvtx.range_pop = lambda *a, **k: None
+    nvtx.range = lambda *a, **k: contextlib.nullcontext()
+    torch.Tensor.record_stream = lambda self, *a, **k: None
+    try:
+        yield
+    finally:
+        for obj, name, val in saved:
+            setattr(obj, name, val)
+
+
+def _overlap_step_cpu(model, batches):
+    """Megatron's ``combined_1f1b_schedule_for_no_pipelining`` over ``batches`` on CPU (under
+    :func:`_cpu_cuda_streams`; ``forward_backward_no_pipelining`` itself allocates on CUDA):
+    ``(losses [n], {param: grad})``."""
+    import contextlib as _cl
+
+    from megatron.core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_no_pipelining
+
+    def loss_func(out):
+        loss = out.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}  # Megatron divides loss in place
+
+    def forward_step(data_iterator, m, return_schedule_plan=False):
+        tokens, pos, mask, labels = next(data_iterator)
+        if return_schedule_plan:
+            return m.build_schedule_plan(tokens, pos, mask, labels=labels), loss_func
+        return m(tokens, pos, mask, labels=labels), loss_func
+
+    for p in model.parameters():
+        p.grad = None
+    store = []
+    combined_1f1b_schedule_for_no_pipelining(
+        forward_step, iter(batches), model, len(batches), None, None, store, model.config,
+        False, None, False, _cl.nullcontext, torch.zeros([], dtype=torch.int),
+        lambda is_first: is_first)
+    losses = torch.stack([d["lm loss"].float() for d in store])
+    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+    for p in model.parameters():
+        p.grad = None
+    return losses, grads
+
+
+def _plain_step_cpu(model, batches):
+    """What ``forward_backward_no_pipelining`` does without the overlap, written out: each
+    micro-batch's loss / n, backward; ``(losses [n], {param: grad})``."""
+    for p in model.parameters():
+        p.grad = None
+    losses = []
+    for tokens, pos, mask, labels in batches:
+        loss = model(tokens, pos, mask, labels=labels).float().mean()
+        (loss / len(batches)).backward()
+        losses.append(loss.detach())
+    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+    for p in model.parameters():
+        p.grad = None
+    return torch.stack(losses), grads
+
+
+def gpt_ep_overlap_cpu(rank, world):
+    """The 1F1B EP overlap's data flow with ``mok`` on CPU (reference backend, gloo, EP =
+    world): a 2-layer bf16 ``GPTModel`` with a shared expert and a bf16 gate in every MoE layer,
+    3 micro-batches through Megatron's ``combined_1f1b_schedule_for_no_pipelining`` (streams
+    stubbed: :func:`_cpu_cuda_streams`) against the same model stepped plainly: losses bitwise,
+    gradients within bf16 tolerance; every dispatch went through a split-schedule node.
+    Returns ``{"grads_bitwise": bool, "max_grad_diff": float, "dispatches": int}``."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_mok.megatron import dispatcher as D
+
+    h = _setup(world)
+    os.environ["MOK_EP_OVERLAP"] = "1"
+    calls = []
+    orig_dispatch = D.MokTokenDispatcher.token_dispatch
+
+    def spy(self, *a, **k):
+        calls.append(self.config.overlap_moe_expert_parallel_comm)
+        return orig_dispatch(self, *a, **k)
+
+    D.MokTokenDispatcher.token_dispatch = spy
+    try:
+        h.enable_cpu_megatron(on_cpu=True)
+        seq, batch, vocab, hidden = 16, 2, 64, 32
+        spec = h.local_layer_spec(4 * world, cpu_router=True)
+        models = {}
+        for name, overlap in (("plain", False), ("overlap", True)):
+            cfg = h.moe_config("mok", ep_size=world, num_layers=2, num_experts=4 * world, topk=2,
+                               hidden=hidden, ffn_hidden=64, dtype=torch.bfloat16,
+                               overlap_moe_expert_parallel_comm=overlap,
+                               moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                               hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+                               moe_router_dtype=None, moe_shared_expert_intermediate_size=32)
+            torch.manual_seed(0)
+            models[name] = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab,
+                                    max_sequence_length=seq, position_embedding_type="learned_absolute"
+                                    ).to(torch.bfloat16)
+        models["overlap"].load_state_dict(models["plain"].state_dict())
+        batches = _gpt_batches(rank, 3, batch, seq, vocab, torch.device("cpu"))
+        l0, g0 = _plain_step_cpu(models["plain"], batches)
+        calls.clear()
+        with _cpu_cuda_streams():
+            l1, g1 = _overlap_step_cpu(models["overlap"], batches)
+        assert calls == [True] * 6, calls                   # 3 micro-batches x 2 MoE layers
+        _assert_bitwise(l1, l0, "losses, mok with the 1F1B EP overlap (CPU) vs plain steps")
+        assert g0.keys() == g1.keys() and len(g0) == len(list(models["plain"].parameters()))
+        bitwise = all(torch.equal(g1[k], g0[k]) for k in g0)
+        for k in g0:
+            torch.testing.assert_close(g1[k].float(), g0[k].float(), atol=2e-2, rtol=2e-2,
+                                       msg=lambda m: f"grad {k}: overlap vs plain (CPU): {m}")
+        assert any(".experts." in k for k in g1) and any("shared_experts" in k for k in g1)
+        return {"grads_bitwise": bitwise, "dispatches": len(calls),
+                "max_grad_diff": max((g1[k].float() - g0[k].float()).abs().max().item() for k in g0)}
+    finally:
+        D.MokTokenDispatcher.token_dispatch = orig_dispatch
+        os.environ.pop("MOK_EP_OVERLAP", None)
+        h.destroy_parallel()
+
+
+def gpt_ep_overlap_cpu_with_megatron_rule(rank, world, node):
+    """:func:`gpt_ep_overlap_cpu` with Megatron's own ``should_free_input`` for ``node`` (the
+    rule ``install()`` overrides for mok): returns the error it ends in, or ``None``."""
+    import megatron_mok.megatron as mm
+    from megatron_mok.megatron import _patch
+
+    mm.install()
+    mod = _patch.free_input_module()
+    patched = mod.should_free_input
+
+    def rule(name, *a, **k):
+        return (patched.__wrapped__ if name == node else patched)(name, *a, **k)
+
+    mod.should_free_input = rule
+    try:
+        gpt_ep_overlap_cpu(rank, world)
+        return None
+    except (RuntimeError, AssertionError) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    finally:
+        mod.should_free_input = patched
+
+
 def gpt_ep_overlap_gpu(rank, world):
     """Megatron's 1F1B EP overlap (``overlap_moe_expert_parallel_comm``, opted in with
     ``MOK_EP_OVERLAP=1``) over a 2-layer ``GPTModel`` (local spec, bf16, EP = world), 3
-    micro-batches: with ``mok`` the dispatch ran on Megatron's communication stream (the split
-    schedule ran), the losses are bitwise those of the same model without the overlap (the
+    micro-batches, a shared expert and a bf16 gate in every MoE layer (both keep the tensor that
+    mok's dispatch input is a view of, so the overlap must not free it): with ``mok`` the
+    dispatch ran on Megatron's communication stream (the split schedule ran), the losses are bitwise those of the same model without the overlap (the
     forward does the same math), and the gradients agree with it and with ``alltoall`` under
     the overlap within bf16 tolerance (the schedule sums some gradients in another order).
     Returns the largest differences and whether the mok gradients were bitwise equal."""
@@ -895,7 +1080,11 @@ def gpt_ep_overlap_gpu(rank, world):
             cfg = h.moe_config(disp, ep_size=world, num_layers=2, num_experts=4 * world, topk=2,
                                hidden=hidden, ffn_hidden=256, dtype=torch.bfloat16,
                                overlap_moe_expert_parallel_comm=overlap,
-                               hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02)
+                               hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+                               # a bf16 gate and a (non-overlapped) shared expert both keep
+                               # the layernorm output that mok's dispatch input is a view of:
+                               # freeing it (the overlap's rule for alltoall) breaks them
+                               moe_router_dtype=None, moe_shared_expert_intermediate_size=128)
             torch.manual_seed(0)
             models[name] = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab,
                                     max_sequence_length=seq, pre_process=True, post_process=True,

@@ -152,28 +152,16 @@ def test_ep_overlap_is_an_opt_in(monkeypatch):
         _overlap_cfg(expert_tensor_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)
 
 
-def _should_free_input():
-    """Megatron's should_free_input as the 1F1B schedule calls it, and its argument count."""
-    import importlib
-
-    from megatron_mok.megatron import _patch
-
-    for name in _patch._FREE_INPUT_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(mod, "should_free_input"):
-            return mod
-    pytest.fail("no megatron-core module defines should_free_input")
-
-
 def test_ep_overlap_keeps_the_inputs_mok_still_needs(monkeypatch):
     # The overlap frees some schedule nodes' inputs after their forward. For mok the dispatch
-    # input (a view of the layernorm output the router keeps) and the dispatched rows (which
-    # the experts keep) must stay; the combine input may go, as for alltoall.
+    # input (a view of the layernorm output, which a bf16 gate or a shared expert keeps) and the
+    # dispatched rows (which the experts keep) must stay; the combine input may go, as for
+    # alltoall.
     monkeypatch.setenv("MOK_EP_OVERLAP", "1")
-    mod = _should_free_input()
+    from megatron_mok.megatron import _patch
+
+    mod = _patch.free_input_module()
+    assert mod is not None and mod.should_free_input._mok_patched
     mok = _overlap_cfg()
     a2a = _overlap_cfg(moe_token_dispatcher_type="alltoall")
     n_args = mod.should_free_input.__wrapped__.__code__.co_argcount
