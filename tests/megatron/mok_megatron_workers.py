@@ -957,12 +957,13 @@ def _plain_step_cpu(model, batches):
     return torch.stack(losses), grads
 
 
-def gpt_ep_overlap_cpu(rank, world):
+def gpt_ep_overlap_cpu(rank, world, drop_and_pad=False):
     """The 1F1B EP overlap's data flow with ``mok`` on CPU (reference backend, gloo, EP =
     world): a 2-layer bf16 ``GPTModel`` with a shared expert and a bf16 gate in every MoE layer,
     3 micro-batches through Megatron's ``combined_1f1b_schedule_for_no_pipelining`` (streams
     stubbed: :func:`_cpu_cuda_streams`) against the same model stepped plainly: losses bitwise,
     gradients within bf16 tolerance; every dispatch went through a split-schedule node.
+    ``drop_and_pad``: the same with Megatron's drop-and-pad (capacity factor 1.0).
     Returns ``{"grads_bitwise": bool, "max_grad_diff": float, "dispatches": int}``."""
     from megatron.core.models.gpt import GPTModel
 
@@ -989,7 +990,9 @@ def gpt_ep_overlap_cpu(rank, world):
                                overlap_moe_expert_parallel_comm=overlap,
                                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
                                hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
-                               moe_router_dtype=None, moe_shared_expert_intermediate_size=32)
+                               moe_router_dtype=None, moe_shared_expert_intermediate_size=32,
+                               **({"moe_expert_capacity_factor": 1.0,
+                                   "moe_pad_expert_input_to_capacity": True} if drop_and_pad else {}))
             torch.manual_seed(0)
             models[name] = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab,
                                     max_sequence_length=seq, position_embedding_type="learned_absolute"
