@@ -961,10 +961,10 @@ def gpt_ep_overlap_cpu(rank, world, drop_and_pad=False):
     """The 1F1B EP overlap's data flow with ``mok`` on CPU (reference backend, gloo, EP =
     world): a 2-layer bf16 ``GPTModel`` with a shared expert and a bf16 gate in every MoE layer,
     3 micro-batches through Megatron's ``combined_1f1b_schedule_for_no_pipelining`` (streams
-    stubbed: :func:`_cpu_cuda_streams`) against the same model stepped plainly: losses bitwise,
-    gradients within bf16 tolerance; every dispatch went through a split-schedule node.
+    stubbed: :func:`_cpu_cuda_streams`) against the same model stepped plainly: losses and
+    every gradient bitwise; every dispatch went through a split-schedule node.
     ``drop_and_pad``: the same with Megatron's drop-and-pad (capacity factor 1.0).
-    Returns ``{"grads_bitwise": bool, "max_grad_diff": float, "dispatches": int}``."""
+    Returns ``{"dispatches": int, "losses": [float]}``."""
     from megatron.core.models.gpt import GPTModel
 
     from megatron_mok.megatron import dispatcher as D
@@ -1006,13 +1006,11 @@ def gpt_ep_overlap_cpu(rank, world, drop_and_pad=False):
         assert calls == [True] * 6, calls                   # 3 micro-batches x 2 MoE layers
         _assert_bitwise(l1, l0, "losses, mok with the 1F1B EP overlap (CPU) vs plain steps")
         assert g0.keys() == g1.keys() and len(g0) == len(list(models["plain"].parameters()))
-        bitwise = all(torch.equal(g1[k], g0[k]) for k in g0)
-        for k in g0:
-            torch.testing.assert_close(g1[k].float(), g0[k].float(), atol=2e-2, rtol=2e-2,
-                                       msg=lambda m: f"grad {k}: overlap vs plain (CPU): {m}")
+        for k in g0:     # CPU ops in the same order: the schedule changes no sum here
+            _assert_bitwise(g1[k], g0[k], f"grad {k}: overlap vs plain steps (CPU)")
         assert any(".experts." in k for k in g1) and any("shared_experts" in k for k in g1)
-        return {"grads_bitwise": bitwise, "dispatches": len(calls),
-                "max_grad_diff": max((g1[k].float() - g0[k].float()).abs().max().item() for k in g0)}
+        assert all(float(v.float().abs().sum()) > 0 for v in g1.values())
+        return {"dispatches": len(calls), "losses": l1.tolist()}
     finally:
         D.MokTokenDispatcher.token_dispatch = orig_dispatch
         os.environ.pop("MOK_EP_OVERLAP", None)
