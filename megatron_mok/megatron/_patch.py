@@ -90,10 +90,12 @@ def _patch_config(saved):
         is_mok = getattr(self, "moe_token_dispatcher_type", None) == DISPATCHER_NAME
         ep_overlap = getattr(self, "overlap_moe_expert_parallel_comm", False)
         if is_mok and ep_overlap and not saved.get("free_input"):
+            why = saved.get("free_input_error") or ("this megatron-core has no should_free_input "
+                                                    "where megatron_mok looks for it")
             raise MokConfigError(
                 "overlap_moe_expert_parallel_comm with moe_token_dispatcher_type='mok' needs "
-                "Megatron's should_free_input, which this megatron-core does not have where "
-                "megatron_mok looks for it: unset overlap_moe_expert_parallel_comm")
+                f"Megatron's should_free_input wrapped by install() ({why}): unset "
+                "overlap_moe_expert_parallel_comm")
         if is_mok and (ep_overlap or getattr(self, "moe_shared_expert_overlap", False)):
             # Megatron accepts moe_shared_expert_overlap and overlap_moe_expert_parallel_comm for
             # its alltoall and flex dispatchers only. MoK drives the same SharedExpertMLP
@@ -151,10 +153,14 @@ def _patch_free_input(saved):
     """Item 4 of the module docstring. Leaves ``saved["free_input"]`` empty when no module has
     ``should_free_input`` (the config check then refuses the overlap for ``mok``)."""
     saved["free_input"] = []
+    saved["free_input_error"] = None
     for name in _FREE_INPUT_MODULES:
         try:
             mod = importlib.import_module(name)
-        except ImportError:
+        except ModuleNotFoundError:
+            continue
+        except Exception as e:  # noqa: BLE001  (an optional feature must not break install())
+            saved["free_input_error"] = f"importing {name} failed: {type(e).__name__}: {e}"
             continue
         orig = getattr(mod, "should_free_input", None)
         if orig is None:

@@ -181,6 +181,27 @@ def test_ep_overlap_keeps_the_inputs_mok_still_needs(monkeypatch):
     assert mod.should_free_input._mok_patched
 
 
+def test_ep_overlap_is_refused_without_the_free_rule(monkeypatch):
+    # a megatron-core where install() finds no should_free_input to wrap: the overlap is refused
+    # for mok at config time (freeing mok's inputs would corrupt the backward), naming why
+    from megatron_mok.megatron import _patch
+
+    monkeypatch.setenv("MOK_EP_OVERLAP", "1")
+    mm.uninstall()
+    monkeypatch.setattr(_patch, "_FREE_INPUT_MODULES", ("megatron_mok_no_such_module",))
+    try:
+        mm.install()
+        assert _patch.free_input_module() is None
+        with pytest.raises(mm.MokConfigError, match="should_free_input"):
+            _overlap_cfg()
+        _cfg()                                   # everything else still works
+    finally:
+        mm.uninstall()
+        monkeypatch.undo()
+        mm.install()
+    assert _patch.free_input_module() is not None
+
+
 def test_version_gate():
     assert versions.parse_version("0.19.2rc1") == (0, 19, 2)
     assert versions.parse_version("0.16") == (0, 16, 0)
