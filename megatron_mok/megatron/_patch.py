@@ -1,6 +1,6 @@
 """What :func:`megatron_mok.megatron.install` changes in the running megatron-core.
 
-Three narrow, reversible changes, all on class attributes (no file is edited):
+Four narrow, reversible changes, all on class or module attributes (no file is edited):
 
 1. ``TransformerConfig.moe_token_dispatcher_type``'s field type becomes
    ``Literal['allgather', 'alltoall', 'flex', 'mok']``. Megatron-LM (0.16 - 0.19) derives

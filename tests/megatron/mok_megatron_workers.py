@@ -1004,6 +1004,9 @@ def gpt_ep_overlap_cpu(rank, world, drop_and_pad=False):
         with _cpu_cuda_streams():
             l1, g1 = _overlap_step_cpu(models["overlap"], batches)
         assert calls == [True] * 6, calls                   # 3 micro-batches x 2 MoE layers
+        # MoK's SM budget: 48 alone, the Buffer default beside another micro-batch's compute
+        budgets = {n: m.decoder.layers[0].mlp.token_dispatcher.buffer.num_sms for n, m in models.items()}
+        assert budgets == {"plain": D.LAYER_NUM_SMS, "overlap": None}, budgets
         _assert_bitwise(l1, l0, "losses, mok with the 1F1B EP overlap (CPU) vs plain steps")
         assert g0.keys() == g1.keys() and len(g0) == len(list(models["plain"].parameters()))
         for k in g0:     # CPU ops in the same order: the schedule changes no sum here
