@@ -957,52 +957,79 @@ def _plain_step_cpu(model, batches):
     return torch.stack(losses), grads
 
 
-def gpt_ep_overlap_cpu(rank, world, drop_and_pad=False):
-    """The 1F1B EP overlap's data flow with ``mok`` on CPU (reference backend, gloo, EP =
-    world): a 2-layer bf16 ``GPTModel`` with a shared expert and a bf16 gate in every MoE layer,
-    3 micro-batches through Megatron's ``combined_1f1b_schedule_for_no_pipelining`` (streams
-    stubbed: :func:`_cpu_cuda_streams`) against the same model stepped plainly: losses and
-    every gradient bitwise; every dispatch went through a split-schedule node.
-    ``drop_and_pad``: the same with Megatron's drop-and-pad (capacity factor 1.0).
-    Returns ``{"dispatches": int, "losses": [float]}``."""
+@contextlib.contextmanager
+def _ep_overlap_opted_in(record):
+    """``MOK_EP_OVERLAP=1`` and every ``MokTokenDispatcher.token_dispatch`` call reported to
+    ``record(dispatcher)`` first; both undone on exit."""
+    from megatron_mok.megatron import dispatcher as D
+
+    orig = D.MokTokenDispatcher.token_dispatch
+
+    def spy(self, *a, **k):
+        record(self)
+        return orig(self, *a, **k)
+
+    os.environ["MOK_EP_OVERLAP"] = "1"
+    D.MokTokenDispatcher.token_dispatch = spy
+    try:
+        yield
+    finally:
+        D.MokTokenDispatcher.token_dispatch = orig
+        os.environ.pop("MOK_EP_OVERLAP", None)
+
+
+def _ep_overlap_models(h, world, variants, *, seq, vocab, hidden, ffn, cpu, **extra):
+    """2-layer bf16 ``GPTModel`` s (local spec, EP = world, a shared expert and a bf16 gate in
+    every MoE layer: both keep the layernorm output that mok's dispatch input is a view of, so
+    the overlap must not free it), one per ``(name, dispatcher, overlap)`` of ``variants``,
+    all with the first one's weights."""
     from megatron.core.models.gpt import GPTModel
 
+    spec = h.local_layer_spec(4 * world, cpu_router=cpu)
+    dev = torch.device("cpu") if cpu else _device()
+    models = {}
+    for name, disp, overlap in variants:
+        cfg = h.moe_config(disp, ep_size=world, num_layers=2, num_experts=4 * world, topk=2,
+                           hidden=hidden, ffn_hidden=ffn, dtype=torch.bfloat16,
+                           overlap_moe_expert_parallel_comm=overlap, hidden_dropout=0.0,
+                           attention_dropout=0.0, init_method_std=0.02, moe_router_dtype=None,
+                           moe_shared_expert_intermediate_size=hidden, **extra)
+        torch.manual_seed(0)
+        models[name] = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab,
+                                max_sequence_length=seq, position_embedding_type="learned_absolute"
+                                ).to(dev, torch.bfloat16)
+    first = models[variants[0][0]].state_dict()
+    for m in list(models.values())[1:]:
+        m.load_state_dict(first)
+    return models
+
+
+def gpt_ep_overlap_cpu(rank, world, drop_and_pad=False):
+    """The 1F1B EP overlap's data flow with ``mok`` on CPU (reference backend, gloo, EP =
+    world): :func:`_ep_overlap_models`, 3 micro-batches through Megatron's
+    ``combined_1f1b_schedule_for_no_pipelining`` (streams stubbed: :func:`_cpu_cuda_streams`)
+    against the same model stepped plainly: losses and every gradient bitwise; every dispatch
+    went through a split-schedule node. ``drop_and_pad``: the same with Megatron's drop-and-pad
+    (capacity factor 1.0). Returns ``{"dispatches": int, "losses": [float]}``."""
     from megatron_mok.megatron import dispatcher as D
 
     h = _setup(world)
-    os.environ["MOK_EP_OVERLAP"] = "1"
     calls = []
-    orig_dispatch = D.MokTokenDispatcher.token_dispatch
-
-    def spy(self, *a, **k):
-        calls.append(self.config.overlap_moe_expert_parallel_comm)
-        return orig_dispatch(self, *a, **k)
-
-    D.MokTokenDispatcher.token_dispatch = spy
     try:
-        h.enable_cpu_megatron(on_cpu=True)
-        seq, batch, vocab, hidden = 16, 2, 64, 32
-        spec = h.local_layer_spec(4 * world, cpu_router=True)
-        models = {}
-        for name, overlap in (("plain", False), ("overlap", True)):
-            cfg = h.moe_config("mok", ep_size=world, num_layers=2, num_experts=4 * world, topk=2,
-                               hidden=hidden, ffn_hidden=64, dtype=torch.bfloat16,
-                               overlap_moe_expert_parallel_comm=overlap,
-                               moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-                               hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
-                               moe_router_dtype=None, moe_shared_expert_intermediate_size=32,
-                               **({"moe_expert_capacity_factor": 1.0,
-                                   "moe_pad_expert_input_to_capacity": True} if drop_and_pad else {}))
-            torch.manual_seed(0)
-            models[name] = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab,
-                                    max_sequence_length=seq, position_embedding_type="learned_absolute"
-                                    ).to(torch.bfloat16)
-        models["overlap"].load_state_dict(models["plain"].state_dict())
-        batches = _gpt_batches(rank, 3, batch, seq, vocab, torch.device("cpu"))
-        l0, g0 = _plain_step_cpu(models["plain"], batches)
-        calls.clear()
-        with _cpu_cuda_streams():
-            l1, g1 = _overlap_step_cpu(models["overlap"], batches)
+        with _ep_overlap_opted_in(lambda d: calls.append(d.config.overlap_moe_expert_parallel_comm)):
+            h.enable_cpu_megatron(on_cpu=True)
+            seq, batch, vocab = 16, 2, 64
+            models = _ep_overlap_models(
+                h, world, [("plain", "mok", False), ("overlap", "mok", True)], seq=seq, vocab=vocab,
+                hidden=32, ffn=64, cpu=True, moe_router_load_balancing_type="none",
+                moe_aux_loss_coeff=0.0,
+                **({"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+                   if drop_and_pad else {}))
+            batches = _gpt_batches(rank, 3, batch, seq, vocab, torch.device("cpu"))
+            l0, g0 = _plain_step_cpu(models["plain"], batches)
+            calls.clear()
+            with _cpu_cuda_streams():
+                l1, g1 = _overlap_step_cpu(models["overlap"], batches)
         assert calls == [True] * 6, calls                   # 3 micro-batches x 2 MoE layers
         # MoK's SM budget: 48 alone, the Buffer default beside another micro-batch's compute
         budgets = {n: m.decoder.layers[0].mlp.token_dispatcher.buffer.num_sms for n, m in models.items()}
@@ -1015,8 +1042,6 @@ def gpt_ep_overlap_cpu(rank, world, drop_and_pad=False):
         assert all(float(v.float().abs().sum()) > 0 for v in g1.values())
         return {"dispatches": len(calls), "losses": l1.tolist()}
     finally:
-        D.MokTokenDispatcher.token_dispatch = orig_dispatch
-        os.environ.pop("MOK_EP_OVERLAP", None)
         h.destroy_parallel()
 
 
@@ -1045,62 +1070,34 @@ def gpt_ep_overlap_cpu_with_megatron_rule(rank, world, node):
 
 def gpt_ep_overlap_gpu(rank, world):
     """Megatron's 1F1B EP overlap (``overlap_moe_expert_parallel_comm``, opted in with
-    ``MOK_EP_OVERLAP=1``) over a 2-layer ``GPTModel`` (local spec, bf16, EP = world), 3
-    micro-batches, a shared expert and a bf16 gate in every MoE layer (both keep the tensor that
-    mok's dispatch input is a view of, so the overlap must not free it): with ``mok`` the
-    dispatch ran on Megatron's communication stream (the split schedule ran), the losses are bitwise those of the same model without the overlap (the
-    forward does the same math), and the gradients agree with it and with ``alltoall`` under
-    the overlap within bf16 tolerance (the schedule sums some gradients in another order).
-    Returns the largest differences and whether the mok gradients were bitwise equal."""
-    from megatron.core.models.gpt import GPTModel
-
-    from megatron_mok.megatron import dispatcher as D
-
+    ``MOK_EP_OVERLAP=1``) over :func:`_ep_overlap_models` on the GPU, 3 micro-batches: with
+    ``mok`` the dispatch ran on Megatron's communication stream (the split schedule ran), the
+    losses are bitwise those of the same model without the overlap (the forward does the same
+    math), and the gradients agree with it and with ``alltoall`` under the overlap within bf16
+    tolerance (the schedule sums some gradients in another order). Returns the largest
+    differences and whether the mok gradients were bitwise equal."""
     h = _setup(world, "cuda")
-    os.environ["MOK_EP_OVERLAP"] = "1"
     streams = []
-    orig_dispatch = D.MokTokenDispatcher.token_dispatch
-
-    def spy(self, *a, **k):
-        streams.append(torch.cuda.current_stream().cuda_stream)
-        return orig_dispatch(self, *a, **k)
-
-    D.MokTokenDispatcher.token_dispatch = spy
     try:
-        dev = _device()
-        seq, batch, vocab, hidden = 64, 2, 256, 128
-        spec = h.local_layer_spec(4 * world)
-        models = {}
-        for name, disp, overlap in (("mok", "mok", False), ("mok_overlap", "mok", True),
-                                    ("alltoall_overlap", "alltoall", True)):
-            cfg = h.moe_config(disp, ep_size=world, num_layers=2, num_experts=4 * world, topk=2,
-                               hidden=hidden, ffn_hidden=256, dtype=torch.bfloat16,
-                               overlap_moe_expert_parallel_comm=overlap,
-                               hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
-                               # a bf16 gate and a (non-overlapped) shared expert both keep
-                               # the layernorm output that mok's dispatch input is a view of:
-                               # freeing it (the overlap's rule for alltoall) breaks them
-                               moe_router_dtype=None, moe_shared_expert_intermediate_size=128)
-            torch.manual_seed(0)
-            models[name] = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab,
-                                    max_sequence_length=seq, pre_process=True, post_process=True,
-                                    position_embedding_type="learned_absolute").to(dev, torch.bfloat16)
-        sd = models["mok"].state_dict()
-        for name in ("mok_overlap", "alltoall_overlap"):
-            models[name].load_state_dict(sd)
-        layer = models["mok_overlap"].decoder.layers[0].mlp
-        assert layer.token_dispatcher.num_sms() is None     # compute runs beside MoK here
-        batches = _gpt_batches(rank, 3, batch, seq, vocab, dev)
-        default = torch.cuda.current_stream().cuda_stream
-        runs = {}
-        for name in ("mok", "mok_overlap", "alltoall_overlap"):
-            streams.clear()
-            runs[name] = _train_step(models[name], batches)
-            if name == "mok":
-                assert streams and all(s == default for s in streams), streams
-            elif name == "mok_overlap":
-                # 3 micro-batches x 2 layers, each dispatch on Megatron's comm stream
-                assert len(streams) == 6 and all(s != default for s in streams), streams
+        with _ep_overlap_opted_in(lambda d: streams.append(torch.cuda.current_stream().cuda_stream)):
+            seq, batch, vocab = 64, 2, 256
+            models = _ep_overlap_models(
+                h, world, [("mok", "mok", False), ("mok_overlap", "mok", True),
+                           ("alltoall_overlap", "alltoall", True)],
+                seq=seq, vocab=vocab, hidden=128, ffn=256, cpu=False)
+            layer = models["mok_overlap"].decoder.layers[0].mlp
+            assert layer.token_dispatcher.num_sms() is None     # compute runs beside MoK here
+            batches = _gpt_batches(rank, 3, batch, seq, vocab, _device())
+            default = torch.cuda.current_stream().cuda_stream
+            runs = {}
+            for name in ("mok", "mok_overlap", "alltoall_overlap"):
+                streams.clear()
+                runs[name] = _train_step(models[name], batches)
+                if name == "mok":
+                    assert streams and all(s == default for s in streams), streams
+                elif name == "mok_overlap":
+                    # 3 micro-batches x 2 layers, each dispatch on Megatron's comm stream
+                    assert len(streams) == 6 and all(s != default for s in streams), streams
         (l0, g0), (l1, g1), (la, ga) = runs["mok"], runs["mok_overlap"], runs["alltoall_overlap"]
         assert g0.keys() == g1.keys() == ga.keys() and len(g0) == len(list(models["mok"].parameters())), \
             (sorted(g0), sorted(g1), sorted(ga))
@@ -1118,8 +1115,6 @@ def gpt_ep_overlap_gpu(rank, world):
         report["max_grad_diff_vs_alltoall"] = max((g1[k].float() - ga[k].float()).abs().max().item() for k in g1)
         return report
     finally:
-        D.MokTokenDispatcher.token_dispatch = orig_dispatch
-        os.environ.pop("MOK_EP_OVERLAP", None)
         h.destroy_parallel()
 
 
