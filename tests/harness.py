@@ -286,12 +286,12 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo",
         message), died, or the call timed out.
     """
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
-    if backend == "nccl" and torch.cuda.device_count() < world_size and gpus_for(world_size):
-        backend = "shared"
     if backend == "nccl" and torch.cuda.device_count() < world_size:
-        raise RuntimeError(f"backend='nccl' with world_size={world_size} needs {world_size} "
-                           f"GPUs, found {torch.cuda.device_count()} (MOK_TEST_SHARED_GPU=1 runs the ranks "
-                           f"as processes sharing the GPUs there are)")
+        if not gpus_for(world_size):
+            raise RuntimeError(f"backend='nccl' with world_size={world_size} needs {world_size} "
+                               f"GPUs, found {torch.cuda.device_count()} (MOK_TEST_SHARED_GPU=1 runs "
+                               f"the ranks as processes sharing the GPUs there are)")
+        backend = "shared"
     key = (world_size, backend)
     if fresh:
         pool = _Pool(world_size, backend)
