@@ -52,11 +52,6 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{name}: {text}")
 
 
-def _shared_gpu() -> bool:
-    """Shared-GPU mode (tests/harness.py): multi-GPU tests run their ranks on fewer GPUs."""
-    return os.environ.get("MOK_TEST_SHARED_GPU", "") == "1"
-
-
 def _cuda_count() -> int:
     try:
         import torch
@@ -78,7 +73,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and n_gpu == 0:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none visible)"))
-        if "multigpu" in item.keywords and n_gpu < 2 and not (_shared_gpu() and n_gpu >= 1):
+        # shared-GPU mode (harness.SHARED_GPU): the ranks run as processes on fewer GPUs
+        if "multigpu" in item.keywords and n_gpu < 2 and not (harness.SHARED_GPU and n_gpu >= 1):
             item.add_marker(pytest.mark.skip(reason=f"needs >= 2 CUDA GPUs, found {n_gpu} "
                                                     f"(or MOK_TEST_SHARED_GPU=1 and one GPU)"))
         if "megatron" in item.keywords:

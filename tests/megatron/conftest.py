@@ -26,6 +26,8 @@ for p in (_TESTS, _HERE, os.path.dirname(_TESTS)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import harness  # noqa: E402  (tests/harness.py; the parent conftest imported it already)
+
 _MARKERS = {
     "gpu": "needs a CUDA device; skipped without one",
     "multigpu": "needs >= 2 CUDA devices; skipped with fewer",
@@ -78,8 +80,8 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords or "multigpu" in item.keywords:
             n_gpu = _cuda_count() if n_gpu is None else n_gpu
             need = 2 if "multigpu" in item.keywords else 1
-            if os.environ.get("MOK_TEST_SHARED_GPU", "") == "1":
-                need = 1        # shared-GPU mode: ranks as processes on one GPU (tests/harness.py)
+            if harness.SHARED_GPU:
+                need = 1        # shared-GPU mode: ranks as processes on one GPU
             if n_gpu < need:
                 item.add_marker(pytest.mark.skip(
                     reason=f"needs {need} CUDA GPU(s), found {n_gpu}: run on the GPU machine"))
