@@ -49,17 +49,9 @@ def config_problems(config) -> list:
     # moe_pad_expert_input_to_capacity (drop-and-pad) works: the dispatcher drops the padding
     # routes and gives every local expert capacity x EP rows (MokTokenDispatcher); Megatron's
     # own check asks for moe_expert_capacity_factor.
-    if (getattr(config, "overlap_moe_expert_parallel_comm", False)
-            and str(_knob(config, "ep_overlap", "0")) != "1"):
-        # Megatron's 1F1B EP overlap (combined_1f1b) runs the dispatch and the combine as
-        # schedule nodes on its communication stream beside another micro-batch's compute.
-        # MoK takes it (the config is validated as alltoall's, and the nodes that would free
-        # tensors the experts or the router still hold keep them: _patch.py), but it has not
-        # run on a GPU yet, so it is an explicit opt-in until it has.
-        p.append("overlap_moe_expert_parallel_comm is set; MoK runs Megatron's 1F1B EP overlap "
-                 "only as an experimental opt-in that has not run on a GPU yet: set "
-                 "MOK_EP_OVERLAP=1 to try it (docs/MEGATRON.md), or unset "
-                 "overlap_moe_expert_parallel_comm")
+    # Megatron's 1F1B EP overlap (overlap_moe_expert_parallel_comm) works: the config is
+    # validated as alltoall's and install() keeps the schedule nodes' inputs that mok still
+    # needs (_patch.py); without that wrap the config is refused there, naming why.
     if getattr(config, "moe_enable_deepep", False):
         p.append("moe_enable_deepep is set; it selects DeepEP for the 'flex' dispatcher: unset "
                  "it to use MoK")
@@ -141,8 +133,6 @@ class MokOptions:
             (24; 64 for calls of at most 1024 tokens per rank) with
             ``moe_shared_expert_overlap`` (``MokTokenDispatcher.num_sms``).
         ring_bytes, timeout_s: CUDA backend knobs, passed through to the Buffer.
-        ``MOK_EP_OVERLAP`` (read by :func:`config_problems`, not kept here): ``1`` lets a
-            ``mok`` config use ``overlap_moe_expert_parallel_comm`` (experimental).
         comm_stream: ``MOK_COMM_STREAM``: the stream MoK's kernels run on: ``current`` (the
             layer's stream; default) or ``high`` (a high-priority stream of the dispatcher's,
             joined to the layer's stream by events before and after each call, so MoK's blocks

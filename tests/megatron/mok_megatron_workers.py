@@ -958,9 +958,9 @@ def _plain_step_cpu(model, batches):
 
 
 @contextlib.contextmanager
-def _ep_overlap_opted_in(record):
-    """``MOK_EP_OVERLAP=1`` and every ``MokTokenDispatcher.token_dispatch`` call reported to
-    ``record(dispatcher)`` first; both undone on exit."""
+def _ep_overlap_spied(record):
+    """Every ``MokTokenDispatcher.token_dispatch`` call reported to ``record(dispatcher)``
+    first; undone on exit."""
     from megatron_mok.megatron import dispatcher as D
 
     orig = D.MokTokenDispatcher.token_dispatch
@@ -969,13 +969,11 @@ def _ep_overlap_opted_in(record):
         record(self)
         return orig(self, *a, **k)
 
-    os.environ["MOK_EP_OVERLAP"] = "1"
     D.MokTokenDispatcher.token_dispatch = spy
     try:
         yield
     finally:
         D.MokTokenDispatcher.token_dispatch = orig
-        os.environ.pop("MOK_EP_OVERLAP", None)
 
 
 def _ep_overlap_models(h, world, variants, *, seq, vocab, hidden, ffn, cpu, **extra):
@@ -1016,7 +1014,7 @@ def gpt_ep_overlap_cpu(rank, world, drop_and_pad=False):
     h = _setup(world)
     calls = []
     try:
-        with _ep_overlap_opted_in(lambda d: calls.append(d.config.overlap_moe_expert_parallel_comm)):
+        with _ep_overlap_spied(lambda d: calls.append(d.config.overlap_moe_expert_parallel_comm)):
             h.enable_cpu_megatron(on_cpu=True)
             seq, batch, vocab = 16, 2, 64
             models = _ep_overlap_models(
@@ -1069,8 +1067,7 @@ def gpt_ep_overlap_cpu_with_megatron_rule(rank, world, node):
 
 
 def gpt_ep_overlap_gpu(rank, world):
-    """Megatron's 1F1B EP overlap (``overlap_moe_expert_parallel_comm``, opted in with
-    ``MOK_EP_OVERLAP=1``) over :func:`_ep_overlap_models` on the GPU, 3 micro-batches: with
+    """Megatron's 1F1B EP overlap (``overlap_moe_expert_parallel_comm``) over :func:`_ep_overlap_models` on the GPU, 3 micro-batches: with
     ``mok`` the dispatch ran on Megatron's communication stream (the split schedule ran), the
     losses are bitwise those of the same model without the overlap (the forward does the same
     math), and the gradients agree with it and with ``alltoall`` under the overlap within bf16
@@ -1079,7 +1076,7 @@ def gpt_ep_overlap_gpu(rank, world):
     h = _setup(world, "cuda")
     streams = []
     try:
-        with _ep_overlap_opted_in(lambda d: streams.append(torch.cuda.current_stream().cuda_stream)):
+        with _ep_overlap_spied(lambda d: streams.append(torch.cuda.current_stream().cuda_stream)):
             seq, batch, vocab = 64, 2, 256
             models = _ep_overlap_models(
                 h, world, [("mok", "mok", False), ("mok_overlap", "mok", True),

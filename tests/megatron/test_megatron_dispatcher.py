@@ -240,7 +240,7 @@ def test_ep_overlap_cpu_fails_with_megatrons_free_rule(node):
 
 @pytest.mark.multigpu
 def test_ep_overlap_gpu():
-    # Megatron's 1F1B EP overlap with mok (MOK_EP_OVERLAP=1): GPTModel, EP=2, 3 micro-batches
+    # Megatron's 1F1B EP overlap with mok: GPTModel, EP=2, 3 micro-batches
     reports = run_distributed(W.gpt_ep_overlap_gpu, 2, backend="nccl", fresh=True)
     assert all(len(r["losses"]) == 3 for r in reports), reports
 

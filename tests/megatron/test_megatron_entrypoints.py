@@ -39,12 +39,18 @@ LAYER_PROBE = textwrap.dedent("""
     x = torch.randn(6, 2, 16, requires_grad=True)
     y, _ = layer(x)
     y.sum().backward()
-    try:
-        harness.moe_config("mok", ep_size=1, num_experts=4, topk=2, hidden=16,
-                           overlap_moe_expert_parallel_comm=True)
-        config_error = None
-    except ValueError as e:
-        config_error = str(e)
+
+    def config_outcome(**kw):
+        try:
+            cfg = harness.moe_config("mok", num_experts=4, topk=2, hidden=16, **kw)
+            return ["ok", cfg.moe_token_dispatcher_type]
+        except (ValueError, AssertionError) as e:
+            return [type(e).__name__, str(e)]
+    # a MoK config check (MokConfigError); then Megatron's 1F1B EP overlap (a config only),
+    # which install() lets through for mok and a patched tree without install() refuses
+    config_error = config_outcome(ep_size=1, moe_enable_deepep=True)
+    ep_overlap = config_outcome(ep_size=2, dtype=torch.bfloat16,
+                                overlap_moe_expert_parallel_comm=True)
     # Megatron allows the shared-expert overlap for its own dispatchers only; mok is let in
     # (a config only: the overlapped SharedExpertMLP needs a CUDA stream)
     overlap_cfg = harness.moe_config("mok", ep_size=1, num_experts=4, topk=2, hidden=16,
@@ -56,7 +62,7 @@ LAYER_PROBE = textwrap.dedent("""
            "name": __name__, "argv": sys.argv, "path0": sys.path[0],
            "megatron_core": os.path.dirname(megatron.core.__file__),
            "y_shape": list(y.shape), "x_grad_finite": bool(torch.isfinite(x.grad).all()),
-           "config_error": config_error}
+           "config_error": config_error, "ep_overlap": ep_overlap}
     harness.destroy_parallel()
     dist.destroy_process_group()
     with open(os.environ["PROBE_OUT"], "w") as f:
@@ -116,7 +122,8 @@ def test_launcher_runs_script_unchanged_and_builds_mok(tmp_path):
     assert out["argv"] == [str(script), "--foo", "1"]
     assert out["path0"] == str(script_dir)
     assert out["y_shape"] == [6, 2, 16] and out["x_grad_finite"]
-    assert "overlap_moe_expert_parallel_comm" in out["config_error"]
+    assert out["config_error"][0] == "MokConfigError" and "moe_enable_deepep" in out["config_error"][1]
+    assert out["ep_overlap"] == ["ok", "mok"]
     assert "installed the 'mok' token dispatcher" in p.stderr
 
     # the same script without the launcher: 'mok' is not a dispatcher Megatron knows
@@ -182,7 +189,10 @@ def test_patch_builds_mok_without_install(tmp_path):
     assert out["megatron_core"].startswith(str(root)), out["megatron_core"]
     assert out["dispatcher"] == "MokTokenDispatcher"
     assert out["overlap_config"] == ["mok", True]
-    assert "overlap_moe_expert_parallel_comm" in out["config_error"]
+    assert out["config_error"][0] == "MokConfigError" and "moe_enable_deepep" in out["config_error"][1]
+    # the patches do not carry install()'s should_free_input wrap: Megatron's own refusal stays
+    assert out["ep_overlap"][0] == "AssertionError", out["ep_overlap"]
+    assert "alltoall/flex" in out["ep_overlap"][1], out["ep_overlap"]
     # the package is never installed in that process
     assert "installed the 'mok'" not in p.stderr
 

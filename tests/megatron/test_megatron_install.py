@@ -80,11 +80,9 @@ def test_uninstall_restores_and_reinstall_works():
      "expert_tensor_parallel_size=1"),
     (dict(tensor_model_parallel_size=2, sequence_parallel=True),       # ETP defaults to TP
      "expert_tensor_parallel_size=1"),
-    (dict(overlap_moe_expert_parallel_comm=True), "overlap_moe_expert_parallel_comm"),
     (dict(num_moe_experts=None), "num_moe_experts"),
 ])
-def test_unsupported_configs_fail_at_config_time(overrides, needle, monkeypatch):
-    monkeypatch.delenv("MOK_EP_OVERLAP", raising=False)     # the overlap's opt-in
+def test_unsupported_configs_fail_at_config_time(overrides, needle):
     with pytest.raises(mm.MokConfigError) as e:
         _cfg(**overrides)
     assert needle in str(e.value)
@@ -118,10 +116,14 @@ def test_shared_expert_overlap_config_is_validated_as_alltoall():
     with pytest.raises(ValueError, match="moe-shared-expert-overlap"):
         _cfg(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True,
              recompute_granularity="selective", recompute_modules=["shared_experts"])
-    # a failed validation leaves no config with a borrowed type behind either
-    with pytest.raises(mm.MokConfigError):
-        _cfg(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True,
-             overlap_moe_expert_parallel_comm=True)
+    # a validation that fails inside Megatron's checks (run as alltoall's) leaves the config
+    # mok: Megatron refuses both overlaps together
+    cfg = _cfg(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True,
+               expert_model_parallel_size=2, bf16=True, params_dtype=torch.bfloat16)
+    cfg.overlap_moe_expert_parallel_comm = True
+    with pytest.raises((ValueError, AssertionError), match="moe_shared_expert_overlap"):
+        cfg.__post_init__()
+    assert cfg.moe_token_dispatcher_type == "mok"
 
 
 def _overlap_cfg(**kw):
@@ -131,13 +133,8 @@ def _overlap_cfg(**kw):
     return _cfg(**base)
 
 
-def test_ep_overlap_is_an_opt_in(monkeypatch):
-    # Megatron's 1F1B EP overlap with mok: refused unless MOK_EP_OVERLAP=1 (it has not run on
-    # a GPU yet); with it, the config is validated as alltoall's and stays mok
-    monkeypatch.delenv("MOK_EP_OVERLAP", raising=False)
-    with pytest.raises(mm.MokConfigError, match="MOK_EP_OVERLAP=1"):
-        _overlap_cfg()
-    monkeypatch.setenv("MOK_EP_OVERLAP", "1")
+def test_ep_overlap_config_is_validated_as_alltoall():
+    # Megatron's 1F1B EP overlap with mok: the config is validated as alltoall's and stays mok
     cfg = _overlap_cfg()
     assert cfg.moe_token_dispatcher_type == "mok" and cfg.overlap_moe_expert_parallel_comm
     assert dataclasses.replace(cfg, moe_router_topk=4).moe_token_dispatcher_type == "mok"
@@ -152,12 +149,11 @@ def test_ep_overlap_is_an_opt_in(monkeypatch):
         _overlap_cfg(expert_tensor_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)
 
 
-def test_ep_overlap_keeps_the_inputs_mok_still_needs(monkeypatch):
+def test_ep_overlap_keeps_the_inputs_mok_still_needs():
     # The overlap frees some schedule nodes' inputs after their forward. For mok the dispatch
     # input (a view of the layernorm output, which a bf16 gate or a shared expert keeps) and the
     # dispatched rows (which the experts keep) must stay; the combine input may go, as for
     # alltoall.
-    monkeypatch.setenv("MOK_EP_OVERLAP", "1")
     from megatron_mok.megatron import _patch
 
     mod = _patch.free_input_module()
@@ -186,7 +182,6 @@ def test_ep_overlap_is_refused_without_the_free_rule(monkeypatch):
     # for mok at config time (freeing mok's inputs would corrupt the backward), naming why
     from megatron_mok.megatron import _patch
 
-    monkeypatch.setenv("MOK_EP_OVERLAP", "1")
     mm.uninstall()
     monkeypatch.setattr(_patch, "_FREE_INPUT_MODULES", ("megatron_mok_no_such_module",))
     try:
