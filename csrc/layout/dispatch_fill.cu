@@ -24,6 +24,14 @@ __host__ __device__ inline size_t fill_smem_ints(int E_local, int C, int K) {
   return static_cast<size_t>(E_local) * (1 + kFillWarps) + 2 * static_cast<size_t>(C) * K;
 }
 
+// A row no token lands in (static-shape padding past R, or an expert's zero rows below R):
+// the handle's src_rank / src_token say -1 and its prob is 0 (the contract for such rows).
+__device__ inline void mark_no_source(const RowOutputs& out, int64_t row) {
+  out.src_rank[row] = -1;
+  out.src_token[row] = -1;
+  out.probs[row] = 0.f;
+}
+
 __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, HandleArrays h,
                                                              RoutingArgs r, RowOutputs out) {
   using Scan = cub::BlockScan<int, kFillThreads>;
@@ -177,9 +185,7 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
   const int64_t stride = static_cast<int64_t>(gridDim.x) * gridDim.y * kFillThreads;
   for (int64_t row = n_rows + (static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x) * kFillThreads + tid;
        row < out.row_cap; row += stride) {
-    out.src_rank[row] = -1;
-    out.src_token[row] = -1;
-    out.probs[row] = 0.f;
+    mark_no_source(out, row);
   }
   // The zero rows after each expert's rows (expert_alignment > 1 or rows_per_expert) say "no
   // source" too, in every mode: they lie below R. The candidates over the grid's threads.
@@ -187,9 +193,7 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
        i < HandleArrays::gap_candidates(ws.cfg, gap_width); i += stride) {
     const int64_t row = h.gap_row(gap_width, i);
     if (row < 0 || row >= out.row_cap) continue;
-    out.src_rank[row] = -1;
-    out.src_token[row] = -1;
-    out.probs[row] = 0.f;
+    mark_no_source(out, row);
   }
   // The fill is the routing call's last reader of meta_seq: its last block advances it.
   __syncthreads();
