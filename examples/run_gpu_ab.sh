@@ -14,13 +14,17 @@
 #          dispatch (moe_shared_expert_overlap); JSON: OUT_DIR/ab_shared/*.json
 #   ab_drop_and_pad  the same A/B with drop-and-pad (capacity factor 1.0, padded to capacity:
 #          every expert gets capacity x EP rows); JSON: OUT_DIR/ab_drop_and_pad/*.json
+#   ab_ep_overlap  Megatron's 1F1B EP overlap (--overlap-moe-expert-parallel-comm): the same
+#          model, 4 micro-batches of 4x1024 tokens per step, stepped by Megatron's schedule
+#          without the overlap (OUT_DIR/ab_ep_overlap/plain) and with it (.../overlap), each for
+#          alltoall, mok (and flex if deep_ep imports)
 #   all    ab tests bench
 # Each stage stays well under 5 minutes on 2x H200.
 #
 # megatron-core is installed from ./.whl when it is not importable (no registry needed).
 set -euo pipefail
 
-OUT_DIR=${1:?usage: run_gpu_ab.sh OUT_DIR [ab|ab_shared|ab_drop_and_pad|tests|bench|all]...}
+OUT_DIR=${1:?usage: run_gpu_ab.sh OUT_DIR [ab|ab_shared|ab_drop_and_pad|ab_ep_overlap|tests|bench|all]...}
 shift || true
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(ab)
@@ -49,16 +53,22 @@ EOF
 
 for stage in "${STAGES[@]}"; do
   case "$stage" in
-    ab|ab_shared|ab_drop_and_pad)
-      # 60 steps, bf16, 4 MoE layers, 16 experts top-4, 4x1024 tokens per GPU per step.
+    ab|ab_shared|ab_drop_and_pad|ab_ep_overlap)
+      # 60 steps, bf16, 4 MoE layers, 16 experts top-4, 4x1024 tokens per GPU per micro-batch.
       SHARED=()
       [ "$stage" = ab_shared ] && SHARED=(--moe-shared-expert-intermediate-size 1024 --moe-shared-expert-overlap)
       [ "$stage" = ab_drop_and_pad ] && SHARED=(--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity)
-      $PY "$REPO/examples/ab_dispatchers.py" --nproc-per-node "$NPROC" --out "$OUT_DIR/$stage" -- \
-        --train-iters 60 --bf16 --num-layers 4 --hidden-size 1024 --ffn-hidden-size 2048 \
-        --moe-ffn-hidden-size 1024 --num-attention-heads 8 --num-experts 16 \
-        --moe-router-topk 4 --seq-length 1024 --micro-batch-size 4 --vocab-size 4096 \
-        --lr 3e-4 --quiet ${SHARED[@]+"${SHARED[@]}"}
+      RUNS=("$stage:")
+      [ "$stage" = ab_ep_overlap ] && RUNS=("$stage/plain:--num-microbatches 4" \
+                                            "$stage/overlap:--num-microbatches 4 --overlap-moe-expert-parallel-comm")
+      for run in "${RUNS[@]}"; do
+        # shellcheck disable=SC2086  # the run's own flags, split on purpose
+        $PY "$REPO/examples/ab_dispatchers.py" --nproc-per-node "$NPROC" --out "$OUT_DIR/${run%%:*}" -- \
+          --train-iters 60 --bf16 --num-layers 4 --hidden-size 1024 --ffn-hidden-size 2048 \
+          --moe-ffn-hidden-size 1024 --num-attention-heads 8 --num-experts 16 \
+          --moe-router-topk 4 --seq-length 1024 --micro-batch-size 4 --vocab-size 4096 \
+          --lr 3e-4 --quiet ${SHARED[@]+"${SHARED[@]}"} ${run#*:}
+      done
       ;;
     tests)
       mkdir -p "$OUT_DIR/tests"

@@ -8,10 +8,16 @@ apex: ``SequentialMLP`` experts); the dispatcher is chosen with the usual flag::
         --moe-token-dispatcher-type mok --expert-model-parallel-size 2 \\
         --train-iters 60 --output-json out/mok.json
 
-Every rank prints nothing; rank 0 prints loss, time and tokens/s/GPU per step, and writes a
-JSON summary. The mock data is a learnable next-token task (arithmetic sequences mod the
-vocabulary), identical for every dispatcher, so loss curves of two dispatchers can be
-compared step by step. Runs on CPU (gloo, reference backend) too, at toy sizes.
+With ``--num-microbatches N`` a step is Megatron's ``forward_backward_no_pipelining`` over N
+micro-batches (on CPU the same math in a loop); ``--overlap-moe-expert-parallel-comm`` (bf16, EP >= 2, CUDA) makes it Megatron's
+1F1B EP overlap schedule, where one micro-batch's dispatch and combine run beside another's
+attention and experts (``examples/run_gpu_ab.sh OUT ab_ep_overlap`` A/Bs it).
+
+Every rank but rank 0 prints nothing; rank 0 prints loss, time and tokens/s/GPU per step,
+and writes a JSON summary. The mock data is a learnable next-token task (arithmetic
+sequences mod the vocabulary), identical for every dispatcher, so loss curves of two
+dispatchers can be compared step by step. Runs on CPU (gloo, reference backend) too, at toy
+sizes.
 
 Gradients: dense parameters are averaged over the data-parallel group; expert parameters
 over the expert-data-parallel group and scaled by 1/DP (what Megatron's DDP does); then
@@ -62,6 +68,13 @@ def parse_args(argv=None):
                    help="default: the world size")
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--num-microbatches", type=int, default=1,
+                   help="micro-batches per step; above 1 (or with the EP overlap) a step is "
+                        "Megatron's forward_backward_no_pipelining over them")
+    p.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                   help="Megatron's 1F1B EP overlap: one micro-batch's dispatch and combine "
+                        "beside another's compute (CUDA, bf16, EP > 1, >= 2 micro-batches to "
+                        "overlap anything)")
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--train-iters", type=int, default=50)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -69,6 +82,9 @@ def parse_args(argv=None):
     p.add_argument("--bf16", action="store_true", help="bf16 params/activations")
     p.add_argument("--timing-warmup", type=int, default=3,
                    help="steps left out of the time / throughput summary")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: CUDA under an NCCL process group, else CPU; cuda: CUDA tensors "
+                        "under any group (e.g. gloo ranks sharing one GPU in tests)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     args = p.parse_args(argv)
@@ -76,6 +92,14 @@ def parse_args(argv=None):
         p.error("--moe-shared-expert-overlap needs --moe-shared-expert-intermediate-size")
     if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
         p.error("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    if args.num_microbatches < 1:
+        p.error(f"--num-microbatches must be >= 1, got {args.num_microbatches}")
+    if args.overlap_moe_expert_parallel_comm and not args.bf16:
+        p.error("--overlap-moe-expert-parallel-comm needs --bf16 (Megatron allows the overlap "
+                "for bf16 / fp16 models only)")
+    if args.overlap_moe_expert_parallel_comm and args.moe_shared_expert_overlap:
+        p.error("--overlap-moe-expert-parallel-comm and --moe-shared-expert-overlap do not go "
+                "together (Megatron refuses both)")
     return args
 
 
@@ -108,6 +132,7 @@ def build_model(args, device):
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_overlap=args.moe_shared_expert_overlap,
+        overlap_moe_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02, **extra)
     spec = harness.local_layer_spec(args.num_experts, cpu_router=device.type == "cpu")
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
@@ -116,11 +141,12 @@ def build_model(args, device):
     return model.to(device=device, dtype=dtype), config
 
 
-def mock_batch(args, step, dp_rank, device):
+def mock_batch(args, step, dp_rank, device, micro=0):
     """Arithmetic sequences mod V with per-sample start/stride: next token is learnable.
 
-    Depends only on (seed, step, dp_rank): identical for every dispatcher."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + dp_rank)
+    Depends only on (seed, step, micro-batch, dp_rank): identical for every dispatcher (micro
+    0 is the one-micro-batch run's batch)."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + dp_rank + micro * 7919)
     b, s, v = args.micro_batch_size, args.seq_length, args.vocab_size
     start = torch.randint(0, v, (b, 1), generator=g)
     stride = torch.randint(1, 8, (b, 1), generator=g)
@@ -129,6 +155,54 @@ def mock_batch(args, step, dp_rank, device):
     pos = torch.arange(s).view(1, -1).expand(b, s).contiguous()
     causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
     return tokens.to(device), pos.to(device), causal.to(device), labels.to(device)
+
+
+def _token_loss(per_token):
+    loss = per_token.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}      # Megatron divides `loss` in place
+
+
+def _forward_step(data_iterator, model, return_schedule_plan=False):
+    """Megatron's forward-step contract; the 1F1B EP overlap asks for the schedule plan."""
+    tokens, pos, mask, labels = next(data_iterator)
+    if return_schedule_plan:
+        return model.build_schedule_plan(tokens, pos, mask, labels=labels), _token_loss
+    return model(tokens, pos, mask, labels=labels), _token_loss
+
+
+def forward_backward(args, model, step, dp_rank, device):
+    """One step's forward and backward; returns the mean loss of its micro-batches (a 0-d
+    tensor, read after the optimizer step so that no host sync comes in between).
+
+    One micro-batch (and no EP overlap): the model called directly. Otherwise, on CUDA,
+    Megatron's ``forward_backward_no_pipelining`` over ``--num-microbatches`` micro-batches
+    (the 1F1B EP overlap schedule when the config asks for it); it scales each micro-batch's
+    loss and the MoE aux loss by 1 / micro-batches, so the gradients are those of the mean
+    loss. On CPU the same math written out (Megatron's schedule allocates on CUDA)."""
+    if args.num_microbatches == 1 and not args.overlap_moe_expert_parallel_comm:
+        tokens, pos, mask, labels = mock_batch(args, step, dp_rank, device)
+        loss = model(tokens, pos, mask, labels=labels).float().mean()
+        loss.backward()
+        return loss.detach()
+    n = args.num_microbatches
+    batches = [mock_batch(args, step, dp_rank, device, micro=i) for i in range(n)]
+    if device.type == "cuda":
+        from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+        store = forward_backward_no_pipelining(
+            forward_step_func=_forward_step, data_iterator=iter(batches), model=[model],
+            num_microbatches=n, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, forward_only=False)
+        return torch.stack([d["lm loss"].float() for d in store]).mean()
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device) / n)   # as the schedule does
+    losses = []
+    for tokens, pos, mask, labels in batches:
+        loss, _ = _token_loss(model(tokens, pos, mask, labels=labels))
+        (loss / n).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
 
 
 def sync_grads(model):
@@ -182,12 +256,21 @@ def main(argv=None):
     init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     args.expert_model_parallel_size = args.expert_model_parallel_size or world
-    # A gloo group (tests, CPU runs) means CPU tensors even where a GPU is visible.
-    on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    # auto: a gloo group (tests, CPU runs) means CPU tensors even where a GPU is visible.
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()
+                                       and dist.get_backend() == "nccl")
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     if args.moe_shared_expert_overlap and not on_gpu:
         raise SystemExit("--moe-shared-expert-overlap needs CUDA (Megatron runs the shared expert "
                          "on its own CUDA stream)")
+    if args.overlap_moe_expert_parallel_comm and not on_gpu:
+        raise SystemExit("--overlap-moe-expert-parallel-comm needs CUDA (Megatron's 1F1B schedule "
+                         "runs the dispatch and combine on its own CUDA streams)")
+    if args.overlap_moe_expert_parallel_comm and args.expert_model_parallel_size < 2:
+        raise SystemExit("--overlap-moe-expert-parallel-comm needs expert parallelism (EP >= 2): "
+                         "there is no exchange to overlap")
 
     if args.moe_token_dispatcher_type == "mok":
         import megatron_mok.megatron
@@ -214,15 +297,12 @@ def main(argv=None):
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device) / dp)
 
-    tokens_per_step = args.micro_batch_size * args.seq_length
+    tokens_per_step = args.micro_batch_size * args.seq_length * args.num_microbatches
     losses, times = [], []
     for step in range(args.train_iters):
         _sync(device)
         t0 = time.perf_counter()
-        tokens, pos, mask, labels = mock_batch(args, step, dp_rank, device)
-        per_token = model(tokens, pos, mask, labels=labels)
-        loss = per_token.float().mean()
-        loss.backward()
+        loss = forward_backward(args, model, step, dp_rank, device)
         sync_grads(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -248,8 +328,15 @@ def main(argv=None):
         if d is not None and hasattr(d, "backend_name"):
             mok_backend = d.backend_name
             break
+    if args.overlap_moe_expert_parallel_comm:
+        schedule = "1f1b_ep_overlap"
+    elif args.num_microbatches > 1:
+        schedule = "forward_backward_no_pipelining" if on_gpu else "micro_batch_loop_cpu"
+    else:
+        schedule = "direct"
     summary = {
         "dispatcher": args.moe_token_dispatcher_type, "mok_backend": mok_backend,
+        "schedule": schedule, "num_microbatches": args.num_microbatches,
         "world_size": world, "expert_model_parallel_size": args.expert_model_parallel_size,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": "bf16" if args.bf16 else "fp32", "args": vars(args), "versions": _versions(),

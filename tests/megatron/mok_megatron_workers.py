@@ -1387,6 +1387,49 @@ def example_train(rank, world, dispatcher, out_json, extra=()):
     return summary["losses"]
 
 
+def example_train_refused(rank, world, extra=()):
+    """``examples/train_gpt_moe.py`` with arguments it must refuse in this group: the
+    ``SystemExit`` message."""
+    train = _load("examples/train_gpt_moe.py", "mok_example_train_refused")
+    try:
+        train.main(["--train-iters", "1", "--quiet", *extra])
+    except SystemExit as e:
+        return str(e)
+    raise AssertionError(f"the example ran with {extra}")
+
+
+def example_micro_batch_losses(rank, world, dispatcher):
+    """The example's two step paths on one model (CPU, EP = world, no optimizer step between):
+    ``(direct step's loss, the 3-micro-batch step's mean loss, each of its 3 micro-batches'
+    loss computed directly)``."""
+    from megatron_mok.megatron import harness
+
+    train = _load("examples/train_gpt_moe.py", "mok_example_train_micro")
+    base = ["--moe-token-dispatcher-type", dispatcher, "--seq-length", "32",
+            "--micro-batch-size", "2", "--hidden-size", "64", "--ffn-hidden-size", "64",
+            "--num-experts", "4", "--vocab-size", "128", "--expert-model-parallel-size", str(world)]
+    args, args3 = train.parse_args(base), train.parse_args(base + ["--num-microbatches", "3"])
+    if dispatcher == "mok":
+        import megatron_mok.megatron
+
+        megatron_mok.megatron.install()
+    harness.init_parallel(world, seed=args.seed)
+    harness.enable_cpu_megatron(on_cpu=True)
+    dev = torch.device("cpu")
+    try:
+        torch.manual_seed(args.seed)
+        model, _ = train.build_model(args, dev)
+        direct = float(train.forward_backward(args, model, 0, rank, dev))
+        mean3 = float(train.forward_backward(args3, model, 0, rank, dev))
+        with torch.no_grad():
+            each = [float(model(t, p, m, labels=lab).float().mean())
+                    for t, p, m, lab in (train.mock_batch(args3, 0, rank, dev, micro=i)
+                                         for i in range(3))]
+        return direct, mean3, each
+    finally:
+        harness.destroy_parallel()
+
+
 def bench_layer_tiny(rank, world, out_dir, extra=()):
     """``benchmarks/bench_layer.py --tiny`` in this (pooled) process group."""
     bench = _load("benchmarks/bench_layer.py", "mok_bench_layer")

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.megatron
 
 @pytest.mark.parametrize("extra", [(), ("--moe-shared-expert-intermediate-size", "32"),
                                    ("--moe-expert-capacity-factor", "1.0",
-                                    "--moe-pad-expert-input-to-capacity")],
-                         ids=["routed", "shared_expert", "drop_and_pad"])
+                                    "--moe-pad-expert-input-to-capacity"),
+                                   ("--num-microbatches", "3")],
+                         ids=["routed", "shared_expert", "drop_and_pad", "microbatches"])
 def test_example_trains_same_losses_with_alltoall_and_mok(tmp_path, extra):
     runs = {}
     for d in ("alltoall", "mok"):
@@ -36,6 +37,10 @@ def test_example_trains_same_losses_with_alltoall_and_mok(tmp_path, extra):
             ("--moe-pad-expert-input-to-capacity" in extra)
         assert summary["losses"] == losses[0] and len(losses[0]) == 5
         assert summary["tokens_per_s_per_gpu"] > 0 and summary["median_step_time_s"] > 0
+        # 3 micro-batches: Megatron's schedule, 3x the tokens of a step
+        micro = 3 if "--num-microbatches" in extra else 1
+        assert summary["schedule"] == ("micro_batch_loop_cpu" if micro > 1 else "direct")
+        assert summary["tokens_per_step_per_gpu"] == 2 * 32 * micro
         assert all(math.isfinite(v) for v in summary["losses"])
         # starts near ln(vocab): an untrained model on the mock task
         assert abs(summary["losses"][0] - math.log(128)) < 0.5
@@ -45,6 +50,49 @@ def test_example_trains_same_losses_with_alltoall_and_mok(tmp_path, extra):
     for a, m in zip(runs["alltoall"]["losses"], runs["mok"]["losses"]):
         assert abs(a - m) <= 1e-4 * max(1.0, abs(a)), (runs["alltoall"]["losses"],
                                                        runs["mok"]["losses"])
+
+
+def test_example_micro_batches_are_the_mean_of_their_losses():
+    # a 3-micro-batch step reports the mean of 3 different batches' losses, the first being
+    # the one-micro-batch step's batch (the same weights: no optimizer step in between)
+    for direct, mean3, each in run_distributed(W.example_micro_batch_losses, 2, "mok"):
+        assert abs(mean3 - sum(each) / 3) < 1e-6 and each[0] == direct and len(set(each)) == 3
+
+
+def test_example_argument_errors():
+    train = W._load("examples/train_gpt_moe.py", "mok_example_train_args")
+    for bad in (["--overlap-moe-expert-parallel-comm"],                        # needs bf16
+                ["--overlap-moe-expert-parallel-comm", "--bf16", "--moe-shared-expert-overlap",
+                 "--moe-shared-expert-intermediate-size", "32"],             # Megatron refuses both
+                ["--num-microbatches", "0"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(bad)
+    assert train.parse_args(["--overlap-moe-expert-parallel-comm", "--bf16"]).num_microbatches == 1
+    # on CPU ranks (gloo) the overlap is refused with the reason, not run
+    msgs = run_distributed(W.example_train_refused, 2, ("--overlap-moe-expert-parallel-comm", "--bf16"))
+    assert all("needs CUDA" in m for m in msgs), msgs
+
+
+@pytest.mark.multigpu
+def test_example_ep_overlap_gpu(tmp_path):
+    # Megatron's 1F1B EP overlap in the example (bf16, EP = 2, 3 micro-batches, CUDA backend):
+    # the first step's loss is bitwise the unoverlapped run's (the forward does the same
+    # math; later steps follow gradients summed in another order), alltoall close to mok
+    runs = {}
+    for name, d, over in (("mok", "mok", False), ("mok_overlap", "mok", True),
+                          ("alltoall_overlap", "alltoall", True)):
+        extra = ("--bf16", "--num-microbatches", "3", "--device", "cuda") + \
+            (("--overlap-moe-expert-parallel-comm",) if over else ())
+        out = tmp_path / f"{name}.json"
+        run_distributed(W.example_train, 2, d, str(out), extra, backend="nccl", fresh=True)
+        runs[name] = json.loads(out.read_text())
+    assert runs["mok_overlap"]["schedule"] == "1f1b_ep_overlap"
+    assert runs["mok"]["schedule"] == "forward_backward_no_pipelining"
+    assert runs["mok_overlap"]["mok_backend"] == "cuda"
+    assert runs["mok_overlap"]["losses"][0] == runs["mok"]["losses"][0]
+    for a, m in zip(runs["alltoall_overlap"]["losses"], runs["mok_overlap"]["losses"]):
+        assert abs(a - m) <= 2e-2 * max(1.0, abs(a)), (runs["alltoall_overlap"]["losses"],
+                                                       runs["mok_overlap"]["losses"])
 
 
 @pytest.mark.parametrize("extra", [(), ("--drop-and-pad", "1.0")], ids=("dropless", "drop_and_pad"))
