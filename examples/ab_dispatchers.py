@@ -76,6 +76,7 @@ def main(argv=None):
         if base is not None and d != "alltoall":
             diff = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
         rows.append({"dispatcher": d, "mok_backend": r.get("mok_backend"),
+                     "schedule": r.get("schedule"),
                      "median_step_ms": r["median_step_time_s"] * 1e3,
                      "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
                      "final_loss": r["final_loss"], "first_loss": r["losses"][0],

@@ -28,7 +28,10 @@
 #    over NVLink, mok drops them before the exchange); with AB=7: the layer under Megatron's
 #    partial CUDA graphs (moe_router + moe_preprocess, the dispatch eager) against the same layer
 #    eager, alltoall and mok interleaved, two rounds at 4096 tokens (NOTES item 13, (SS): the
-#    same kind of gain for both; measured at W=1 only).
+#    same kind of gain for both; measured at W=1 only); with AB=8: Megatron's 1F1B EP overlap
+#    in training (examples/run_gpu_ab.sh ab_ep_overlap: 4 micro-batches per step through
+#    Megatron's schedule without and with --overlap-moe-expert-parallel-comm, alltoall and mok,
+#    flex when deep_ep imports; NOTES item 14 after session 20).
 # Everything lands in $OUT/r.tgz; assemble with scripts/results_json.py.
 set -uo pipefail
 C=${1:?commit}; AB=${2:-1}
@@ -104,5 +107,9 @@ elif [ "$AB" = 7 ]; then
       --iters 40 --out-dir $R/layer --tag x2_graphs_$i
     grep -E "median" $R/layer_graphs_$i.log
   done
+elif [ "$AB" = 8 ]; then
+  install_wheels .whl /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  PYTHON=python3 step ab_ep_overlap 420 bash examples/run_gpu_ab.sh $R/ab_ep_overlap ab_ep_overlap
+  grep -E -A5 "^dispatcher" $R/ab_ep_overlap.log
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r
