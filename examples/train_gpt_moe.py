@@ -157,19 +157,6 @@ def mock_batch(args, step, dp_rank, device, micro=0):
     return tokens.to(device), pos.to(device), causal.to(device), labels.to(device)
 
 
-def _token_loss(per_token):
-    loss = per_token.float().mean()
-    return loss, {"lm loss": loss.detach().clone()}      # Megatron divides `loss` in place
-
-
-def _forward_step(data_iterator, model, return_schedule_plan=False):
-    """Megatron's forward-step contract; the 1F1B EP overlap asks for the schedule plan."""
-    tokens, pos, mask, labels = next(data_iterator)
-    if return_schedule_plan:
-        return model.build_schedule_plan(tokens, pos, mask, labels=labels), _token_loss
-    return model(tokens, pos, mask, labels=labels), _token_loss
-
-
 def forward_backward(args, model, step, dp_rank, device):
     """One step's forward and backward; returns the mean loss of its micro-batches (a 0-d
     tensor, read after the optimizer step so that no host sync comes in between).
@@ -186,11 +173,13 @@ def forward_backward(args, model, step, dp_rank, device):
         return loss.detach()
     n = args.num_microbatches
     batches = [mock_batch(args, step, dp_rank, device, micro=i) for i in range(n)]
+    from megatron_mok.megatron import harness
+
     if device.type == "cuda":
         from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
         store = forward_backward_no_pipelining(
-            forward_step_func=_forward_step, data_iterator=iter(batches), model=[model],
+            forward_step_func=harness.gpt_forward_step, data_iterator=iter(batches), model=[model],
             num_microbatches=n, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=False)
         return torch.stack([d["lm loss"].float() for d in store]).mean()
@@ -199,7 +188,7 @@ def forward_backward(args, model, step, dp_rank, device):
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device) / n)   # as the schedule does
     losses = []
     for tokens, pos, mask, labels in batches:
-        loss, _ = _token_loss(model(tokens, pos, mask, labels=labels))
+        loss, _ = harness.mean_token_loss(model(tokens, pos, mask, labels=labels))
         (loss / n).backward()
         losses.append(loss.detach())
     return torch.stack(losses).mean()

@@ -331,6 +331,22 @@ def enable_cpu_megatron(on_cpu: Optional[bool] = None) -> None:
     cls._mok_cpu_compat = True
 
 
+def mean_token_loss(per_token: torch.Tensor):
+    """Megatron's loss-function contract for a ``GPTModel``'s per-token losses ``[b, s]``:
+    ``(mean in fp32, {"lm loss": a copy})`` (the schedule divides the first in place)."""
+    loss = per_token.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def gpt_forward_step(data_iterator, model, return_schedule_plan=False):
+    """Megatron's forward-step contract for ``(tokens, position_ids, attention_mask, labels)``
+    batches; the 1F1B EP overlap asks for the model's schedule plan instead of its output."""
+    tokens, pos, mask, labels = next(data_iterator)
+    if return_schedule_plan:
+        return model.build_schedule_plan(tokens, pos, mask, labels=labels), mean_token_loss
+    return model(tokens, pos, mask, labels=labels), mean_token_loss
+
+
 def dist_env_defaults() -> None:
     """Quiet, CPU-friendly defaults for spawned test / benchmark processes."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -844,27 +844,16 @@ def _pop_grads(model):
     return grads
 
 
-def _gpt_loss(out):
-    loss = out.float().mean()
-    return loss, {"lm loss": loss.detach().clone()}  # Megatron divides `loss` in place
-
-
-def _gpt_forward_step(data_iterator, model, return_schedule_plan=False):
-    """Megatron's forward-step contract; the 1F1B EP overlap asks for the schedule plan."""
-    tokens, pos, mask, labels = next(data_iterator)
-    if return_schedule_plan:
-        return model.build_schedule_plan(tokens, pos, mask, labels=labels), _gpt_loss
-    return model(tokens, pos, mask, labels=labels), _gpt_loss
-
-
 def _train_step(model, batches):
     """One ``forward_backward_no_pipelining`` over ``batches`` (the 1F1B EP overlap schedule
     when the model's config asks for it): ``(losses [n], {param: grad})``."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
+    from megatron_mok.megatron.harness import gpt_forward_step
+
     _pop_grads(model)
     store = forward_backward_no_pipelining(
-        forward_step_func=_gpt_forward_step, data_iterator=iter(batches), model=[model],
+        forward_step_func=gpt_forward_step, data_iterator=iter(batches), model=[model],
         num_microbatches=len(batches), seq_length=batches[0][0].shape[1],
         micro_batch_size=batches[0][0].shape[0], forward_only=False)
     losses = torch.stack([d["lm loss"].float().cpu() for d in store])
@@ -933,10 +922,12 @@ def _overlap_step_cpu(model, batches):
 
     from megatron.core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_no_pipelining
 
+    from megatron_mok.megatron.harness import gpt_forward_step
+
     _pop_grads(model)
     store = []
     combined_1f1b_schedule_for_no_pipelining(
-        _gpt_forward_step, iter(batches), model, len(batches), None, None, store, model.config,
+        gpt_forward_step, iter(batches), model, len(batches), None, None, store, model.config,
         False, None, False, _cl.nullcontext, torch.zeros([], dtype=torch.int),
         lambda is_first: is_first)
     losses = torch.stack([d["lm loss"].float() for d in store])
