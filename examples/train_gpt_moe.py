@@ -9,9 +9,10 @@ apex: ``SequentialMLP`` experts); the dispatcher is chosen with the usual flag::
         --train-iters 60 --output-json out/mok.json
 
 With ``--num-microbatches N`` a step is Megatron's ``forward_backward_no_pipelining`` over N
-micro-batches (on CPU the same math in a loop); ``--overlap-moe-expert-parallel-comm`` (bf16, EP >= 2, CUDA) makes it Megatron's
-1F1B EP overlap schedule, where one micro-batch's dispatch and combine run beside another's
-attention and experts (``examples/run_gpu_ab.sh OUT ab_ep_overlap`` A/Bs it).
+micro-batches (on CPU the same math in a loop); ``--overlap-moe-expert-parallel-comm`` (bf16,
+EP >= 2, CUDA) makes it Megatron's 1F1B EP overlap schedule, where one micro-batch's dispatch
+and combine run beside another's attention and experts (``examples/run_gpu_ab.sh OUT
+ab_ep_overlap`` A/Bs it).
 
 Every rank but rank 0 prints nothing; rank 0 prints loss, time and tokens/s/GPU per step,
 and writes a JSON summary. The mock data is a learnable next-token task (arithmetic
@@ -165,7 +166,10 @@ def forward_backward(args, model, step, dp_rank, device):
     Megatron's ``forward_backward_no_pipelining`` over ``--num-microbatches`` micro-batches
     (the 1F1B EP overlap schedule when the config asks for it); it scales each micro-batch's
     loss and the MoE aux loss by 1 / micro-batches, so the gradients are those of the mean
-    loss. On CPU the same math written out (Megatron's schedule allocates on CUDA)."""
+    loss (the aux-loss scale it sets replaces the 1 / DP that :func:`main` sets for direct
+    steps). On CPU the same math written out (Megatron's schedule allocates on CUDA)."""
+    from megatron_mok.megatron import harness
+
     if args.num_microbatches == 1 and not args.overlap_moe_expert_parallel_comm:
         tokens, pos, mask, labels = mock_batch(args, step, dp_rank, device)
         loss = model(tokens, pos, mask, labels=labels).float().mean()
@@ -173,8 +177,6 @@ def forward_backward(args, model, step, dp_rank, device):
         return loss.detach()
     n = args.num_microbatches
     batches = [mock_batch(args, step, dp_rank, device, micro=i) for i in range(n)]
-    from megatron_mok.megatron import harness
-
     if device.type == "cuda":
         from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
