@@ -2,9 +2,11 @@
 
     python patches/make_patches.py /path/to/Megatron-LM
 
-For each release (git ref below) it takes ``moe_layer.py`` and ``transformer_config.py``,
+For each release (git ref below) it takes ``moe_layer.py``, ``transformer_config.py`` and the
+file that defines ``should_free_input``,
 applies the same edits ``megatron_mok.megatron.install()`` makes at run time (the dispatcher
-choice, the config checks, ``moe_shared_expert_overlap`` allowed for ``mok``), and
+choice, the config checks, ``moe_shared_expert_overlap`` and the 1F1B EP overlap allowed for
+``mok``, and the EP overlap's ``should_free_input`` keeping MoK's inputs), and
 writes ``megatron-lm-<branch>.patch`` (``git apply`` / ``patch -p1`` from the checkout root).
 An edit whose anchor text is missing fails loudly: read the new release and update it here.
 """
@@ -16,9 +18,9 @@ import subprocess
 import sys
 import tempfile
 
-RELEASES = {                      # patch name -> git ref it is made against
-    "core_r0.16.0": "core_v0.16.1",
-    "core_r0.19.0": "core_r0.19.0",
+RELEASES = {   # patch name -> (git ref it is made against, the file with should_free_input)
+    "core_r0.16.0": ("core_v0.16.1", "megatron/core/models/gpt/fine_grained_callables.py"),
+    "core_r0.19.0": ("core_r0.19.0", "megatron/core/models/common/utils.py"),
 }
 MOE_LAYER = "megatron/core/transformer/moe/moe_layer.py"
 CONFIG = "megatron/core/transformer/transformer_config.py"
@@ -75,6 +77,29 @@ OVERLAP_EDITS = [
 ]
 
 
+# Megatron's 1F1B EP overlap (overlap_moe_expert_parallel_comm): allowed for mok (as install()
+# does by validating the config as alltoall's), and the schedule's free rule keeps the two node
+# inputs MoK still needs (install()'s should_free_input wrapper, megatron_mok/megatron/_patch.py).
+EP_OVERLAP_OLD = """            assert self.moe_token_dispatcher_type in [
+                'alltoall',
+                'flex',
+            ], 'overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher'
+"""
+EP_OVERLAP_NEW = """            assert self.moe_token_dispatcher_type in [
+                'alltoall',
+                'flex',
+                'mok',
+            ], 'overlap_moe_expert_parallel_comm is supported with alltoall/flex/mok token dispatcher'
+"""
+FREE_INPUT_ANCHOR = "    if not is_moe:\n        return False\n"
+FREE_INPUT_ADD = """    # MoK (megatron_mok): the dispatch input is a view of the pre-MLP layernorm output, which
+    # the router's gate and a shared expert keep for their backward, and the experts keep the
+    # dispatched rows as MoK wrote them; both stay.
+    if config.moe_token_dispatcher_type == "mok" and name in ("moe_dispatch", "mlp"):
+        return False
+"""
+
+
 def _edit_one_of(text: str, edits, path: str) -> str:
     found = [(old, new) for old, new in edits if text.count(old) == 1]
     if len(found) != 1:
@@ -89,10 +114,10 @@ def _edit(text: str, old: str, new: str, path: str) -> str:
     return text.replace(old, new)
 
 
-def make(checkout: str, name: str, ref: str, out_dir: str) -> str:
+def make(checkout: str, name: str, ref: str, free_input: str, out_dir: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         for side in ("a", "b"):
-            for rel in (MOE_LAYER, CONFIG):
+            for rel in (MOE_LAYER, CONFIG, free_input):
                 text = subprocess.check_output(["git", "-C", checkout, "show", f"{ref}:{rel}"],
                                                text=True)
                 if side == "b" and rel == MOE_LAYER:
@@ -103,6 +128,9 @@ def make(checkout: str, name: str, ref: str, out_dir: str) -> str:
                     text = _edit(text, DOC_OLD, DOC_NEW, rel)
                     text = _edit(text, POST_INIT_ANCHOR, POST_INIT_ANCHOR + POST_INIT_ADD, rel)
                     text = _edit_one_of(text, OVERLAP_EDITS, rel)
+                    text = _edit(text, EP_OVERLAP_OLD, EP_OVERLAP_NEW, rel)
+                if side == "b" and rel == free_input:
+                    text = _edit(text, FREE_INPUT_ANCHOR, FREE_INPUT_ANCHOR + FREE_INPUT_ADD, rel)
                 dst = os.path.join(tmp, side, rel)
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 with open(dst, "w") as f:
@@ -123,8 +151,8 @@ def main():
     if len(sys.argv) != 2:
         raise SystemExit(__doc__)
     out_dir = os.path.dirname(os.path.abspath(__file__))
-    for name, ref in RELEASES.items():
-        print(make(sys.argv[1], name, ref, out_dir))
+    for name, (ref, free_input) in RELEASES.items():
+        print(make(sys.argv[1], name, ref, free_input, out_dir))
 
 
 if __name__ == "__main__":

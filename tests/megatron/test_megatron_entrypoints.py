@@ -51,6 +51,21 @@ LAYER_PROBE = textwrap.dedent("""
     config_error = config_outcome(ep_size=1, moe_enable_deepep=True)
     ep_overlap = config_outcome(ep_size=2, dtype=torch.bfloat16,
                                 overlap_moe_expert_parallel_comm=True)
+    # the 1F1B EP overlap's free rule (0.19: models.common.utils, 0.16: the GPT callables) for
+    # a mok config: which schedule nodes may free their input after forward
+    import importlib, inspect
+    free_input = None
+    for name in ("megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables"):
+        try:
+            rule = getattr(importlib.import_module(name), "should_free_input", None)
+        except ImportError:
+            continue
+        if rule is not None:
+            mok_cfg = harness.moe_config("mok", ep_size=1, num_experts=4, topk=2, hidden=16)
+            extra = (4,) * (len(inspect.signature(rule).parameters) - 3)   # 0.19: num_local_experts
+            free_input = {n: rule(n, True, mok_cfg, *extra)
+                          for n in ("moe_dispatch", "mlp", "moe_combine")}
+            break
     # Megatron allows the shared-expert overlap for its own dispatchers only; mok is let in
     # (a config only: the overlapped SharedExpertMLP needs a CUDA stream)
     overlap_cfg = harness.moe_config("mok", ep_size=1, num_experts=4, topk=2, hidden=16,
@@ -62,7 +77,7 @@ LAYER_PROBE = textwrap.dedent("""
            "name": __name__, "argv": sys.argv, "path0": sys.path[0],
            "megatron_core": os.path.dirname(megatron.core.__file__),
            "y_shape": list(y.shape), "x_grad_finite": bool(torch.isfinite(x.grad).all()),
-           "config_error": config_error, "ep_overlap": ep_overlap}
+           "config_error": config_error, "ep_overlap": ep_overlap, "free_input": free_input}
     harness.destroy_parallel()
     dist.destroy_process_group()
     with open(os.environ["PROBE_OUT"], "w") as f:
@@ -124,6 +139,8 @@ def test_launcher_runs_script_unchanged_and_builds_mok(tmp_path):
     assert out["y_shape"] == [6, 2, 16] and out["x_grad_finite"]
     assert out["config_error"][0] == "MokConfigError" and "moe_enable_deepep" in out["config_error"][1]
     assert out["ep_overlap"] == ["ok", "mok"]
+    # install() keeps the dispatch and experts nodes' inputs for mok (the combine's may go)
+    assert out["free_input"] == {"moe_dispatch": False, "mlp": False, "moe_combine": True}
     assert "installed the 'mok' token dispatcher" in p.stderr
 
     # the same script without the launcher: 'mok' is not a dispatcher Megatron knows
@@ -190,9 +207,10 @@ def test_patch_builds_mok_without_install(tmp_path):
     assert out["dispatcher"] == "MokTokenDispatcher"
     assert out["overlap_config"] == ["mok", True]
     assert out["config_error"][0] == "MokConfigError" and "moe_enable_deepep" in out["config_error"][1]
-    # the patches do not carry install()'s should_free_input wrap: Megatron's own refusal stays
-    assert out["ep_overlap"][0] == "AssertionError", out["ep_overlap"]
-    assert "alltoall/flex" in out["ep_overlap"][1], out["ep_overlap"]
+    # the patches carry the 1F1B EP overlap too: the config is accepted as mok, and the
+    # patched free rule keeps the dispatch and experts nodes' inputs for mok
+    assert out["ep_overlap"] == ["ok", "mok"]
+    assert out["free_input"] == {"moe_dispatch": False, "mlp": False, "moe_combine": True}
     # the package is never installed in that process
     assert "installed the 'mok'" not in p.stderr
 
