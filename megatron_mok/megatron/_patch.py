@@ -208,14 +208,21 @@ def install() -> None:
         _patch_moe_layer(saved)
         _patch_free_input(saved)
     except Exception:
-        _restore_config(saved)
-        if "moe_layer_init" in saved:
-            from megatron.core.transformer.moe.moe_layer import MoELayer
-
-            MoELayer.__init__ = saved["moe_layer_init"]
+        _restore(saved)
         raise
     _STATE["saved"] = saved
     _STATE["installed"] = True
+
+
+def _restore(saved):
+    """Undo whatever of :func:`install`'s changes ``saved`` records (all, or those made before
+    one failed)."""
+    _restore_config(saved)
+    _restore_free_input(saved)
+    if "moe_layer_init" in saved:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        MoELayer.__init__ = saved["moe_layer_init"]
 
 
 def _restore_config(saved):
@@ -233,13 +240,7 @@ def uninstall() -> None:
     """Undo :func:`install` (tests)."""
     if not _STATE["installed"]:
         return
-    saved = _STATE["saved"]
-    _restore_config(saved)
-    _restore_free_input(saved)
-    if "moe_layer_init" in saved:
-        from megatron.core.transformer.moe.moe_layer import MoELayer
-
-        MoELayer.__init__ = saved["moe_layer_init"]
+    _restore(_STATE["saved"])
     _STATE["saved"] = {}
     _STATE["installed"] = False
 
