@@ -51,11 +51,12 @@ LAYER_PROBE = textwrap.dedent("""
     config_error = config_outcome(ep_size=1, moe_enable_deepep=True)
     ep_overlap = config_outcome(ep_size=2, dtype=torch.bfloat16,
                                 overlap_moe_expert_parallel_comm=True)
-    # the 1F1B EP overlap's free rule (0.19: models.common.utils, 0.16: the GPT callables) for
-    # a mok config: which schedule nodes may free their input after forward
+    # the 1F1B EP overlap's free rule (where install() looks for it) for a mok config: which
+    # schedule nodes may free their input after forward
     import importlib, inspect
+    from megatron_mok.megatron._patch import _FREE_INPUT_MODULES
     free_input = None
-    for name in ("megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables"):
+    for name in _FREE_INPUT_MODULES:
         try:
             rule = getattr(importlib.import_module(name), "should_free_input", None)
         except ImportError:
