@@ -385,10 +385,10 @@ class MokTokenDispatcher(MoETokenDispatcher):
         ``apply_router_token_dropping`` and alltoall's preprocess compute the same number).
         Taken from the dispatched token count, not in ``dispatch_preprocess``: under partial
         CUDA graphs that runs only while captured, and an eager call of another token count in
-        between would leave its capacity. ``capacity x EP``: each of the EP ranks exchanging
-        tokens through the Buffer (its group is the EP group) sends an expert at most
-        ``capacity`` routes (the router's per-column cap), so the rows fit when every EP rank has the same token count, which
-        ``alltoall``'s drop-and-pad assumes too (a rank with more tokens, hence a larger
+        between would leave its capacity. Each of the EP ranks exchanging tokens through the
+        Buffer (its group is the EP group) sends an expert at most ``capacity`` routes (the
+        router's per-column cap), so the rows fit when every EP rank has the same token count,
+        which ``alltoall``'s drop-and-pad assumes too (a rank with more tokens, hence a larger
         capacity, could overflow a peer's expert: an error, raised by the reference backend at
         the dispatch, by the CUDA backend at its next host read). It is what ``alltoall``
         gives (``capacity x tp_size x ep_size``, expert TP being 1 here).
