@@ -22,6 +22,8 @@ import torch
 from .versions import cuda_graph_scope_names
 
 DISPATCHER_NAME = "mok"
+# The CUDA backend's most routes per token (csrc kMaxTopk) and ranks per Buffer.
+CUDA_MAX_TOPK, CUDA_MAX_RANKS = 32, 64
 
 
 class MokConfigError(ValueError):
@@ -41,11 +43,21 @@ def config_problems(config) -> list:
     if getattr(config, "num_moe_experts", None) is None:
         p.append("num_moe_experts is not set; moe_token_dispatcher_type='mok' needs an MoE "
                  "model (set num_moe_experts / --num-experts)")
+    # Expert tensor parallelism works: each route goes to every expert-TP rank of its
+    # expert, over the TPxEP group (dispatcher.expand_routes_for_expert_tp). The CUDA kernels
+    # bound the routes per token and the ranks of one Buffer.
     etp = _effective_etp(config)
-    if etp != 1:
-        p.append(f"expert tensor parallelism is {etp}; MoK dispatches whole tokens over the "
-                 "expert-parallel group only: set expert_tensor_parallel_size=1 "
-                 "(--expert-tensor-parallel-size 1), or use moe_token_dispatcher_type='alltoall'")
+    topk = getattr(config, "moe_router_topk", 1) or 1
+    ranks = etp * int(getattr(config, "expert_model_parallel_size", 1) or 1)
+    if etp > 1 and MokOptions.from_config(config).backend != "reference":
+        if topk * etp > CUDA_MAX_TOPK:
+            p.append(f"moe_router_topk x expert_tensor_parallel_size = {topk} x {etp} = "
+                     f"{topk * etp} routes per token; with expert TP each route goes to every "
+                     f"expert-TP rank of its expert, and MoK's CUDA kernels take at most "
+                     f"{CUDA_MAX_TOPK}: lower expert_tensor_parallel_size (or set it to 1)")
+        if ranks > CUDA_MAX_RANKS:
+            p.append(f"expert_model_parallel_size x expert_tensor_parallel_size = {ranks} ranks "
+                     f"exchange tokens; MoK's CUDA kernels take at most {CUDA_MAX_RANKS}")
     # moe_pad_expert_input_to_capacity (drop-and-pad) works: the dispatcher drops the padding
     # routes and gives every local expert capacity x EP rows (MokTokenDispatcher); Megatron's
     # own check asks for moe_expert_capacity_factor.

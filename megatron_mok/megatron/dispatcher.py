@@ -33,6 +33,11 @@ local expert (``Buffer.dispatch(rows_per_expert=N)``: the received rows, then ze
 shapes Megatron's ``alltoall`` gives its experts; ``tokens_per_expert`` is ``[N] * E_local``,
 known on the host.
 
+Expert tensor parallelism (ETP > 1): the Buffer spans Megatron's TPxEP group and each route
+goes to every expert-TP rank of its expert (:func:`expand_routes_for_expert_tp`, as Megatron's
+``flex`` dispatcher widens its routing); the combine's per-token sum then also adds up the fc2
+shards' partial outputs, which ``alltoall`` reduce-scatters.
+
 Partial CUDA graphs (``moe_router`` + ``moe_preprocess``): ``dispatch_preprocess`` is
 captured with the router, the dispatch runs eagerly after the graph; the top-k ids cross
 from one to the other through ``cudagraph_attrs`` (see ``__init__``), dropless included.
@@ -123,6 +128,71 @@ def _expert_ids(num_experts: int, device: torch.device) -> torch.Tensor:
     return ids
 
 
+def expand_routes_for_expert_tp(topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                                num_local_experts: int,
+                                etp: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Routes over the EP group -> routes over the TPxEP group (expert tensor parallelism).
+
+    With ETP > 1 every expert is split over the ETP ranks of its EP rank, and each of them
+    needs every token routed to it (Megatron's ``alltoall`` all-gathers the received tokens
+    over the expert-TP group; its ``flex`` dispatcher, like this, widens the routing to the
+    TPxEP group). Rank ``g = ep * ETP + t`` of the TPxEP group (Megatron's order, checked by
+    :func:`expert_tp_problems`) then owns the *virtual* experts ``[g * L, (g + 1) * L)``, its
+    TP shard of the EP rank's experts ``[ep * L, (ep + 1) * L)``: a route to expert
+    ``e = ep * L + l`` becomes the ETP routes to ``(ep * ETP + t) * L + l``, ``t = 0..ETP-1``,
+    each with the same weight. The Buffer's rows on every rank are then its experts' rows in
+    expert-major order, and its combine sums, per token and in a fixed rank order, the ETP
+    ranks' partial outputs (a row-parallel fc2 leaves each TP shard's part of the sum) with
+    the experts': ``alltoall``'s reduce-scatter over the expert-TP group, done by the combine.
+    The weight's gradient is the sum over the ETP copies (each TP shard's part of it).
+
+    Args:
+        topk_idx: ``[T, K]`` int64 global expert ids, ``-1`` = not routed.
+        topk_weights: ``[T, K]`` float32.
+        num_local_experts: ``L``, experts per EP rank.
+        etp: the expert tensor-parallel size.
+
+    Returns:
+        ``([T, K * ETP] int64 virtual expert ids (``-1`` kept), [T, K * ETP] float32)``, slot
+        ``k * ETP + t`` holding route ``k``'s copy for TP rank ``t``. Differentiable w.r.t.
+        ``topk_weights``.
+    """
+    num_tokens, topk = topk_idx.shape
+    wide = (num_tokens, topk * etp)
+    ep = topk_idx.div(num_local_experts, rounding_mode="floor")
+    local = topk_idx.remainder(num_local_experts)
+    shard = torch.arange(etp, device=topk_idx.device, dtype=topk_idx.dtype)
+    virtual = (ep.unsqueeze(-1) * etp + shard) * num_local_experts + local.unsqueeze(-1)
+    virtual = torch.where(topk_idx.unsqueeze(-1) >= 0, virtual, -1).reshape(wide)
+    weights = topk_weights.unsqueeze(-1).expand(num_tokens, topk, etp).reshape(wide)
+    return virtual, weights
+
+
+def expert_tp_problems(ep_group, etp_group, tp_ep_group) -> list:
+    """What keeps MoK from running expert tensor parallelism over these groups (empty: it
+    can): the TPxEP group must hold the ranks in Megatron's order, EP rank ``e`` / expert-TP
+    rank ``t`` at ``e * ETP + t``, which :func:`expand_routes_for_expert_tp` routes by.
+    Checked on this rank's three groups, no communication. (The sizes the CUDA kernels take
+    are checked at config time: :func:`config.config_problems`.)"""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return []
+    me = dist.get_rank()
+    tp_ep = dist.get_process_group_ranks(tp_ep_group)
+    ep_ranks = dist.get_process_group_ranks(ep_group)
+    tp_ranks = dist.get_process_group_ranks(etp_group)
+    etp = len(tp_ranks)
+    e, t = ep_ranks.index(me), tp_ranks.index(me)
+    expected = {e2 * etp + t: r for e2, r in enumerate(ep_ranks)}
+    expected.update({e * etp + t2: r for t2, r in enumerate(tp_ranks)})
+    if len(tp_ep) == len(ep_ranks) * etp and all(tp_ep[i] == r for i, r in expected.items()):
+        return []
+    return [f"the TPxEP group's ranks {tp_ep} are not in Megatron's order for EP group "
+            f"{ep_ranks} and expert-TP group {tp_ranks} (EP rank e, expert-TP rank t at "
+            "e * ETP + t), which MoK's expert-TP routing assumes"]
+
+
 def _group_key(group) -> int:
     return id(group)
 
@@ -135,7 +205,8 @@ class MokTokenDispatcher(MoETokenDispatcher):
         local_expert_indices: their global ids; must be ``[r*E_local, (r+1)*E_local)`` for
             EP rank ``r`` (the layout the Buffer uses).
         config: the ``TransformerConfig``.
-        pg_collection: Megatron's ``ProcessGroupCollection`` (``ep``, ``expt_tp``, ``tp_ep``).
+        pg_collection: Megatron's ``ProcessGroupCollection`` (``ep``, ``expt_tp``, ``tp_ep``);
+            the Buffer's group is ``ep``, or ``tp_ep`` with expert TP.
     """
 
     def __init__(self, num_local_experts: int, local_expert_indices: List[int], config,
@@ -146,9 +217,13 @@ class MokTokenDispatcher(MoETokenDispatcher):
             pg_collection = get_default_pg_collection()
         super().__init__(config=config, pg_collection=pg_collection)
         problems = config_problems(config)
-        if self.tp_size != 1:
-            problems.append(f"the expert tensor-parallel group has {self.tp_size} ranks; set "
-                            "expert_tensor_parallel_size=1")
+        self.options = MokOptions.from_config(config)
+        # Expert tensor parallelism (ETP = self.tp_size, Megatron's expt_tp group): see
+        # expand_routes_for_expert_tp. The Buffer then spans the TPxEP group.
+        self.etp = self.tp_size
+        self.group = self.tp_ep_group if self.etp > 1 else self.ep_group
+        if self.etp > 1:
+            problems += expert_tp_problems(self.ep_group, self.tp_group, self.tp_ep_group)
         # Drop-and-pad (see the module docstring). Megatron's config check asks for the
         # capacity factor; this catches a config edited after that check.
         self.drop_and_pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
@@ -169,7 +244,6 @@ class MokTokenDispatcher(MoETokenDispatcher):
         if self.local_expert_indices != expected:
             raise ValueError(f"MoK needs local experts {expected} on EP rank {self.ep_rank}, got "
                              f"{self.local_expert_indices}")
-        self.options = MokOptions.from_config(config)
         # "auto": device unless the experts read the counts on the host and cannot take a
         # device tensor (set by the MoELayer patch once the experts exist).
         self.tokens_per_expert_on_host = self.options.tokens_per_expert == "host"
@@ -239,16 +313,16 @@ class MokTokenDispatcher(MoETokenDispatcher):
         import megatron_mok as mok
 
         opts = self.options
-        group = self.ep_group
+        group = self.group
         gkey = _group_key(group)
         num_tokens = hidden.shape[0]
         with _LOCK:
             t_max = opts.max_tokens_per_rank or _T_MAX.get(gkey)
         if t_max is None:
-            # First dispatch in this process: agree on T_max across the EP ranks (they all
-            # reach their first MoE layer together). One all-reduce, never repeated.
+            # First dispatch in this process: agree on T_max across the Buffer's ranks (they
+            # all reach their first MoE layer together). One all-reduce, never repeated.
             t = torch.tensor([num_tokens], dtype=torch.int64, device=hidden.device)
-            if self.ep_size > 1:
+            if self.ep_size * self.etp > 1:
                 torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
             t_max = max(int(t.item()), 1)
             with _LOCK:
@@ -268,13 +342,16 @@ class MokTokenDispatcher(MoETokenDispatcher):
         if alignment > 1:
             kwargs["expert_alignment"] = alignment
         # Layers whose knobs differ (config.moe_mok_<name>) get Buffers of their own.
-        key = (gkey, self.num_experts, hidden.shape[1], self.topk, hidden.dtype, opts.backend,
+        # With expert TP the Buffer sees E x ETP experts and K x ETP routes per token
+        # (expand_routes_for_expert_tp).
+        num_experts, topk = self.num_experts * self.etp, self.topk * self.etp
+        key = (gkey, num_experts, hidden.shape[1], topk, hidden.dtype, opts.backend,
                opts.combine_partial_dtype, t_max, str(hidden.device), tuple(sorted(kwargs.items())))
         with _LOCK:
             buf = _BUFFERS.get(key)
         if buf is None:
-            buf = mok.Buffer(group, num_experts=self.num_experts, hidden=hidden.shape[1],
-                             topk=self.topk, max_tokens_per_rank=t_max, dtype=hidden.dtype,
+            buf = mok.Buffer(group, num_experts=num_experts, hidden=hidden.shape[1],
+                             topk=topk, max_tokens_per_rank=t_max, dtype=hidden.dtype,
                              backend=opts.backend,
                              combine_partial_dtype=opts.combine_partial_dtype, **kwargs)
             with _LOCK:
@@ -350,6 +427,8 @@ class MokTokenDispatcher(MoETokenDispatcher):
         # The layer input's shape, for the shared experts' input and combine_postprocess.
         self.hidden_shape = torch.Size((*ids.shape[:-1], hidden_states.shape[-1]))
         ids = ids.reshape(-1, self.topk)
+        if self.etp > 1:
+            ids, probs = expand_routes_for_expert_tp(ids, probs, self.num_local_experts, self.etp)
         # First: a call with too many tokens raises here, before the shared experts' hooks
         # start (Megatron 0.19 checks their order: a half-run forward would fail the next one).
         self.buffer = self._get_buffer(hidden_states)
@@ -381,17 +460,17 @@ class MokTokenDispatcher(MoETokenDispatcher):
         """Drop-and-pad: ``N``, the rows every local expert gets when this rank dispatches
         ``num_tokens`` tokens (with :attr:`buffer` set).
 
-        ``capacity x EP``, ``capacity`` being Megatron's for these tokens (the router's
+        ``capacity x EP x ETP``, ``capacity`` being Megatron's for these tokens (the router's
         ``apply_router_token_dropping`` and alltoall's preprocess compute the same number).
         Taken from the dispatched token count, not in ``dispatch_preprocess``: under partial
         CUDA graphs that runs only while captured, and an eager call of another token count in
-        between would leave its capacity. Each of the EP ranks exchanging tokens through the
-        Buffer (its group is the EP group) sends an expert at most ``capacity`` routes (the
-        router's per-column cap), so the rows fit when every EP rank has the same token count,
-        which ``alltoall``'s drop-and-pad assumes too (a rank with more tokens, hence a larger
-        capacity, could overflow a peer's expert: an error, raised by the reference backend at
-        the dispatch, by the CUDA backend at its next host read). It is what ``alltoall``
-        gives (``capacity x tp_size x ep_size``, expert TP being 1 here).
+        between would leave its capacity. Each of the ranks exchanging tokens through the
+        Buffer (the EP group, the TPxEP group with expert TP) sends an expert at most
+        ``capacity`` routes (the router's per-column cap), so the rows fit when every rank has
+        the same token count, which ``alltoall``'s drop-and-pad assumes too (a rank with more
+        tokens, hence a larger capacity, could overflow a peer's expert: an error, raised by
+        the reference backend at the dispatch, by the CUDA backend at its next host read). It
+        is what ``alltoall`` gives (``capacity x tp_size x ep_size``).
 
         With ``moe_router_padding_for_quantization`` it is rounded up to the Buffer's
         ``expert_alignment`` (Megatron's FP8 / FP4 alignment): the Buffer needs ``N`` to be a

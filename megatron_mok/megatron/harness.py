@@ -29,16 +29,16 @@ def fix_megatron_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def init_parallel(ep_size: int, tp_size: int = 1, seed: int = 1234) -> None:
-    """``parallel_state.initialize_model_parallel`` for expert parallelism ``ep_size``
-    (torch.distributed must already be initialised)."""
+def init_parallel(ep_size: int, tp_size: int = 1, seed: int = 1234, etp_size: int = 1) -> None:
+    """``parallel_state.initialize_model_parallel`` for expert parallelism ``ep_size`` and
+    expert tensor parallelism ``etp_size`` (torch.distributed must already be initialised)."""
     from megatron.core import parallel_state
 
     fix_megatron_without_te()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     kwargs = dict(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=1,
-                  expert_model_parallel_size=ep_size)
+                  expert_model_parallel_size=ep_size, expert_tensor_parallel_size=etp_size)
     parallel_state.initialize_model_parallel(**kwargs)
     if torch.cuda.is_available():
         from megatron.core import tensor_parallel
@@ -48,11 +48,17 @@ def init_parallel(ep_size: int, tp_size: int = 1, seed: int = 1234) -> None:
 
 
 def destroy_parallel() -> None:
+    """Tear down what :func:`init_parallel` and the layers set up in this process: the shared
+    MoK Buffers, Megatron's parallel state, and Megatron's process-global aux-loss scale (a
+    backward before any ``set_loss_scale`` makes it a 0-dim tensor, into which a later
+    ``set_loss_scale(torch.ones(1))`` in the same process cannot copy)."""
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from .dispatcher import reset_buffers
 
     reset_buffers()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
 
@@ -137,9 +143,9 @@ def moe_submodules(config, cpu_router: bool = False):
 
 
 def single_rank_pg_collection():
-    """Megatron's default MoE process groups, with the expert-parallel groups replaced by
-    this rank alone (EP = 1 while torch.distributed has W ranks). Collective: every rank
-    must call it."""
+    """Megatron's default MoE process groups, with the expert-parallel and expert
+    tensor-parallel groups replaced by this rank alone (EP = ETP = 1 while torch.distributed
+    has W ranks). Collective: every rank must call it."""
     import torch.distributed as dist
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
@@ -152,6 +158,7 @@ def single_rank_pg_collection():
     pgs = get_default_pg_collection()
     pgs.ep = mine
     pgs.tp_ep = mine
+    pgs.expt_tp = mine
     return pgs
 
 

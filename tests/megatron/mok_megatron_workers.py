@@ -18,7 +18,7 @@ import torch.distributed as dist
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _setup(ep_size: int, backend_env: str | None = None):
+def _setup(ep_size: int, backend_env: str | None = None, etp_size: int = 1):
     warnings.filterwarnings("ignore")
     if backend_env:
         os.environ["MOK_BACKEND"] = backend_env
@@ -29,7 +29,7 @@ def _setup(ep_size: int, backend_env: str | None = None):
     from megatron_mok.megatron import harness
 
     mm.install()
-    harness.init_parallel(ep_size)
+    harness.init_parallel(ep_size, etp_size=etp_size)
     harness.enable_cpu_alltoall()
     return harness
 
@@ -686,6 +686,148 @@ def layer_drop_and_pad(rank, world, capacity_factor, drop_policy, with_alltoall=
                 "routes": T * K, "local_experts": e_local}
     finally:
         h.destroy_parallel()
+
+
+def layer_expert_tp(rank, world, etp, drop_and_pad=False, backend_env=None):
+    """Expert tensor parallelism through ``mok``: ``ETP = etp``, ``EP = world / etp``, each
+    expert's fc1 split by rows and fc2 by columns over its ETP ranks (Megatron's
+    ``SequentialMLP`` with ``expert_tensor_parallel_size``), against the same layer with every
+    expert whole and local on each rank (``alltoall`` with EP = ETP = 1: no exchange), its
+    weights put together from every rank's shards. Each rank's tokens through both layers:
+
+    - the ETP ranks of one EP rank hand their experts bitwise the same rows, and as many per
+      expert as all ranks route to it (the reference's counts summed over the ranks; with
+      drop-and-pad ``capacity x EP x ETP`` each, ``alltoall``'s count);
+    - output, input gradient and the router's gradient equal the reference's; each expert
+      shard's weight gradient equals its slice of the reference's gradient summed over the
+      ranks (within 1e-5 in fp32 on CPU, 2e-2 in bf16 on a GPU);
+    - ``mok`` twice is bitwise equal.
+
+    Returns ``{"rows": rows this rank's experts got, "tokens_per_expert", "ep", "etp"}``.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    ep = world // etp
+    h = _setup(ep, backend_env, etp_size=etp)
+    try:
+        dev = _device()
+        gpu = dev.type == "cuda"
+        dt = torch.bfloat16 if gpu else torch.float32
+        E, K, T, H, F = 4 * ep, 2, 40, (64 if gpu else 32), 64
+        L = E // ep
+        kw = dict(num_experts=E, topk=K, hidden=H, ffn_hidden=F, add_bias_linear=False,
+                  moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+                  **({"dtype": dt} if gpu else {}))
+        if drop_and_pad:
+            kw.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+        on = {"device": dev, "dtype": dt} if gpu else {}
+        torch.manual_seed(rank)       # each rank's own shards
+        mok = h.build_moe_layer(h.moe_config("mok", ep_size=ep, expert_tensor_parallel_size=etp,
+                                             **kw), **on)
+        ref = h.build_moe_layer(h.moe_config("alltoall", ep_size=1, **kw),
+                                pg_collection=h.single_rank_pg_collection(), **on)
+        assert type(mok.token_dispatcher).__name__ == "MokTokenDispatcher"
+        e_rank, t_rank = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
+        assert mok.token_dispatcher.etp == etp
+
+        # the reference's weights: every rank's expert shards put together, this rank's router
+        own = {k: v.detach().cpu() for k, v in mok.state_dict().items() if torch.is_tensor(v)}
+        shards = [None] * world
+        dist.all_gather_object(shards, (e_rank, t_rank, {k: v for k, v in own.items()
+                                                          if _EXPERT_KEY.match(k)}))
+        pieces, full = {}, {k: v for k, v in own.items() if not _EXPERT_KEY.match(k)}
+        for e, t, sd in shards:
+            for k, v in sd.items():
+                m = _EXPERT_KEY.match(k)
+                pieces.setdefault(f"experts.local_experts.{e * L + int(m.group(1))}.{m.group(2)}",
+                                  {})[t] = v
+        for name, by_t in pieces.items():
+            assert sorted(by_t) == list(range(etp)), (name, sorted(by_t))
+            dim = 0 if "linear_fc1" in name else 1        # fc1 split by rows, fc2 by columns
+            full[name] = torch.cat([by_t[t] for t in range(etp)], dim=dim)
+        ref.load_state_dict({k: v.to(dev) for k, v in full.items()}, strict=True)
+
+        seen = {"mok": [], "ref": []}     # what the experts are handed (a pre-hook returns None)
+        for name, layer in (("mok", mok), ("ref", ref)):
+            layer.experts.register_forward_pre_hook(
+                lambda mod, args, name=name: seen[name].append(
+                    (args[0].detach().float().cpu(), args[1].cpu())))
+        g = torch.Generator().manual_seed(500 + rank)
+        x = torch.randn(T, 1, H, generator=g).to(dt).to(dev)
+        gy = torch.randn(T, 1, H, generator=g).to(dt).to(dev)
+        y_m, dx_m, g_m = _run_layer(mok, x, gy)
+        _assert_runs_bitwise(_run_layer(mok, x, gy), (y_m, dx_m, g_m), "mok run 2 vs run 1")
+        y_r, dx_r, g_r = _run_layer(ref, x, gy)
+
+        # rows: the same on every expert-TP rank of an EP rank; as many as all ranks route
+        rows, tpe = seen["mok"][0]
+        every = [None] * world
+        dist.all_gather_object(every, (e_rank, t_rank, rows, tpe))
+        for e, t, r2, c2 in every:
+            if e == e_rank:
+                _assert_bitwise(r2, rows, f"rows of EP rank {e}: expert-TP rank {t} vs {t_rank}")
+                assert c2.tolist() == tpe.tolist(), (e, t, c2.tolist(), tpe.tolist())
+        if drop_and_pad:
+            cap = get_capacity(num_tokens=T * K, num_experts=E, capacity_factor=1.0)
+            assert tpe.tolist() == [cap * world] * L, (tpe.tolist(), cap, world)
+        else:
+            routed = _sum_over_ranks(seen["ref"][0][1], dev)
+            assert tpe.tolist() == routed[e_rank * L:(e_rank + 1) * L].tolist(), (tpe, routed)
+
+        tol = dict(atol=2e-2, rtol=2e-2) if gpu else dict(atol=1e-5, rtol=1e-5)
+
+        def close(a, b, what):
+            torch.testing.assert_close(a.float().cpu(), b.float().cpu(), **tol,
+                                       msg=lambda m: f"{what}: {m}")
+
+        close(y_m, y_r, "output")
+        close(dx_m, dx_r, "input grad")
+        summed = {}
+        for k in sorted(g_r):
+            if _EXPERT_KEY.match(k):
+                summed[k] = _sum_over_ranks(g_r[k].float(), dev)
+        for k, v in g_m.items():
+            m = _EXPERT_KEY.match(k)
+            if not m:
+                close(v, g_r[k], f"grad {k}")
+                continue
+            want = summed[f"experts.local_experts.{e_rank * L + int(m.group(1))}.{m.group(2)}"]
+            dim = 0 if "linear_fc1" in k else 1
+            close(v, want.chunk(etp, dim=dim)[t_rank], f"grad {k} (expert-TP shard {t_rank})")
+        assert float(y_m.float().abs().sum()) > 0
+        assert all(float(v.abs().sum()) > 0 for v in g_m.values())
+        return {"rows": int(rows.shape[0]), "tokens_per_expert": tpe.tolist(), "ep": ep, "etp": etp}
+    finally:
+        h.destroy_parallel()
+
+
+def _sum_over_ranks(t, dev):
+    """``t`` summed over the ranks (on ``dev``, which the backend can reduce), on the CPU."""
+    t = t.to(dev).clone()
+    dist.all_reduce(t)
+    return t.cpu()
+
+
+def expert_tp_group_order(rank, world):
+    """:func:`expert_tp_problems` on 4 ranks: groups in Megatron's order (expert-TP rank
+    fastest in the TPxEP group) pass; EP rank fastest instead is named (the routing would
+    send each EP rank's tokens to the wrong ranks)."""
+    from megatron_mok.megatron.dispatcher import expert_tp_problems
+
+    def groups(fast):      # the groups of this rank when `fast` pairs vary fastest
+        mine = None
+        for pair in ([0, 1], [2, 3]) if fast else ([0, 2], [1, 3]):
+            g = dist.new_group(pair)
+            if rank in pair:
+                mine = g
+        return mine
+
+    tp_ep = dist.new_group([0, 1, 2, 3])
+    etp_fast, ep_slow = groups(True), groups(False)        # Megatron: etp [0,1], ep [0,2]
+    ok = expert_tp_problems(ep_slow, etp_fast, tp_ep)
+    bad = expert_tp_problems(etp_fast, ep_slow, tp_ep)     # ep [0,1], etp [0,2]
+    return ok, bad
 
 
 def layer_drop_and_pad_graph_gpu(rank, world, capacity_factor=1.0):

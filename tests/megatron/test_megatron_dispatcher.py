@@ -132,6 +132,48 @@ def test_drop_and_pad_layer_graph_capture_one_gpu():
     assert run_distributed(W.layer_drop_and_pad_graph_gpu, 1, backend="nccl") == [True]
 
 
+def _check_expert_tp(reports, world, etp, drop_and_pad):
+    """What the ranks of :func:`W.layer_expert_tp` report: EP = world / ETP; dropless, every
+    route of every rank (40 tokens x top-2 each) is received ETP times, once per expert-TP
+    rank of its expert; with drop-and-pad every rank's experts get as many rows."""
+    assert [(r["ep"], r["etp"]) for r in reports] == [(world // etp, etp)] * world
+    assert all(r["rows"] == sum(r["tokens_per_expert"]) for r in reports), reports
+    if drop_and_pad:
+        assert len({r["rows"] for r in reports}) == 1, reports
+    else:
+        assert sum(r["rows"] for r in reports) == etp * world * 40 * 2, reports
+
+
+@pytest.mark.parametrize("drop_and_pad", [False, True])
+@pytest.mark.parametrize("world,etp", [(2, 2), (4, 2), (4, 4)])
+def test_expert_tensor_parallel_cpu(world, etp, drop_and_pad):
+    # ETP > 1: routes widened to the TPxEP group, the combine sums the fc2 shards' partials;
+    # against every expert whole on each rank
+    reports = run_distributed(W.layer_expert_tp, world, etp, drop_and_pad, timeout=300)
+    _check_expert_tp(reports, world, etp, drop_and_pad)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("world,etp,drop_and_pad", [(2, 2, False), (4, 2, False), (4, 2, True)])
+def test_expert_tensor_parallel_gpu(world, etp, drop_and_pad):
+    from harness import gpus_for
+
+    if not gpus_for(world):
+        pytest.skip(f"needs {world} GPUs (or MOK_TEST_SHARED_GPU=1)")
+    reports = run_distributed(W.layer_expert_tp, world, etp, drop_and_pad, backend_env="cuda",
+                              backend="nccl", timeout=300)
+    _check_expert_tp(reports, world, etp, drop_and_pad)
+
+
+def test_expert_tensor_parallel_group_order_cpu():
+    reports = run_distributed(W.expert_tp_group_order, 4, fresh=True)
+    for rank, (ok, bad) in enumerate(reports):
+        assert ok == [], (rank, ok)
+        # every rank sees it, ranks 0 and 3 too (their own place is the same in both orders,
+        # their group peers' are not)
+        assert len(bad) == 1 and "not in Megatron's order" in bad[0], (rank, bad)
+
+
 @pytest.mark.parametrize("drop_and_pad", [False, True])
 @pytest.mark.parametrize("world", [1, 2])
 def test_partial_capture_attrs_cpu(world, drop_and_pad):

@@ -76,10 +76,14 @@ def test_uninstall_restores_and_reinstall_works():
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (dict(expert_tensor_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
-     "expert_tensor_parallel_size=1"),
-    (dict(tensor_model_parallel_size=2, sequence_parallel=True),       # ETP defaults to TP
-     "expert_tensor_parallel_size=1"),
+    # expert TP sends each route to every expert-TP rank: 8 x 8 routes per token is more than
+    # the CUDA kernels take (32)
+    (dict(moe_router_topk=8, expert_tensor_parallel_size=8, tensor_model_parallel_size=8,
+          sequence_parallel=True, add_bias_linear=False), "8 x 8 = 64 routes per token"),
+    (dict(moe_router_topk=8, tensor_model_parallel_size=8, sequence_parallel=True,
+          add_bias_linear=False), "8 x 8 = 64 routes per token"),      # ETP defaults to TP
+    (dict(num_moe_experts=128, expert_tensor_parallel_size=2, expert_model_parallel_size=64,
+          add_bias_linear=False), "= 128 ranks"),
     (dict(num_moe_experts=None), "num_moe_experts"),
 ])
 def test_unsupported_configs_fail_at_config_time(overrides, needle):
@@ -89,7 +93,7 @@ def test_unsupported_configs_fail_at_config_time(overrides, needle):
     assert "moe_token_dispatcher_type='mok'" in str(e.value)
 
 
-def test_supported_variants_build_configs():
+def test_supported_variants_build_configs(monkeypatch):
     # router-side token dropping (capacity factor, no padding), drop-and-pad, and a
     # non-overlapped shared expert are fine: MoK just sees fewer routes / gives every expert
     # capacity x EP rows / Megatron runs the shared expert
@@ -100,6 +104,18 @@ def test_supported_variants_build_configs():
     with pytest.raises(ValueError, match="moe_expert_capacity_factor must be set"):
         _cfg(moe_pad_expert_input_to_capacity=True)
     _cfg(moe_shared_expert_intermediate_size=32)
+    # expert tensor parallelism (routes widened to the TPxEP group), also by default from TP
+    # (Megatron allows MoE biases with ETP = 1 only)
+    etp = dict(sequence_parallel=True, add_bias_linear=False)
+    assert _cfg(expert_tensor_parallel_size=2, tensor_model_parallel_size=2,
+                **etp).expert_tensor_parallel_size == 2
+    _cfg(moe_router_topk=8, tensor_model_parallel_size=4, **etp)  # 32 routes
+    # the reference backend has no bound on the routes per token
+    monkeypatch.setenv("MOK_BACKEND", "reference")
+    cfg = _cfg(moe_router_topk=8, expert_tensor_parallel_size=8, tensor_model_parallel_size=8,
+               num_attention_heads=8, **etp)
+    assert cfg.expert_tensor_parallel_size == 8
+    monkeypatch.delenv("MOK_BACKEND")
     # other dispatchers are untouched by the MoK checks
     _cfg(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=32,
          moe_shared_expert_overlap=True)
@@ -145,8 +161,9 @@ def test_ep_overlap_config_is_validated_as_alltoall():
     with pytest.raises((ValueError, AssertionError), match="recomput"):
         _overlap_cfg(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     # the MoK checks still come first: an unsupported setting beside the overlap is named
-    with pytest.raises(mm.MokConfigError, match="expert_tensor_parallel_size=1"):
-        _overlap_cfg(expert_tensor_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(mm.MokConfigError, match="64 routes per token"):
+        _overlap_cfg(moe_router_topk=8, expert_tensor_parallel_size=8, tensor_model_parallel_size=8,
+                     sequence_parallel=True, add_bias_linear=False)
 
 
 def test_ep_overlap_keeps_the_inputs_mok_still_needs():
@@ -258,6 +275,28 @@ def test_routing_map_to_topk():
     # more routes than top-k is an error, not a silent drop
     with pytest.raises(RuntimeError, match="more than moe_router_topk"):
         routing_map_to_topk(torch.ones(2, 6, dtype=torch.bool), torch.ones(2, 6), 2)
+
+
+def test_expand_routes_for_expert_tp():
+    from megatron_mok.megatron.dispatcher import expand_routes_for_expert_tp
+
+    # 2 experts per EP rank, ETP 2: expert e = (ep, l) -> virtual (ep * 2 + t) * 2 + l
+    idx = torch.tensor([[0, 3], [-1, 2], [1, -1]])
+    w = torch.tensor([[0.5, 0.25], [0.0, 0.75], [1.0, 0.0]], requires_grad=True)
+    v, vw = expand_routes_for_expert_tp(idx, w, 2, 2)
+    assert v.tolist() == [[0, 2, 5, 7], [-1, -1, 4, 6], [1, 3, -1, -1]]
+    assert v.dtype == torch.int64 and vw.dtype == torch.float32
+    assert vw.tolist() == [[0.5, 0.5, 0.25, 0.25], [0.0, 0.0, 0.75, 0.75], [1.0, 1.0, 0.0, 0.0]]
+    # each copy's gradient flows back to its route: the expert-TP shards' parts add up
+    (vw * torch.arange(1.0, 13.0).view(3, 4)).sum().backward()
+    assert w.grad.tolist() == [[3.0, 7.0], [11.0, 15.0], [19.0, 23.0]]
+    # every virtual expert of EP rank ep's TP ranks holds EP rank ep's experts (ETP 3, L 4)
+    idx = torch.arange(-1, 8).view(-1, 1)
+    v, _ = expand_routes_for_expert_tp(idx, torch.ones(9, 1), 4, 3)
+    for e, row in zip(range(-1, 8), v.tolist()):
+        want = [-1] * 3 if e < 0 else [((e // 4) * 3 + t) * 4 + e % 4 for t in range(3)]
+        assert row == want, (e, row)
+    assert expand_routes_for_expert_tp(idx[:0], torch.ones(0, 1), 4, 3)[0].shape == (0, 3)
 
 
 @pytest.mark.parametrize("scopes,drop_and_pad,needle", [
