@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 benchmarks/bench_layer.py --tiny        # CPU / gloo smoke
     torchrun --nproc-per-node 2 benchmarks/bench_layer.py --shared-ffn 2048 \
         --dispatchers alltoall,alltoall:overlap,mok,mok:overlap         # + a shared expert
+    torchrun --nproc-per-node 2 benchmarks/bench_layer.py --etp 2       # expert TP (EP = 1)
 
 Dispatchers: ``alltoall``, ``flex`` (only when ``deep_ep`` imports) and ``mok``; a name with
 ``:overlap`` runs that dispatcher with ``moe_shared_expert_overlap`` (needs ``--shared-ffn``:
@@ -60,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--drop-and-pad", type=float, default=None, metavar="CF",
                    help="every layer with moe_expert_capacity_factor=CF and "
                         "moe_pad_expert_input_to_capacity (Megatron's drop-and-pad)")
+    p.add_argument("--etp", type=int, default=1,
+                   help="expert tensor parallelism: EP = world size / ETP (each expert split "
+                        "over ETP ranks; no MoE biases)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--iters", type=int, default=20)
@@ -77,6 +81,8 @@ def parse_args(argv=None):
         args.tokens, args.hidden, args.ffn_hidden, args.num_experts, args.topk = 64, 32, 64, 4, 2
     if args.iters < 20:
         p.error("--iters must be >= 20")
+    if args.etp < 1 or args.ffn_hidden % args.etp:
+        p.error(f"--etp {args.etp}: a positive divisor of --ffn-hidden ({args.ffn_hidden})")
     variants = [dispatcher_variant(d) for d in args.dispatchers.split(",") if d]
     if any(v is None for v in variants):
         p.error(f"--dispatchers {args.dispatchers!r}: each is NAME or NAME:overlap, and mok "
@@ -197,6 +203,9 @@ def run(args):
         os.environ.setdefault(k, v)
     init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
+    if world % args.etp:
+        raise SystemExit(f"--etp {args.etp} does not divide the world size {world}")
+    ep = world // args.etp
     # A gloo group (tests, CPU runs) means CPU tensors even where a GPU is visible.
     on_gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -207,7 +216,7 @@ def run(args):
     from megatron_mok.megatron import harness
 
     mm.install()
-    harness.init_parallel(world, seed=args.seed)
+    harness.init_parallel(ep, seed=args.seed, etp_size=args.etp)
     harness.enable_cpu_megatron(on_cpu=device.type == "cpu")
 
     wanted = [d for d in args.dispatchers.split(",") if d]
@@ -252,7 +261,8 @@ def run(args):
         if "graphs" in modes:
             extra.update(cuda_graph_impl="local",
                          **harness.graph_scope_kwargs(["moe_router", "moe_preprocess"]))
-        cfg = harness.moe_config(name, ep_size=world, **kw, **extra)
+        cfg = harness.moe_config(name, ep_size=ep, expert_tensor_parallel_size=args.etp,
+                                 **kw, **extra)
         if "high" in modes:
             cfg.moe_mok_comm_stream = "high"     # MOK_COMM_STREAM=high for this layer only
         if variant_num_sms(modes) is not None:
@@ -318,6 +328,7 @@ def run(args):
         "shape": {"tokens_per_rank": args.tokens, "hidden": args.hidden,
                   "ffn_hidden": args.ffn_hidden, "num_experts": args.num_experts,
                   "topk": args.topk, "shared_ffn": args.shared_ffn,
+                  "expert_parallel": ep, "expert_tensor_parallel": args.etp,
                   "drop_and_pad_capacity_factor": args.drop_and_pad,
                   "schedule": "sequential" if args.sequential else "interleaved",
                   "experts": "SequentialMLP (Megatron local spec)",

@@ -31,7 +31,10 @@
 #    same kind of gain for both; measured at W=1 only); with AB=8: Megatron's 1F1B EP overlap
 #    in training (examples/run_gpu_ab.sh ab_ep_overlap: 4 micro-batches per step through
 #    Megatron's schedule without and with --overlap-moe-expert-parallel-comm, alltoall and mok,
-#    flex when deep_ep imports; NOTES item 14 after session 20).
+#    flex when deep_ep imports; NOTES item 14 after session 20); with AB=9: expert tensor
+#    parallelism on 2 GPUs (EP 1 x ETP 2): its GPU tests with Megatron's own expert TP compared
+#    (NCCL), then the layer A/B (bench_layer.py --etp 2, alltoall / mok / flex when deep_ep
+#    imports, hidden 7168, 16384 tokens, top-8, two rounds; NOTES item 16 after session 21).
 # Everything lands in $OUT/r.tgz; assemble with scripts/results_json.py.
 set -uo pipefail
 C=${1:?commit}; AB=${2:-1}
@@ -111,5 +114,17 @@ elif [ "$AB" = 8 ]; then
   install_wheels .whl /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
   PYTHON=python3 step ab_ep_overlap 420 bash examples/run_gpu_ab.sh $R/ab_ep_overlap ab_ep_overlap
   grep -E -A5 "^dispatcher" $R/ab_ep_overlap.log
+elif [ "$AB" = 9 ]; then
+  install_wheels .whl /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  step expert_tp_tests 200 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
+    tests/megatron/test_megatron_dispatcher.py -k "expert_tensor_parallel_gpu and 2-2"
+  grep -E " PASSED| FAILED| ERROR|SKIPPED \[" $R/expert_tp_tests.log
+  disp=alltoall,mok; python3 -c "import deep_ep" 2>/dev/null && disp=alltoall,flex,mok
+  for i in 1 2; do
+    step layer_etp_$i 180 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_layer.py \
+      --etp 2 --dispatchers $disp --tokens 16384 --hidden 7168 --ffn-hidden 512 --num-experts 16 \
+      --topk 8 --iters 20 --out-dir $R/layer --tag x2_etp2_$i
+    grep -E "median" $R/layer_etp_$i.log
+  done
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r

@@ -701,9 +701,14 @@ def layer_expert_tp(rank, world, etp, drop_and_pad=False, backend_env=None):
     - output, input gradient and the router's gradient equal the reference's; each expert
       shard's weight gradient equals its slice of the reference's gradient summed over the
       ranks (within 1e-5 in fp32 on CPU, 2e-2 in bf16 on a GPU);
-    - ``mok`` twice is bitwise equal.
+    - ``mok`` twice is bitwise equal;
+    - Megatron's own expert TP (``alltoall`` with the same ETP: all-to-all over EP, all-gather
+      and reduce-scatter over expert TP) with the same shards gives the same output and
+      gradients (same tolerances). Not in shared-GPU mode (its gloo group and Megatron's CUDA
+      collectives), nor with drop-and-pad on CPU (Megatron's reduce-scatter allocates on CUDA).
 
-    Returns ``{"rows": rows this rank's experts got, "tokens_per_expert", "ep", "etp"}``.
+    Returns ``{"rows": rows this rank's experts got, "tokens_per_expert", "ep", "etp",
+    "alltoall": whether Megatron's expert TP was compared}``.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import get_capacity
@@ -727,6 +732,12 @@ def layer_expert_tp(rank, world, etp, drop_and_pad=False, backend_env=None):
                                              **kw), **on)
         ref = h.build_moe_layer(h.moe_config("alltoall", ep_size=1, **kw),
                                 pg_collection=h.single_rank_pg_collection(), **on)
+        # Megatron's drop-and-pad reduce-scatter allocates on CUDA even for CPU tensors
+        with_a2a = (not gpu and not drop_and_pad) or dist.get_backend() == "nccl"
+        if with_a2a:
+            a2a = h.build_moe_layer(h.moe_config("alltoall", ep_size=ep,
+                                                 expert_tensor_parallel_size=etp, **kw), **on)
+            a2a.load_state_dict(mok.state_dict())
         assert type(mok.token_dispatcher).__name__ == "MokTokenDispatcher"
         e_rank, t_rank = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
         assert mok.token_dispatcher.etp == etp
@@ -795,9 +806,16 @@ def layer_expert_tp(rank, world, etp, drop_and_pad=False, backend_env=None):
             want = summed[f"experts.local_experts.{e_rank * L + int(m.group(1))}.{m.group(2)}"]
             dim = 0 if "linear_fc1" in k else 1
             close(v, want.chunk(etp, dim=dim)[t_rank], f"grad {k} (expert-TP shard {t_rank})")
+        if with_a2a:
+            y_a, dx_a, g_a = _run_layer(a2a, x, gy)
+            close(y_m, y_a, "output vs alltoall's expert TP")
+            close(dx_m, dx_a, "input grad vs alltoall's expert TP")
+            for k, v in g_m.items():
+                close(v, g_a[k], f"grad {k} vs alltoall's expert TP")
         assert float(y_m.float().abs().sum()) > 0
         assert all(float(v.abs().sum()) > 0 for v in g_m.values())
-        return {"rows": int(rows.shape[0]), "tokens_per_expert": tpe.tolist(), "ep": ep, "etp": etp}
+        return {"rows": int(rows.shape[0]), "tokens_per_expert": tpe.tolist(), "ep": ep, "etp": etp,
+                "alltoall": with_a2a}
     finally:
         h.destroy_parallel()
 

@@ -151,6 +151,7 @@ def test_expert_tensor_parallel_cpu(world, etp, drop_and_pad):
     # against every expert whole on each rank
     reports = run_distributed(W.layer_expert_tp, world, etp, drop_and_pad, timeout=300)
     _check_expert_tp(reports, world, etp, drop_and_pad)
+    assert all(r["alltoall"] != drop_and_pad for r in reports)    # compared where Megatron runs
 
 
 @pytest.mark.multigpu

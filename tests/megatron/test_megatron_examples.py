@@ -95,11 +95,16 @@ def test_example_ep_overlap_gpu(tmp_path):
                                                        runs["mok_overlap"]["losses"])
 
 
-@pytest.mark.parametrize("extra", [(), ("--drop-and-pad", "1.0")], ids=("dropless", "drop_and_pad"))
+@pytest.mark.parametrize("extra", [(), ("--drop-and-pad", "1.0"), ("--etp", "2")],
+                         ids=("dropless", "drop_and_pad", "expert_tp"))
 def test_bench_layer_tiny_writes_report(tmp_path, extra):
     paths = run_distributed(W.bench_layer_tiny, 2, str(tmp_path), extra)
     report = json.loads(open(paths[0]).read())
-    assert report["shape"]["drop_and_pad_capacity_factor"] == (1.0 if extra else None)
+    dp = "--drop-and-pad" in extra
+    assert report["shape"]["drop_and_pad_capacity_factor"] == (1.0 if dp else None)
+    etp = 2 if "--etp" in extra else 1
+    shape = report["shape"]
+    assert (shape["expert_parallel"], shape["expert_tensor_parallel"]) == (2 // etp, etp)
     assert set(report["results"]) == {"alltoall", "mok", "mok:sms=8"}
     assert report["skipped"].get("flex")
     for r in report["results"].values():
