@@ -18,13 +18,16 @@
 #          model, 4 micro-batches of 4x1024 tokens per step, stepped by Megatron's schedule
 #          without the overlap (OUT_DIR/ab_ep_overlap/plain) and with it (.../overlap), each for
 #          alltoall, mok (and flex if deep_ep imports)
+#   ab_expert_tp  the same A/B with expert tensor parallelism 2 (every expert split over the
+#          2 GPUs, EP = 1): alltoall's all-gather + reduce-scatter against mok's widened routing
+#          (and flex's, if deep_ep imports); JSON: OUT_DIR/ab_expert_tp/*.json
 #   all    ab tests bench
 # Each stage stays well under 5 minutes on 2x H200.
 #
 # megatron-core is installed from ./.whl when it is not importable (no registry needed).
 set -euo pipefail
 
-OUT_DIR=${1:?usage: run_gpu_ab.sh OUT_DIR [ab|ab_shared|ab_drop_and_pad|ab_ep_overlap|tests|bench|all]...}
+OUT_DIR=${1:?usage: run_gpu_ab.sh OUT_DIR [ab|ab_shared|ab_drop_and_pad|ab_ep_overlap|ab_expert_tp|tests|bench|all]...}
 shift || true
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(ab)
@@ -53,11 +56,12 @@ EOF
 
 for stage in "${STAGES[@]}"; do
   case "$stage" in
-    ab|ab_shared|ab_drop_and_pad|ab_ep_overlap)
+    ab|ab_shared|ab_drop_and_pad|ab_ep_overlap|ab_expert_tp)
       # 60 steps, bf16, 4 MoE layers, 16 experts top-4, 4x1024 tokens per GPU per micro-batch.
       SHARED=()
       [ "$stage" = ab_shared ] && SHARED=(--moe-shared-expert-intermediate-size 1024 --moe-shared-expert-overlap)
       [ "$stage" = ab_drop_and_pad ] && SHARED=(--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity)
+      [ "$stage" = ab_expert_tp ] && SHARED=(--expert-tensor-parallel-size "$NPROC")
       RUNS=("$stage:")
       [ "$stage" = ab_ep_overlap ] && RUNS=("$stage/plain:--num-microbatches 4" \
                                             "$stage/overlap:--num-microbatches 4 --overlap-moe-expert-parallel-comm")

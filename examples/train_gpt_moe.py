@@ -66,7 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--moe-shared-expert-overlap", action="store_true",
                    help="run the shared expert beside the dispatch / combine (needs CUDA)")
     p.add_argument("--expert-model-parallel-size", type=int, default=None,
-                   help="default: the world size")
+                   help="default: the world size / the expert tensor-parallel size")
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=1,
+                   help="each expert split over this many ranks (fc1 by rows, fc2 by columns)")
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--num-microbatches", type=int, default=1,
@@ -123,6 +125,7 @@ def build_model(args, device):
         extra["moe_flex_dispatcher_backend"] = args.moe_flex_dispatcher_backend
     config = harness.moe_config(
         args.moe_token_dispatcher_type, ep_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         num_experts=args.num_experts, topk=args.moe_router_topk, hidden=args.hidden_size,
         ffn_hidden=args.ffn_hidden_size, dtype=dtype, num_layers=args.num_layers,
         num_attention_heads=args.num_attention_heads,
@@ -246,7 +249,13 @@ def main(argv=None):
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
-    args.expert_model_parallel_size = args.expert_model_parallel_size or world
+    etp = args.expert_tensor_parallel_size
+    if etp < 1 or world % etp:
+        raise SystemExit(f"--expert-tensor-parallel-size {etp} does not divide the world size {world}")
+    args.expert_model_parallel_size = args.expert_model_parallel_size or world // etp
+    if world % (args.expert_model_parallel_size * etp):
+        raise SystemExit(f"expert parallel x expert tensor parallel = {args.expert_model_parallel_size}"
+                         f" x {etp} does not divide the world size {world}")
     # auto: a gloo group (tests, CPU runs) means CPU tensors even where a GPU is visible.
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible")
@@ -278,7 +287,7 @@ def main(argv=None):
 
     from megatron_mok.megatron import harness
 
-    harness.init_parallel(args.expert_model_parallel_size, seed=args.seed)
+    harness.init_parallel(args.expert_model_parallel_size, seed=args.seed, etp_size=etp)
     harness.enable_cpu_megatron(on_cpu=device.type == "cpu")
     torch.manual_seed(args.seed)
     model, config = build_model(args, device)
@@ -329,6 +338,7 @@ def main(argv=None):
         "dispatcher": args.moe_token_dispatcher_type, "mok_backend": mok_backend,
         "schedule": schedule, "num_microbatches": args.num_microbatches,
         "world_size": world, "expert_model_parallel_size": args.expert_model_parallel_size,
+        "expert_tensor_parallel_size": etp,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": "bf16" if args.bf16 else "fp32", "args": vars(args), "versions": _versions(),
         "tokens_per_step_per_gpu": tokens_per_step, "losses": losses, "step_times_s": times,

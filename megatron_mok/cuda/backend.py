@@ -49,6 +49,8 @@ DATA_ERRORS = (BAD_EXPERT, EXPERT_OVERFLOW)
 # of the last SPEC_HISTORY calls, plus one chunk of slack.
 SPEC_MARGIN, SPEC_HISTORY = 1.10, 8
 META_SLOTS = 16
+# Most routes per token and ranks per Buffer (csrc/include/mok/config.h kMaxTopk, kMaxRanks).
+MAX_TOPK, MAX_RANKS = 32, 64
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -84,8 +86,9 @@ class CudaBackend:
             raise ValueError(f"the CUDA backend needs hidden % 8 == 0, got hidden={buf.hidden}")
         if buf.combine_partial_dtype not in (buf.dtype, torch.float32):
             raise TypeError("the CUDA backend needs combine_partial_dtype to be the token dtype or float32")
-        if buf.world_size > 64 or buf.topk > 32:
-            raise ValueError("the CUDA backend supports up to 64 ranks and topk <= 32")
+        if buf.world_size > MAX_RANKS or buf.topk > MAX_TOPK:
+            raise ValueError(f"the CUDA backend supports up to {MAX_RANKS} ranks and topk <= "
+                             f"{MAX_TOPK}, got {buf.world_size} ranks and topk {buf.topk}")
         dev = buf.device if buf.device is not None else torch.device("cuda", torch.cuda.current_device())
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())

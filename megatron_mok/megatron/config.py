@@ -19,11 +19,10 @@ from typing import Optional
 
 import torch
 
+from ..cuda.backend import MAX_RANKS as CUDA_MAX_RANKS, MAX_TOPK as CUDA_MAX_TOPK
 from .versions import cuda_graph_scope_names
 
 DISPATCHER_NAME = "mok"
-# The CUDA backend's most routes per token (csrc kMaxTopk) and ranks per Buffer.
-CUDA_MAX_TOPK, CUDA_MAX_RANKS = 32, 64
 
 
 class MokConfigError(ValueError):

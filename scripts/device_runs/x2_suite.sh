@@ -34,7 +34,8 @@
 #    flex when deep_ep imports; NOTES item 14 after session 20); with AB=9: expert tensor
 #    parallelism on 2 GPUs (EP 1 x ETP 2): its GPU tests with Megatron's own expert TP compared
 #    (NCCL), then the layer A/B (bench_layer.py --etp 2, alltoall / mok / flex when deep_ep
-#    imports, hidden 7168, 16384 tokens, top-8, two rounds; NOTES item 16 after session 21).
+#    imports, hidden 7168, 16384 tokens, top-8, two rounds; NOTES item 16 after session 21);
+#    with AB=10: the training A/B with expert TP 2 (examples/run_gpu_ab.sh ab_expert_tp).
 # Everything lands in $OUT/r.tgz; assemble with scripts/results_json.py.
 set -uo pipefail
 C=${1:?commit}; AB=${2:-1}
@@ -126,5 +127,9 @@ elif [ "$AB" = 9 ]; then
       --topk 8 --iters 20 --out-dir $R/layer --tag x2_etp2_$i
     grep -E "median" $R/layer_etp_$i.log
   done
+elif [ "$AB" = 10 ]; then
+  install_wheels .whl /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  PYTHON=python3 step ab_expert_tp 300 bash examples/run_gpu_ab.sh $R/ab_expert_tp ab_expert_tp
+  grep -E -A5 "^dispatcher" $R/ab_expert_tp.log
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r

@@ -20,8 +20,10 @@ pytestmark = pytest.mark.megatron
 @pytest.mark.parametrize("extra", [(), ("--moe-shared-expert-intermediate-size", "32"),
                                    ("--moe-expert-capacity-factor", "1.0",
                                     "--moe-pad-expert-input-to-capacity"),
-                                   ("--num-microbatches", "3")],
-                         ids=["routed", "shared_expert", "drop_and_pad", "microbatches"])
+                                   ("--num-microbatches", "3"),
+                                   ("--expert-tensor-parallel-size", "2")],
+                         ids=["routed", "shared_expert", "drop_and_pad", "microbatches",
+                              "expert_tp"])
 def test_example_trains_same_losses_with_alltoall_and_mok(tmp_path, extra):
     runs = {}
     for d in ("alltoall", "mok"):
@@ -30,6 +32,9 @@ def test_example_trains_same_losses_with_alltoall_and_mok(tmp_path, extra):
         assert losses[0] == losses[1]                    # every rank reports the global mean
         summary = json.loads(out.read_text())
         assert summary["dispatcher"] == d and summary["world_size"] == 2
+        etp = 2 if "--expert-tensor-parallel-size" in extra else 1
+        assert (summary["expert_model_parallel_size"], summary["expert_tensor_parallel_size"]) \
+            == (2 // etp, etp)
         # 2 layers x (fc1 64x32 + fc2 32x64) when the shared expert is on
         shared = "--moe-shared-expert-intermediate-size" in extra
         assert summary["shared_expert_parameters_this_rank"] == (8192 if shared else 0)
@@ -71,6 +76,9 @@ def test_example_argument_errors():
     # on CPU ranks (gloo) the overlap is refused with the reason, not run
     msgs = run_distributed(W.example_train_refused, 2, ("--overlap-moe-expert-parallel-comm", "--bf16"))
     assert all("needs CUDA" in m for m in msgs), msgs
+    # expert TP that does not divide the world
+    msgs = run_distributed(W.example_train_refused, 2, ("--expert-tensor-parallel-size", "3"))
+    assert all("does not divide the world size 2" in m for m in msgs), msgs
 
 
 @pytest.mark.multigpu
