@@ -18,7 +18,7 @@ import torch.distributed as dist
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _setup(ep_size: int, backend_env: str | None = None, etp_size: int = 1):
+def _setup(ep_size: int, backend_env: str | None = None, etp_size: int = 1, tp_size: int = 1):
     warnings.filterwarnings("ignore")
     if backend_env:
         os.environ["MOK_BACKEND"] = backend_env
@@ -29,7 +29,7 @@ def _setup(ep_size: int, backend_env: str | None = None, etp_size: int = 1):
     from megatron_mok.megatron import harness
 
     mm.install()
-    harness.init_parallel(ep_size, etp_size=etp_size)
+    harness.init_parallel(ep_size, tp_size=tp_size, etp_size=etp_size)
     harness.enable_cpu_alltoall()
     return harness
 
@@ -688,7 +688,7 @@ def layer_drop_and_pad(rank, world, capacity_factor, drop_policy, with_alltoall=
         h.destroy_parallel()
 
 
-def layer_expert_tp(rank, world, etp, drop_and_pad=False, backend_env=None):
+def layer_expert_tp(rank, world, etp, drop_and_pad=False, backend_env=None, tp=1):
     """Expert tensor parallelism through ``mok``: ``ETP = etp``, ``EP = world / etp``, each
     expert's fc1 split by rows and fc2 by columns over its ETP ranks (Megatron's
     ``SequentialMLP`` with ``expert_tensor_parallel_size``), against the same layer with every
@@ -707,6 +707,10 @@ def layer_expert_tp(rank, world, etp, drop_and_pad=False, backend_env=None):
       gradients (same tolerances). Not in shared-GPU mode (its gloo group and Megatron's CUDA
       collectives), nor with drop-and-pad on CPU (Megatron's reduce-scatter allocates on CUDA).
 
+    With ``tp`` > 1 the layers also have attention tensor parallelism ``tp`` with sequence
+    parallelism (each rank's tokens its sequence shard; the router's aux loss reduced over the
+    TP group), as Megatron runs MoE layers under TP; ``etp = 1`` there is attention TP alone.
+
     Returns ``{"rows": rows this rank's experts got, "tokens_per_expert", "ep", "etp",
     "alltoall": whether Megatron's expert TP was compared}``.
     """
@@ -714,7 +718,7 @@ def layer_expert_tp(rank, world, etp, drop_and_pad=False, backend_env=None):
     from megatron.core.transformer.moe.moe_utils import get_capacity
 
     ep = world // etp
-    h = _setup(ep, backend_env, etp_size=etp)
+    h = _setup(ep, backend_env, etp_size=etp, tp_size=tp)
     try:
         dev = _device()
         gpu = dev.type == "cuda"
@@ -723,6 +727,7 @@ def layer_expert_tp(rank, world, etp, drop_and_pad=False, backend_env=None):
         L = E // ep
         kw = dict(num_experts=E, topk=K, hidden=H, ffn_hidden=F, add_bias_linear=False,
                   moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+                  tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
                   **({"dtype": dt} if gpu else {}))
         if drop_and_pad:
             kw.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)

@@ -24,6 +24,10 @@ CPU (gloo, reference backend; runs in CI):
   as long as every expert gets >= 4 rows (the worker checks it: CPU GEMMs of <= 3 rows take
   another kernel, whose rows differ in the last bit). A capacity above the token count
   (factor 5), which alltoall's permute cannot run, against the unpadded layer only.
+- Expert tensor parallelism (EP x ETP = 1x2, 2x2, 1x4; dropless and drop-and-pad), and MoE
+  layers under attention TP 2 with sequence parallelism (ETP = TP at EP 1 and 2, ETP 1 at
+  EP 2): against the same layer with every expert whole on each rank and (dropless) against
+  Megatron's own expert TP in ``alltoall``; the TPxEP group order check.
 
 GPU (NCCL, CUDA backend; ``MOK_BACKEND=cuda`` so a missing build fails instead of falling
 back): the same round trip and layout on 2 GPUs, and the full layer against ``alltoall`` over
@@ -32,7 +36,8 @@ the adapter and the CUDA backend except the NVLink exchange), for machines with 
 Megatron's ``SharedExpertMLP`` overlapped on its own stream: bitwise the outputs and parameter
 gradients of the unoverlapped layer, close to ``alltoall`` with the same overlap. Drop-and-pad
 on one GPU and on two (the CPU worker's code path, bf16 tolerances; needs the CUDA backend's
-``Buffer.dispatch(rows_per_expert=)``).
+``Buffer.dispatch(rows_per_expert=)``). Expert TP with the CUDA backend (EP x ETP = 1x2, 2x2,
+2x2 drop-and-pad; compared with ``alltoall``'s expert TP too under NCCL).
 """
 
 from __future__ import annotations
@@ -164,6 +169,15 @@ def test_expert_tensor_parallel_gpu(world, etp, drop_and_pad):
     reports = run_distributed(W.layer_expert_tp, world, etp, drop_and_pad, backend_env="cuda",
                               backend="nccl", timeout=300)
     _check_expert_tp(reports, world, etp, drop_and_pad)
+
+
+@pytest.mark.parametrize("world,tp,etp", [(2, 2, 2), (4, 2, 2), (2, 2, 1)],
+                         ids=["ETP=TP=2,EP=1", "ETP=TP=2,EP=2", "TP=2,ETP=1,EP=2"])
+def test_attention_tensor_parallel_cpu(world, tp, etp):
+    # Megatron's MoE under attention TP with sequence parallelism; ETP defaults to TP
+    reports = run_distributed(W.layer_expert_tp, world, etp, False, None, tp, timeout=300)
+    _check_expert_tp(reports, world, etp, False)
+    assert all(r["alltoall"] for r in reports)
 
 
 def test_expert_tensor_parallel_group_order_cpu():
