@@ -160,13 +160,14 @@ def test_expert_tensor_parallel_cpu(world, etp, drop_and_pad):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("world,etp,drop_and_pad", [(2, 2, False), (4, 2, False), (4, 2, True)])
-def test_expert_tensor_parallel_gpu(world, etp, drop_and_pad):
+@pytest.mark.parametrize("world,etp,drop_and_pad,tp", [(2, 2, False, 1), (4, 2, False, 1),
+                                                       (4, 2, True, 1), (4, 2, False, 2)])
+def test_expert_tensor_parallel_gpu(world, etp, drop_and_pad, tp):
     from harness import gpus_for
 
     if not gpus_for(world):
         pytest.skip(f"needs {world} GPUs (or MOK_TEST_SHARED_GPU=1)")
-    reports = run_distributed(W.layer_expert_tp, world, etp, drop_and_pad, backend_env="cuda",
+    reports = run_distributed(W.layer_expert_tp, world, etp, drop_and_pad, "cuda", tp,
                               backend="nccl", timeout=300)
     _check_expert_tp(reports, world, etp, drop_and_pad)
 
