@@ -12,10 +12,11 @@ from typing import Tuple
 
 # Releases whose MoELayer / TransformerConfig / argument parsing the patches were read
 # against. 0.16.x runs in CI (CPU, gloo); 0.19.x on the GPU machine. 0.17 and 0.18 have the
-# same dispatcher selection block, config field and argparse factory (read, not run).
+# same dispatcher selection block, config field and argparse factory; 0.17.1 and 0.18.2 ran a
+# subset of tests/megatron on one GPU (session 21: docs/MEGATRON.md).
 MIN_SUPPORTED = (0, 16)
 MAX_SUPPORTED = (0, 19)          # inclusive, on (major, minor)
-TESTED = ("0.16.1", "0.19.2")
+TESTED = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
 
 SKIP_CHECK_ENV = "MOK_MEGATRON_SKIP_VERSION_CHECK"
 

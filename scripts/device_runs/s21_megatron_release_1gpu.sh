@@ -30,5 +30,5 @@ run cpu_sample 100 "$D::test_dropless_roundtrip_cpu[2-2]" "$D::test_dispatcher_l
   "$D::test_full_moe_layer_mok_vs_alltoall_cpu" "$D::test_drop_and_pad_mok_vs_alltoall_cpu[2-0.5-probs]" \
   "$D::test_expert_tensor_parallel_cpu[4-2-True]" "$D::test_attention_tensor_parallel_cpu[ETP=TP=2,EP=2]" \
   "$D::test_dropless_roundtrip_cpu[4-4]"
-run launcher 70 tests/megatron/test_megatron_entrypoints.py -k "launcher"
+run launcher 150 tests/megatron/test_megatron_entrypoints.py -k "launcher"
 cd $OUT && tar czf r.tgz r && rm -rf r
