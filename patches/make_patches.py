@@ -20,6 +20,8 @@ import tempfile
 
 RELEASES = {   # patch name -> (git ref it is made against, the file with should_free_input)
     "core_r0.16.0": ("core_v0.16.1", "megatron/core/models/gpt/fine_grained_callables.py"),
+    "core_r0.17.0": ("core_v0.17.1", "megatron/core/models/gpt/fine_grained_callables.py"),
+    "core_r0.18.0": ("core_v0.18.2", "megatron/core/models/gpt/fine_grained_callables.py"),
     "core_r0.19.0": ("core_r0.19.0", "megatron/core/models/common/utils.py"),
 }
 MOE_LAYER = "megatron/core/transformer/moe/moe_layer.py"

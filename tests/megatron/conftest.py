@@ -76,7 +76,7 @@ def pytest_collection_modifyitems(config, items):
         if "megatron_training" in item.keywords and not have_megatron_training():
             item.add_marker(pytest.mark.skip(
                 reason="needs megatron.training: megatron-core 0.19 wheel, or set "
-                       "MEGATRON_LM_PATH to a Megatron-LM checkout (core_r0.16.0 / core_r0.19.0)"))
+                       "MEGATRON_LM_PATH to a Megatron-LM checkout (core_r0.16.0 .. core_r0.19.0)"))
         if "gpu" in item.keywords or "multigpu" in item.keywords:
             n_gpu = _cuda_count() if n_gpu is None else n_gpu
             need = 2 if "multigpu" in item.keywords else 1

@@ -185,7 +185,7 @@ def _patched_copy(tmp_path):
     src = os.path.join(megatron_lm_path(), "megatron") if megatron_lm_path() else \
         os.path.dirname(os.path.dirname(megatron.core.__file__))
     major, minor, _ = parse_version(megatron.core.package_info.__version__)
-    name = {16: "core_r0.16.0", 19: "core_r0.19.0"}.get(minor)
+    name = f"core_r0.{minor}.0" if 16 <= minor <= 19 else None
     if major != 0 or name is None:
         pytest.skip(f"no patch for megatron-core {megatron.core.package_info.__version__}")
     root = tmp_path / "tree"
@@ -227,3 +227,27 @@ def test_patch_builds_mok_argparse(tmp_path):
     _skip_if_missing_third_party(p)
     assert p.returncode == 0, p.stderr[-4000:]
     assert out == {"dispatcher": "mok", "num_experts": 8}
+
+
+def test_a_patch_for_every_supported_release():
+    # make_patches.py's releases, the patch files and versions.py's supported range agree
+    import importlib.util
+
+    from megatron_mok.megatron import versions
+
+    spec = importlib.util.spec_from_file_location("mok_make_patches",
+                                                  os.path.join(REPO, "patches", "make_patches.py"))
+    make_patches = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_patches)
+    lo, hi = versions.MIN_SUPPORTED[1], versions.MAX_SUPPORTED[1]
+    want = {f"core_r0.{m}.0" for m in range(lo, hi + 1)}
+    assert set(make_patches.RELEASES) == want
+    files = {f[len("megatron-lm-"):-len(".patch")]
+             for f in os.listdir(os.path.join(REPO, "patches")) if f.endswith(".patch")}
+    assert files == want
+    for name in sorted(want):
+        text = open(os.path.join(REPO, "patches", f"megatron-lm-{name}.patch")).read()
+        # the four changes of install(), in source form (patches/make_patches.py)
+        for needle in ("'flex', 'mok']", "check_config(self)",
+                       'moe_token_dispatcher_type == "mok"', "should_free_input"):
+            assert needle in text, (name, needle)
