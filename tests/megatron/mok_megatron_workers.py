@@ -1133,7 +1133,7 @@ def _ep_overlap_spied(record):
 
 
 def _ep_overlap_models(h, world, variants, *, seq, vocab, hidden, ffn, cpu, **extra):
-    """2-layer bf16 ``GPTModel`` s (local spec, EP = world, a shared expert and a bf16 gate in
+    """2-layer bf16 ``GPTModel`` s (local spec, EP = ``world``, a shared expert and a bf16 gate in
     every MoE layer: both keep the layernorm output that mok's dispatch input is a view of, so
     the overlap must not free it), one per ``(name, dispatcher, overlap)`` of ``variants``,
     all with the first one's weights."""
@@ -1158,25 +1158,27 @@ def _ep_overlap_models(h, world, variants, *, seq, vocab, hidden, ffn, cpu, **ex
     return models
 
 
-def gpt_ep_overlap_cpu(rank, world, drop_and_pad=False):
+def gpt_ep_overlap_cpu(rank, world, drop_and_pad=False, etp=1):
     """The 1F1B EP overlap's data flow with ``mok`` on CPU (reference backend, gloo, EP =
-    world): :func:`_ep_overlap_models`, 3 micro-batches through Megatron's
+    world / etp): :func:`_ep_overlap_models`, 3 micro-batches through Megatron's
     ``combined_1f1b_schedule_for_no_pipelining`` (streams stubbed: :func:`_cpu_cuda_streams`)
     against the same model stepped plainly: losses and every gradient bitwise; every dispatch
     went through a split-schedule node. ``drop_and_pad``: the same with Megatron's drop-and-pad
-    (capacity factor 1.0). Returns ``{"dispatches": int, "losses": [float]}``."""
+    (capacity factor 1.0); ``etp``: with expert tensor parallelism (the Buffer over the TPxEP
+    group). Returns ``{"dispatches": int, "losses": [float]}``."""
     from megatron_mok.megatron import dispatcher as D
 
-    h = _setup(world)
+    ep = world // etp
+    h = _setup(ep, etp_size=etp)
     calls = []
     try:
         with _ep_overlap_spied(lambda d: calls.append(d.config.overlap_moe_expert_parallel_comm)):
             h.enable_cpu_megatron(on_cpu=True)
             seq, batch, vocab = 16, 2, 64
             models = _ep_overlap_models(
-                h, world, [("plain", "mok", False), ("overlap", "mok", True)], seq=seq, vocab=vocab,
+                h, ep, [("plain", "mok", False), ("overlap", "mok", True)], seq=seq, vocab=vocab,
                 hidden=32, ffn=64, cpu=True, moe_router_load_balancing_type="none",
-                moe_aux_loss_coeff=0.0,
+                moe_aux_loss_coeff=0.0, expert_tensor_parallel_size=etp,
                 **({"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
                    if drop_and_pad else {}))
             batches = _gpt_batches(rank, 3, batch, seq, vocab, torch.device("cpu"))
@@ -1188,6 +1190,8 @@ def gpt_ep_overlap_cpu(rank, world, drop_and_pad=False):
         # MoK's SM budget: 48 alone, the Buffer default beside another micro-batch's compute
         budgets = {n: m.decoder.layers[0].mlp.token_dispatcher.buffer.num_sms for n, m in models.items()}
         assert budgets == {"plain": D.LAYER_NUM_SMS, "overlap": None}, budgets
+        assert all(m.decoder.layers[0].mlp.token_dispatcher.buffer.world_size == world
+                   for m in models.values())         # the TPxEP group with expert TP
         _assert_bitwise(l1, l0, "losses, mok with the 1F1B EP overlap (CPU) vs plain steps")
         assert g0.keys() == g1.keys() and len(g0) == len(list(models["plain"].parameters()))
         for k in g0:     # CPU ops in the same order: the schedule changes no sum here

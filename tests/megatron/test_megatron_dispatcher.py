@@ -27,7 +27,8 @@ CPU (gloo, reference backend; runs in CI):
 - Expert tensor parallelism (EP x ETP = 1x2, 2x2, 1x4; dropless and drop-and-pad), and MoE
   layers under attention TP 2 with sequence parallelism (ETP = TP at EP 1 and 2, ETP 1 at
   EP 2): against the same layer with every expert whole on each rank and (dropless) against
-  Megatron's own expert TP in ``alltoall``; the TPxEP group order check.
+  Megatron's own expert TP in ``alltoall``; the TPxEP group order check; the 1F1B EP overlap
+  with expert TP (EP 2 x ETP 2, bitwise the plain steps).
 
 GPU (NCCL, CUDA backend; ``MOK_BACKEND=cuda`` so a missing build fails instead of falling
 back): the same round trip and layout on 2 GPUs, and the full layer against ``alltoall`` over
@@ -283,6 +284,13 @@ def test_ep_overlap_cpu(drop_and_pad):
     # losses and gradients bitwise the plain steps
     reports = run_distributed(W.gpt_ep_overlap_cpu, 2, drop_and_pad, backend="gloo", fresh=True,
                               timeout=300)
+    assert all(r["dispatches"] == 6 for r in reports), reports
+
+
+def test_ep_overlap_cpu_expert_tp():
+    # the same with expert tensor parallelism 2 (EP 2 x ETP 2: the Buffer over the TPxEP group)
+    reports = run_distributed(W.gpt_ep_overlap_cpu, 4, False, 2, backend="gloo", fresh=True,
+                              timeout=400)
     assert all(r["dispatches"] == 6 for r in reports), reports
 
 
