@@ -111,10 +111,11 @@ elif [ "$AB" = 7 ]; then
       --iters 40 --out-dir $R/layer --tag x2_graphs_$i
     grep -E "median" $R/layer_graphs_$i.log
   done
-elif [ "$AB" = 8 ]; then
+elif [ "$AB" = 8 ] || [ "$AB" = 10 ]; then   # training A/Bs: examples/run_gpu_ab.sh stages
+  stage=ab_ep_overlap limit=420; [ "$AB" = 10 ] && stage=ab_expert_tp limit=300
   install_wheels .whl /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-  PYTHON=python3 step ab_ep_overlap 420 bash examples/run_gpu_ab.sh $R/ab_ep_overlap ab_ep_overlap
-  grep -E -A5 "^dispatcher" $R/ab_ep_overlap.log
+  PYTHON=python3 step $stage $limit bash examples/run_gpu_ab.sh $R/$stage $stage
+  grep -E -A5 "^dispatcher" $R/$stage.log
 elif [ "$AB" = 9 ]; then
   install_wheels .whl /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
   step expert_tp_tests 200 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
@@ -127,9 +128,5 @@ elif [ "$AB" = 9 ]; then
       --topk 8 --iters 20 --out-dir $R/layer --tag x2_etp2_$i
     grep -E "median" $R/layer_etp_$i.log
   done
-elif [ "$AB" = 10 ]; then
-  install_wheels .whl /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-  PYTHON=python3 step ab_expert_tp 300 bash examples/run_gpu_ab.sh $R/ab_expert_tp ab_expert_tp
-  grep -E -A5 "^dispatcher" $R/ab_expert_tp.log
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r
