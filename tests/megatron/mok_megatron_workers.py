@@ -1132,18 +1132,18 @@ def _ep_overlap_spied(record):
         D.MokTokenDispatcher.token_dispatch = orig
 
 
-def _ep_overlap_models(h, world, variants, *, seq, vocab, hidden, ffn, cpu, **extra):
-    """2-layer bf16 ``GPTModel`` s (local spec, EP = ``world``, a shared expert and a bf16 gate in
+def _ep_overlap_models(h, ep, variants, *, seq, vocab, hidden, ffn, cpu, **extra):
+    """2-layer bf16 ``GPTModel`` s (local spec, EP = ``ep``, a shared expert and a bf16 gate in
     every MoE layer: both keep the layernorm output that mok's dispatch input is a view of, so
     the overlap must not free it), one per ``(name, dispatcher, overlap)`` of ``variants``,
     all with the first one's weights."""
     from megatron.core.models.gpt import GPTModel
 
-    spec = h.local_layer_spec(4 * world, cpu_router=cpu)
+    spec = h.local_layer_spec(4 * ep, cpu_router=cpu)
     dev = torch.device("cpu") if cpu else _device()
     models = {}
     for name, disp, overlap in variants:
-        cfg = h.moe_config(disp, ep_size=world, num_layers=2, num_experts=4 * world, topk=2,
+        cfg = h.moe_config(disp, ep_size=ep, num_layers=2, num_experts=4 * ep, topk=2,
                            hidden=hidden, ffn_hidden=ffn, dtype=torch.bfloat16,
                            overlap_moe_expert_parallel_comm=overlap, hidden_dropout=0.0,
                            attention_dropout=0.0, init_method_std=0.02, moe_router_dtype=None,
