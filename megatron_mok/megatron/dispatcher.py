@@ -161,7 +161,7 @@ def expand_routes_for_expert_tp(topk_idx: torch.Tensor, topk_weights: torch.Tens
     wide = (num_tokens, topk * etp)
     ep = topk_idx.div(num_local_experts, rounding_mode="floor")
     local = topk_idx.remainder(num_local_experts)
-    shard = torch.arange(etp, device=topk_idx.device, dtype=topk_idx.dtype)
+    shard = _expert_ids(etp, topk_idx.device)   # arange(ETP), made once per device
     virtual = (ep.unsqueeze(-1) * etp + shard) * num_local_experts + local.unsqueeze(-1)
     virtual = torch.where(topk_idx.unsqueeze(-1) >= 0, virtual, -1).reshape(wide)
     weights = topk_weights.unsqueeze(-1).expand(num_tokens, topk, etp).reshape(wide)
