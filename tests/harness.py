@@ -127,6 +127,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, env: Dict[
         for p in reversed(extra_path):
             if p not in sys.path:
                 sys.path.insert(0, p)
+        before = _process_groups()
         try:
             fn, args, kwargs = pickle.loads(payload)
             out = fn(rank, world_size, *args, **kwargs)
@@ -134,6 +135,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, env: Dict[
                 blob = pickle.dumps(out)
             except Exception:
                 blob = pickle.dumps(f"<unpicklable result {type(out).__name__}: {out!r:.200}>")
+            _destroy_groups_made_since(before)
             result_q.put((call_id, rank, "ok", blob))
         except BaseException:
             result_q.put((call_id, rank, "err", traceback.format_exc()))
@@ -141,6 +143,24 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, env: Dict[
         dist.destroy_process_group()
     except Exception:
         pass
+
+
+def _process_groups() -> list:
+    """The process groups this process holds (torch's registry; the default group among them)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return list(c10d._world.pg_map)
+
+
+def _destroy_groups_made_since(before: list) -> None:
+    """Destroy the groups a call made (Megatron's parallel state makes dozens per call and its
+    teardown only drops them). A pooled rank runs many calls: each gloo group keeps three
+    threads polling its sockets, and thousands of them slowed a 2-core CI machine ~100x."""
+    import torch.distributed as dist
+
+    for pg in _process_groups():
+        if pg not in before:
+            dist.destroy_process_group(pg)
 
 
 # ------------------------------------------------------------------------------- parent side
