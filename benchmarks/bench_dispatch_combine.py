@@ -41,7 +41,9 @@ from baselines import Unavailable  # noqa: E402
 from baselines.alltoall import AlltoAllDispatcher, routing_from_topk  # noqa: E402
 
 OPS = ("dispatch", "dispatch_cached", "combine", "dispatch_bwd", "combine_bwd")
-SYSTEMS = ("mok", "alltoall", "deepep", "symm_a2a")
+SYSTEMS = ("mok", "mok_fp8", "alltoall", "deepep", "symm_a2a")
+# mok_fp8: the same Buffer dispatching FP8 rows with 1x128 float32 scales (megatron_mok/fp8.py).
+FP8_BLOCK = 128
 # torch 2.11's all_to_all_vdev_2d: NUM_TILES = 512 threads / 32-wide tiles experts per rank.
 SYMM_A2A_MAX_LOCAL_EXPERTS = 16
 RESULT_STEM = "bench_dispatch_combine"
@@ -163,9 +165,21 @@ class ShapeInputs:
         }
 
 
+def fp8_block(hidden: int) -> int:
+    """Columns per scale of the mok_fp8 rows: 128 (DeepSeek-V3 / DeepEP), or the whole row for
+    the CPU smoke's narrow shapes."""
+    return FP8_BLOCK if hidden % FP8_BLOCK == 0 else hidden
+
+
+def fp8_row_bytes(hidden: int) -> int:
+    from megatron_mok import fp8
+    return fp8.packed_row_bytes(hidden, hidden // fp8_block(hidden), torch.float32)
+
+
 def shape_record(inp: ShapeInputs, peer_bw_gbps) -> dict:
     s = inp.shape
     nb = C.nvlink_bytes(inp.all_idx, inp.world, s.experts, s.hidden, 2)
+    nb8 = C.nvlink_bytes(inp.all_idx, inp.world, s.experts, fp8_row_bytes(s.hidden), 1)
     rows = C.local_rows(inp.all_idx, inp.world, s.experts)
     loads = torch.zeros(s.experts, dtype=torch.int64)
     for idx in inp.all_idx:
@@ -179,12 +193,14 @@ def shape_record(inp: ShapeInputs, peer_bw_gbps) -> dict:
         "rows_per_rank": rows,
         "hot_load_over_mean": (loads.max().item() / mean) if mean > 0 else None,
         "nvlink_bytes": nb,
+        "nvlink_bytes_fp8": nb8,
         # local HBM: dispatch writes R rows of H per rank (combine reads them back)
         "local_hbm_bytes_max_rank": max(rows) * s.hidden * 2,
         "floor_bw_gbps": peer_bw_gbps,
-        "floor_us": None, "floor_us_copies": None,
+        "floor_us": None, "floor_us_copies": None, "floor_us_fp8": None,
     }
     if peer_bw_gbps:
+        rec["floor_us_fp8"] = nb8["dedup"]["max_rank_direction"] / (peer_bw_gbps * 1e9) * 1e6
         rec["floor_us"] = nb["dedup"]["max_rank_direction"] / (peer_bw_gbps * 1e9) * 1e6
         rec["floor_us_copies"] = nb["copies"]["max_rank_direction"] / (peer_bw_gbps * 1e9) * 1e6
     return rec
@@ -238,9 +254,10 @@ class Bench:
             import megatron_mok as mok
             self.mok = mok
             avail = mok.available_backends() if hasattr(mok, "available_backends") else ["?"]
-            self.systems["mok"].update(available=True, backends=avail, requested_backend=a.mok_backend)
-            if self.cpu and a.mok_backend == "cuda":
-                self.systems["mok"].update(available=False, reason="backend cuda needs a GPU")
+            for name in ("mok", "mok_fp8"):
+                self.systems[name].update(available=True, backends=avail, requested_backend=a.mok_backend)
+                if self.cpu and a.mok_backend == "cuda":
+                    self.systems[name].update(available=False, reason="backend cuda needs a GPU")
         except Exception as e:  # noqa: BLE001
             self.mok = None
             self.systems["mok"]["reason"] = f"import megatron_mok failed: {type(e).__name__}: {e}"
@@ -344,7 +361,8 @@ class Bench:
                "error": None}
         t_start = time.perf_counter()
         try:
-            fn = {"alltoall": self._run_alltoall, "mok": self._run_mok, "deepep": self._run_deepep}[name]
+            fn = {"alltoall": self._run_alltoall, "mok": self._run_mok, "mok_fp8": self._run_mok_fp8,
+                  "deepep": self._run_deepep}[name]
             fn(inp, orc, ref, rec)
             ok = True
         except Exception as e:  # noqa: BLE001
@@ -366,20 +384,24 @@ class Bench:
         return rec
 
     def _add_floor(self, rec, rs):
-        sysbytes = rs["nvlink_bytes"]["copies" if rec["system"] in ("alltoall", "symm_a2a") else "dedup"]
+        fp8_rows = rec["system"] == "mok_fp8"    # its rows are FP8 + scales: its own bytes and floor
+        sysbytes = rs["nvlink_bytes_fp8" if fp8_rows else "nvlink_bytes"][
+            "copies" if rec["system"] in ("alltoall", "symm_a2a") else "dedup"]
         rec["nvlink_bytes_total"] = sysbytes["total"]
         rec["nvlink_bytes_max_rank_direction"] = sysbytes["max_rank_direction"]
         rec["bytes_kind"] = ("one copy per (token, remote expert)" if rec["system"] in ("alltoall", "symm_a2a")
                              else "one copy per (token, remote rank)")
-        rec["floor_us"] = rs["floor_us"]
+        if fp8_rows:
+            rec["bytes_kind"] += f", packed FP8 rows of {rs['nvlink_bytes_fp8']['row_bytes']} bytes"
+        rec["floor_us"] = rs["floor_us_fp8" if fp8_rows else "floor_us"]
         bw = rs["floor_bw_gbps"]
         rec["own_floor_us"] = sysbytes["max_rank_direction"] / (bw * 1e9) * 1e6 if bw else None
         rec["x_floor"], rec["achieved_gbps"] = {}, {}
         for op, t in rec["ops"].items():
             if not (isinstance(t, dict) and t.get("median_us")):
                 continue
-            if rs["floor_us"]:
-                rec["x_floor"][op] = t["median_us"] / rs["floor_us"]
+            if rec["floor_us"]:
+                rec["x_floor"][op] = t["median_us"] / rec["floor_us"]
             # this system's own busiest-direction bytes over its time (combine moves the same)
             rec["achieved_gbps"][op] = sysbytes["max_rank_direction"] / (t["median_us"] * 1e-6) / 1e9
 
@@ -551,6 +573,56 @@ class Bench:
             self.check(s.name, "mok", "cuda combine == reference backend (bitwise)", C.bitwise_equal(y, ry))
         finally:
             rbuf.destroy()
+
+    def _run_mok_fp8(self, inp, orc, ref, rec):
+        """MoK's FP8 dispatch (megatron_mok/fp8.py): every rank's tokens quantized once, outside
+        the timing (1x128 blocks, float32 scales: DeepEP's FP8 input), then dispatched as packed
+        FP8 rows. "dispatch" includes the pack (one copy of [T, P] bytes, also timed alone as
+        "pack_us"). Combine stays in the Buffer's dtype (the mok row); the FP8 rows have no
+        backward."""
+        from megatron_mok import fp8
+        s, a = inp.shape, self.args
+        buf = self.make_mok(s, a.mok_backend, a.mok_num_sms)
+        try:
+            rec["backend"] = self._mok_backend_name(buf, inp.x)
+            rec["num_sms"] = a.mok_num_sms
+            if rec["backend"] == "cuda":
+                rec["transfer_sms"] = buf._get_backend("cuda")._roles(s.tokens)[0]
+            block = fp8_block(s.hidden)
+            pairs = [fp8.quantize(x, block) for x in inp.all_x]
+            pair = pairs[self.rank]
+            rec["variant"] = f"1x{block}"
+            res = buf.dispatch(pair, inp.idx, inp.w)
+            want = C.gather_rows([fp8.pack(*p) for p in pairs], inp.layout)
+            H, sb = s.hidden, pair[1].shape[1] * 4
+            rows_fp8, row_scales = res.tokens
+            self.check(s.name, "mok_fp8", "fp8 rows == quantized oracle rows (bytes)",
+                       torch.equal(rows_fp8.contiguous().view(torch.uint8), want[:, :H])
+                       and torch.equal(row_scales.contiguous().view(torch.uint8), want[:, H:H + sb]),
+                       f"rows {tuple(rows_fp8.shape)} vs {tuple(want.shape)}")
+            self.check(s.name, "mok_fp8", "dispatch probs == oracle (bitwise)",
+                       C.bitwise_equal(res.probs.float(), inp.exp_probs))
+            self.check(s.name, "mok_fp8", "tokens_per_expert == oracle",
+                       torch.equal(res.tokens_per_expert.to(torch.int64).cpu(), inp.layout.tokens_per_expert.cpu()))
+            rc = buf.dispatch(pair, handle=res.handle)
+            self.check(s.name, "mok_fp8", "cached fp8 dispatch == fp8 dispatch (bytes)",
+                       torch.equal(rc.tokens[0].contiguous().view(torch.uint8), rows_fp8.contiguous().view(torch.uint8))
+                       and torch.equal(rc.tokens[1].contiguous().view(torch.uint8),
+                                       row_scales.contiguous().view(torch.uint8)))
+            err = C.rel_err(fp8.dequantize(rows_fp8, row_scales, torch.float32), inp.exp_tokens.float())
+            rec["dequant_rel_err"] = err
+            self.check(s.name, "mok_fp8", "dequantized rows ~= bf16 rows (E4M3 tolerance)", err < 0.07,
+                       f"rel err {err:.2e}")
+            rec["pack_us"] = self.time(lambda: fp8.pack(*pair)).get("median_us")
+            bf16_only = "bf16 only: combine runs in the Buffer's dtype (the mok row)"
+            self._time_ops(rec, {"dispatch": lambda: buf.dispatch(pair, inp.idx, inp.w),
+                                 "dispatch_cached": lambda: buf.dispatch(pair, handle=res.handle),
+                                 "combine": bf16_only,
+                                 "dispatch_bwd": "n/a: FP8 rows have no gradient",
+                                 "combine_bwd": bf16_only})
+        finally:
+            self.sync()
+            buf.destroy()
 
     # deepep ----------------------------------------------------------------
     def _run_deepep(self, inp, orc, ref, rec):
@@ -896,7 +968,7 @@ def worker(rank, world, local_rank, args, cpu):
         bench.log("CPU SMOKE: tiny shapes, reference backend, correctness only -- times are no claims")
     info = C.env_info(args.argv, args.commit, world, backend)
     bench.probe_systems()
-    if bench.want("mok") and cpu and args.mok_backend == "auto":
+    if (bench.want("mok") or bench.want("mok_fp8")) and cpu and args.mok_backend == "auto":
         args.mok_backend = "reference"
 
     def snapshot(final=False):
@@ -945,12 +1017,13 @@ def worker(rank, world, local_rank, args, cpu):
         bench.run_symm_phase(out_dir)
         snapshot()
     for name in args.shape_names:
-        if not bench.want("mok"):
+        mok_systems = [n for n in ("mok", "mok_fp8") if bench.want(n)]
+        if not mok_systems:
             break
         if bench.over_budget():
             bench.skip(f"shape {name} (mok)", f"time budget {args.budget:.0f}s spent")
             continue
-        bench.run_shape(C.SHAPES_BY_NAME[name], ["mok"])
+        bench.run_shape(C.SHAPES_BY_NAME[name], mok_systems)
         snapshot()
     bench.refs.clear()
     bench.run_sm_sweep()

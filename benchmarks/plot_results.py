@@ -18,10 +18,11 @@ from typing import Dict, List, Optional
 OPS = ("dispatch", "dispatch_cached", "combine", "dispatch_bwd", "combine_bwd")
 OP_LABEL = {"dispatch": "dispatch", "dispatch_cached": "dispatch (cached)", "combine": "combine",
             "dispatch_bwd": "dispatch bwd", "combine_bwd": "combine bwd"}
-SYSTEM_ORDER = ("mok", "deepep", "alltoall", "symm_a2a")
-SYSTEM_LABEL = {"mok": "MoK", "deepep": "DeepEP", "alltoall": "NCCL a2a (Megatron alltoall)",
-                "symm_a2a": "torch symm-mem a2a"}
-COLORS = {"mok": "#d62728", "deepep": "#1f77b4", "alltoall": "#7f7f7f", "symm_a2a": "#2ca02c"}
+SYSTEM_ORDER = ("mok", "mok_fp8", "deepep", "alltoall", "symm_a2a")
+SYSTEM_LABEL = {"mok": "MoK", "mok_fp8": "MoK FP8 dispatch", "deepep": "DeepEP",
+                "alltoall": "NCCL a2a (Megatron alltoall)", "symm_a2a": "torch symm-mem a2a"}
+COLORS = {"mok": "#d62728", "mok_fp8": "#ff9896", "deepep": "#1f77b4", "alltoall": "#7f7f7f",
+          "symm_a2a": "#2ca02c"}
 
 
 def _us(v) -> str:
@@ -65,11 +66,11 @@ def _sorted_results(doc) -> List[Dict]:
 
 def _sysname(r) -> str:
     name = SYSTEM_LABEL.get(r["system"], r["system"])
-    if r.get("backend") and r["system"] == "mok":
+    if r.get("backend") and r["system"] in ("mok", "mok_fp8"):
         name += f" [{r['backend']}]"
-    if r.get("num_sms") and r["system"] in ("mok", "deepep"):
+    if r.get("num_sms") and r["system"] in ("mok", "mok_fp8", "deepep"):
         name += f" {r['num_sms']} SMs"
-    elif r.get("transfer_sms") and r["system"] == "mok":   # the Buffer's default: per call size
+    elif r.get("transfer_sms") and r["system"] in ("mok", "mok_fp8"):   # the Buffer's default: per call size
         name += f" {r['transfer_sms']} SMs"
     if r.get("variant"):
         name += f" {r['variant']}"

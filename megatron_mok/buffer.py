@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from . import validation
+from . import fp8, validation
 from .autograd import CachedDispatchFunction, CombineFunction, DispatchFunction
 from .comm import group_rank_size, resolve_group
 from .handle import DispatchHandle, DispatchResult
@@ -116,14 +116,18 @@ class Buffer:
             self._get_backend("cuda")   # fail early, with the build hint, if unavailable
 
     # ---------------------------------------------------------------------------- public API
-    def dispatch(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
+    def dispatch(self, x, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *,
                  handle: Optional[DispatchHandle] = None,
                  rows_per_expert: Optional[int] = None) -> DispatchResult:
         """Send each routed token to the ranks of its experts.
 
         Args:
-            x: ``[T, H]`` tokens, the Buffer's dtype, contiguous; ``T`` may be 0.
+            x: ``[T, H]`` tokens, the Buffer's dtype, contiguous; ``T`` may be 0. Or an FP8
+                pair ``(x_fp8 [T, H] float8_e4m3fn, scales [T, S])`` (DeepEP's FP8 input,
+                ``megatron_mok/fp8.py``): the rows travel as FP8 with their scales and
+                ``tokens`` is the pair ``(rows_fp8 [R, H], row_scales [R, S])``, views of the
+                received packed rows; not differentiable w.r.t. the pair.
             topk_idx: ``[T, K]`` int32/int64 global expert ids, ``-1`` = slot not routed.
             topk_weights: ``[T, K]`` float32 router weights.
             handle: instead of routing, reuse the layout of an earlier dispatch (a *cached*
@@ -147,27 +151,37 @@ class Buffer:
             Gradients flow to ``x`` (through ``tokens``) and ``topk_weights`` (through ``probs``).
         """
         self._check_alive()
-        backend = self._backend_for(x)
+        pair = fp8.is_fp8_pair(x)
+        if pair and len(x) != 2:
+            raise ValueError(f"an FP8 dispatch takes x = (x_fp8, scales), got a sequence of {len(x)}")
+        backend = self._backend_for(x[0] if pair else x)
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("pass either (topk_idx, topk_weights) or handle=, not both")
             if rows_per_expert is not None:
                 raise ValueError("rows_per_expert is for routed dispatches: a cached dispatch "
                                  "reuses its handle's layout")
-            validation.check_cached_dispatch_inputs(self, x, handle)
-            tokens = CachedDispatchFunction.apply(backend, handle, x)
-            return DispatchResult(tokens=tokens, probs=None, tokens_per_expert=handle.tokens_per_expert,
+            if pair:
+                x = validation.check_cached_fp8_inputs(self, x, handle)
+            else:
+                validation.check_cached_dispatch_inputs(self, x, handle)
+            tokens = CachedDispatchFunction.apply(backend, handle, fp8.pack(*x) if pair else x)
+            return DispatchResult(tokens=self._fp8_rows(tokens, x) if pair else tokens, probs=None,
+                                  tokens_per_expert=handle.tokens_per_expert,
                                   src_rank=handle.src_rank, src_token=handle.src_token, handle=handle)
         if topk_idx is None or topk_weights is None:
             raise ValueError("dispatch needs topk_idx and topk_weights (or handle= for a cached dispatch)")
-        validation.check_dispatch_inputs(self, x, topk_idx, topk_weights,
-                                         check_values=backend.name == "reference")
+        if pair:
+            x = validation.check_fp8_pair(self, x)
+        validation.check_dispatch_inputs(self, x[0] if pair else x, topk_idx, topk_weights,
+                                         check_values=backend.name == "reference", fp8=pair)
         validation.check_rows_per_expert(self, rows_per_expert)
         out_handle = []
-        tokens, probs = DispatchFunction.apply(backend, out_handle, x, topk_weights, topk_idx,
-                                               rows_per_expert)
+        tokens, probs = DispatchFunction.apply(backend, out_handle, fp8.pack(*x) if pair else x,
+                                               topk_weights, topk_idx, rows_per_expert)
         h = out_handle[0]
-        return DispatchResult(tokens=tokens, probs=probs, tokens_per_expert=h.tokens_per_expert,
+        return DispatchResult(tokens=self._fp8_rows(tokens, x) if pair else tokens, probs=probs,
+                              tokens_per_expert=h.tokens_per_expert,
                               src_rank=h.src_rank, src_token=h.src_token, handle=h)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -250,6 +264,12 @@ class Buffer:
                 f"rank {self.rank} received {num_rows} rows, more than max_recv_tokens="
                 f"{self.max_recv_tokens}; raise max_recv_tokens (static-shape mode)")
         return self.max_recv_tokens
+
+    def _fp8_rows(self, rows: torch.Tensor, pair):
+        """The received packed rows ``[R, P]`` as ``(rows_fp8 [R, H], row_scales [R, S])`` views,
+        in the dtypes of the dispatched pair."""
+        x_fp8, scales = pair
+        return fp8.unpack(rows, self.hidden, x_fp8.dtype, scales.shape[1], scales.dtype)
 
     def _check_alive(self):
         if self._destroyed:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -46,6 +46,8 @@ class DispatchResult:
         tokens: ``[R, H]`` (``[max_recv_tokens, H]`` in static-shape mode), the Buffer's
             dtype; one row per routed slot whose expert lives on this rank, in contract
             order (local expert, source rank, source token, slot). Differentiable w.r.t. ``x``.
+            For an FP8 dispatch the pair ``(rows_fp8 [R, H], row_scales [R, S])``
+            (``megatron_mok/fp8.py``), not differentiable.
         probs: ``[R]`` float32, the router weight of each row's slot (0 on padding rows).
             Differentiable w.r.t. ``topk_weights``. ``None`` for a cached dispatch.
         tokens_per_expert: ``[E_local]`` int64 on ``x``'s device.
@@ -54,7 +56,7 @@ class DispatchResult:
         handle: the :class:`DispatchHandle` to pass to ``combine``.
     """
 
-    tokens: torch.Tensor
+    tokens: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
     probs: Optional[torch.Tensor]
     tokens_per_expert: torch.Tensor
     src_rank: torch.Tensor

@@ -28,16 +28,18 @@ def check_buffer_args(world_size: int, num_experts: int, hidden: int, topk: int,
 
 
 def check_dispatch_inputs(buf, x: torch.Tensor, topk_idx: torch.Tensor,
-                          topk_weights: torch.Tensor, check_values: bool = True) -> None:
+                          topk_weights: torch.Tensor, check_values: bool = True,
+                          fp8: bool = False) -> None:
     """Shape/dtype/device checks for ``Buffer.dispatch``.
 
     ``check_values`` reads ``topk_idx`` on the host to check the expert-id range; the CUDA
     backend passes False and checks the range on the device instead (no host sync).
+    ``fp8``: ``x`` is the FP8 half of a pair :func:`check_fp8_pair` checked (any FP8 dtype).
     """
     _check_tensor("x", x)
     _check_tensor("topk_idx", topk_idx)
     _check_tensor("topk_weights", topk_weights)
-    if x.dtype != buf.dtype:
+    if not fp8 and x.dtype != buf.dtype:
         raise TypeError(f"x must have the Buffer's dtype {buf.dtype}, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] != buf.hidden:
         raise ValueError(f"x must be [T, hidden={buf.hidden}], got {tuple(x.shape)}")
@@ -99,6 +101,53 @@ def check_cached_dispatch_inputs(buf, x: torch.Tensor, handle) -> None:
     if not x.is_contiguous():
         raise ValueError("x must be contiguous (call .contiguous())")
     buf._check_device(x.device, "x")
+
+
+def check_fp8_pair(buf, x, num_tokens=None):
+    """Checks for an FP8 dispatch's ``x = (x_fp8, scales)`` (``megatron_mok/fp8.py``);
+    returns the pair. ``num_tokens``: the ``T`` it must have (a cached dispatch's handle)."""
+    from . import fp8
+
+    if len(x) != 2:
+        raise ValueError(f"an FP8 dispatch takes x = (x_fp8, scales), got a sequence of {len(x)}")
+    x_fp8, scales = x
+    _check_tensor("x_fp8", x_fp8)
+    _check_tensor("scales", scales)
+    if x_fp8.dtype not in fp8.FP8_DTYPES:
+        raise TypeError(f"x_fp8 must be one of {fp8.FP8_DTYPES}, got {x_fp8.dtype}")
+    if scales.dtype not in fp8.SCALE_DTYPES:
+        raise TypeError(f"scales must be one of {fp8.SCALE_DTYPES}, got {scales.dtype}")
+    if x_fp8.dim() != 2 or x_fp8.shape[1] != buf.hidden:
+        raise ValueError(f"x_fp8 must be [T, hidden={buf.hidden}], got {tuple(x_fp8.shape)}")
+    T = x_fp8.shape[0]
+    if num_tokens is not None and T != num_tokens:
+        raise ValueError(f"x_fp8 must be [T={num_tokens}, hidden={buf.hidden}] (the handle's "
+                         f"dispatch), got {tuple(x_fp8.shape)}")
+    if scales.dim() != 2 or scales.shape[0] != T or scales.shape[1] < 1:
+        raise ValueError(f"scales must be [T={T}, S >= 1], got {tuple(scales.shape)}")
+    for name, t in (("x_fp8", x_fp8), ("scales", scales)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous())")
+        if t.requires_grad:
+            raise ValueError(f"{name} requires grad, but an FP8 dispatch is not differentiable with "
+                             "respect to its tokens (dispatch bf16 tokens for that)")
+    if scales.device != x_fp8.device:
+        raise ValueError(f"scales is on {scales.device} but x_fp8 is on {x_fp8.device}")
+    buf._check_device(x_fp8.device, "x_fp8")
+    row = fp8.packed_row_bytes(buf.hidden, scales.shape[1], scales.dtype)
+    token_row = buf.hidden * torch.tensor([], dtype=buf.dtype).element_size()
+    if row > token_row:
+        raise ValueError(
+            f"an FP8 row with its {scales.shape[1]} {scales.dtype} scales packs into {row} bytes, "
+            f"more than the Buffer's token row ({buf.hidden} x {buf.dtype} = {token_row} bytes) "
+            "that the staging ring holds")
+    return x_fp8, scales
+
+
+def check_cached_fp8_inputs(buf, x, handle):
+    """Checks for ``Buffer.dispatch((x_fp8, scales), handle=...)``; returns the pair."""
+    _check_handle(buf, handle)
+    return check_fp8_pair(buf, x, handle.num_tokens)
 
 
 def _check_handle(buf, handle) -> None:

@@ -62,7 +62,7 @@ def test_smoke_json_fields(smoke):
     assert doc["config"]["iters"] >= 1
     for k in ("peer_bandwidth", "systems", "shapes", "results", "sm_sweep", "checks", "skipped"):
         assert k in doc, k
-    assert set(doc["systems"]) == {"mok", "alltoall", "deepep", "symm_a2a"}
+    assert set(doc["systems"]) == {"mok", "mok_fp8", "alltoall", "deepep", "symm_a2a"}
     # unavailable systems carry a reason
     for name in ("deepep", "symm_a2a"):
         assert doc["systems"][name]["available"] is False and doc["systems"][name]["reason"]
@@ -90,6 +90,28 @@ def test_smoke_alltoall_ran_and_was_checked(smoke):
     assert "dispatch tokens == oracle rows (bitwise)" in names
     assert "combine ~= float64 oracle" in names
     assert "combine bwd == oracle rows of grad_y (bitwise)" in names
+
+
+@pytest.mark.skipif(not _have_mok(), reason="megatron_mok package not present")
+def test_smoke_mok_fp8_ran_and_was_checked(smoke):
+    doc, _, _ = smoke
+    recs = [r for r in doc["results"] if r["system"] == "mok_fp8"]
+    assert len(recs) == len(doc["shapes"])
+    for r in recs:
+        assert r["status"] == "ok", r.get("error")
+        assert r["ops"]["dispatch"]["median_us"] > 0 and r["ops"]["dispatch_cached"]["median_us"] > 0
+        assert "unavailable" in r["ops"]["combine"]          # combine stays bf16: the mok row
+        assert "packed FP8 rows" in r["bytes_kind"]
+    for s in doc["shapes"]:       # FP8 rows: fewer bytes than bf16 ones (16-byte padding aside)
+        fp8_row, bf16_row = s["nvlink_bytes_fp8"]["row_bytes"], s["nvlink_bytes"]["row_bytes"]
+        assert fp8_row <= bf16_row and (s["hidden"] < 64 or fp8_row < bf16_row), s["name"]
+    checks = [c for c in doc["checks"] if c["system"] == "mok_fp8"]
+    names = {c["check"] for c in checks}
+    for expected in ("fp8 rows == quantized oracle rows (bytes)", "dispatch probs == oracle (bitwise)",
+                     "cached fp8 dispatch == fp8 dispatch (bytes)",
+                     "dequantized rows ~= bf16 rows (E4M3 tolerance)"):
+        assert expected in names, expected
+    assert all(c["passed"] for c in checks)
 
 
 @pytest.mark.skipif(not _have_mok(), reason="megatron_mok package not present")

@@ -115,7 +115,7 @@ def test_dispatch_transfer_refuses_bad_roles_before_launching(blocks, producers,
     try:
         peers = (ctypes.c_uint64 * 2)(1 << 40, 2 << 40)
         assert lib.mok_set_peers(ctx, peers, 2, 1.0) == 0
-        rc = lib.mok_dispatch_transfer(ctx, None, None, None, 0, None, 0, blocks, producers, mode)
+        rc = lib.mok_dispatch_transfer(ctx, None, None, None, 0, None, 0, blocks, producers, mode, 0)
         assert rc != 0
         assert message in lib.mok_last_error().decode()
     finally:
@@ -138,11 +138,11 @@ def test_copy_engine_staging_needs_a_ring_that_holds_a_call():
         assert lib.mok_dispatch_ce_stage_supported(fits) == 1
         assert lib.mok_dispatch_ce_stage_supported(short) == 0
         assert lib.mok_dispatch_ce_stage_supported(None) == 0
-        assert lib.mok_dispatch_stage_copy(short, None, None, 128) != 0
+        assert lib.mok_dispatch_stage_copy(short, None, None, 128, 0) != 0
         assert "holds a whole call" in lib.mok_last_error().decode()
-        assert lib.mok_dispatch_transfer(short, None, None, None, 0, None, 0, 24, 0, 8) != 0
+        assert lib.mok_dispatch_transfer(short, None, None, None, 0, None, 0, 24, 0, 8, 0) != 0
         assert "holds a whole call" in lib.mok_last_error().decode()
-        assert lib.mok_dispatch_stage_copy(fits, None, None, 4097) != 0
+        assert lib.mok_dispatch_stage_copy(fits, None, None, 4097, 0) != 0
         assert "num_tokens outside" in lib.mok_last_error().decode()
     finally:
         lib.mok_destroy(fits)
@@ -216,11 +216,28 @@ def test_a_library_of_another_abi_version_is_refused(monkeypatch):
         bindings.declare(ctypes.CDLL(str(library.library_path())))
 
 
-def _launch(lib, ctx, steps, num_tokens=0, blocks=24, producers=4, mode=0, rows_per_expert=-1):
+def _launch(lib, ctx, steps, num_tokens=0, blocks=24, producers=4, mode=0, rows_per_expert=-1,
+            row_bytes=0):
     """mok_dispatch_launch with null tensors (every case below fails in its checks)."""
     return lib.mok_dispatch_launch(ctx, None, steps, None, None, 0, None, num_tokens, 256, None,
                                    None, None, None, 1, None, None, 0, blocks, producers, mode,
-                                   rows_per_expert)
+                                   rows_per_expert, row_bytes)
+
+
+# The row size of an FP8 dispatch's packed rows (megatron_mok/fp8.py): a multiple of 16 within
+# the ring's row of hidden x elem = 7168 x 2 bytes; 0 means that row.
+@pytest.mark.parametrize("row_bytes", [-16, 8, 7400, 14336 + 16, 1 << 30])
+def test_dispatch_refuses_a_bad_row_size_before_launching(row_bytes):
+    lib = library.get()
+    ctx = _with_fake_peers(lib, disp_chunks=64)
+    try:
+        for rc in (lib.mok_dispatch_transfer(ctx, None, None, None, 0, None, 0, 24, 4, 0, row_bytes),
+                   lib.mok_dispatch_stage_copy(ctx, None, None, 0, row_bytes),
+                   _launch(lib, ctx, 4 | 8, row_bytes=row_bytes, mode=8)):
+            assert rc != 0
+            assert "row_bytes must be 0" in lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(ctx)
 
 
 @pytest.mark.parametrize("steps", [0, 16, 1 | 32, -1])

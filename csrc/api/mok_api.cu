@@ -79,6 +79,16 @@ int check_tokens(const MokContext* ctx, int num_tokens) {
   return 0;
 }
 
+// The bytes of one dispatched row: 0 means the Buffer's token row (hidden x elem_bytes); else a
+// multiple of 16 (the copies move 16-byte vectors) that fits the ring's row (packed FP8 rows).
+int resolve_row_bytes(const MokContext* ctx, int* row_bytes) {
+  const int full = ctx->comm.ws.cfg.hidden * ctx->comm.ws.cfg.elem_bytes;
+  if (*row_bytes == 0) *row_bytes = full;
+  if (*row_bytes < 16 || *row_bytes % 16 != 0 || *row_bytes > full)
+    return fail("row_bytes must be 0 (the token row) or a multiple of 16 in [16, hidden x elem_bytes]");
+  return 0;
+}
+
 int check_layout(const MokContext* ctx, int num_tokens, int write_report) {
   if (int e = check_tokens(ctx, num_tokens)) return e;
   if (write_report && ctx->host_report_dev == nullptr)
@@ -142,18 +152,19 @@ int fill(MokContext* ctx, void* stream, void* scratch, int64_t* src_rank, int64_
                       "dispatch fill launch");
 }
 
-int stage_copy(MokContext* ctx, void* stream, const void* x, int num_tokens) {
-  return check_launch(launch_dispatch_stage_copy(ctx->comm, x, num_tokens, ctx->comm.ws.cfg.elem_bytes,
+int stage_copy(MokContext* ctx, void* stream, const void* x, int num_tokens, int row_bytes) {
+  return check_launch(launch_dispatch_stage_copy(ctx->comm, x, num_tokens, row_bytes,
                                                  static_cast<cudaStream_t>(stream)),
                       "dispatch stage copy");
 }
 
 int transfer(MokContext* ctx, void* stream, void* scratch, const void* x, int num_tokens,
-             void* out_rows, int64_t row_cap, int num_blocks, int num_producers, int mode) {
+             void* out_rows, int64_t row_cap, int num_blocks, int num_producers, int mode,
+             int row_bytes) {
   if ((mode & kTransferCeStaged) != 0) num_producers = 0;
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
   TransferArgs t{num_tokens, num_blocks, num_producers, row_cap, mode};
-  return check_launch(launch_dispatch_transfer(ctx->comm, h, t, x, out_rows, ctx->comm.ws.cfg.elem_bytes,
+  return check_launch(launch_dispatch_transfer(ctx->comm, h, t, x, out_rows, row_bytes,
                                                static_cast<cudaStream_t>(stream)),
                       "dispatch transfer launch");
 }
@@ -266,16 +277,19 @@ int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
 
 int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const void* x,
                           int num_tokens, void* out_rows, int64_t row_cap,
-                          int num_blocks, int num_producers, int mode) {
+                          int num_blocks, int num_producers, int mode, int row_bytes) {
   if (int e = check_ready(ctx)) return e;
   if (int e = check_transfer(ctx, num_blocks, num_producers, mode)) return e;
-  return transfer(ctx, stream, scratch, x, num_tokens, out_rows, row_cap, num_blocks, num_producers, mode);
+  if (int e = resolve_row_bytes(ctx, &row_bytes)) return e;
+  return transfer(ctx, stream, scratch, x, num_tokens, out_rows, row_cap, num_blocks, num_producers, mode,
+                  row_bytes);
 }
 
-int mok_dispatch_stage_copy(MokContext* ctx, void* stream, const void* x, int num_tokens) {
+int mok_dispatch_stage_copy(MokContext* ctx, void* stream, const void* x, int num_tokens, int row_bytes) {
   if (int e = check_ready(ctx)) return e;
   if (int e = check_stage_copy(ctx, num_tokens)) return e;
-  return stage_copy(ctx, stream, x, num_tokens);
+  if (int e = resolve_row_bytes(ctx, &row_bytes)) return e;
+  return stage_copy(ctx, stream, x, num_tokens, row_bytes);
 }
 
 int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
@@ -284,7 +298,7 @@ int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
                         int64_t* src_rank, int64_t* src_token, float* probs, int pad,
                         const void* x, void* out_rows, int64_t row_cap,
                         int num_blocks, int num_producers, int transfer_mode,
-                        int64_t rows_per_expert) {
+                        int64_t rows_per_expert, int row_bytes) {
   if (int e = check_ready(ctx)) return e;
   if (steps <= 0 || (steps & ~(MOK_STEP_LAYOUT | MOK_STEP_FILL | MOK_STEP_STAGE_COPY | MOK_STEP_TRANSFER)) != 0)
     return fail("mok_dispatch_launch: steps must be a non-empty or of MOK_STEP_* flags");
@@ -298,6 +312,8 @@ int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
     if (int e = check_stage_copy(ctx, num_tokens)) return e;
   if (steps & MOK_STEP_TRANSFER)
     if (int e = check_transfer(ctx, num_blocks, num_producers, transfer_mode)) return e;
+  if (steps & (MOK_STEP_STAGE_COPY | MOK_STEP_TRANSFER))
+    if (int e = resolve_row_bytes(ctx, &row_bytes)) return e;
   if (steps & MOK_STEP_LAYOUT)
     if (int e = layout(ctx, stream, scratch, topk_idx, idx_is_64, topk_weights, num_tokens, num_experts,
                        tokens_per_expert, row_cap, -1, 0, rows_per_expert))
@@ -306,10 +322,10 @@ int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
     if (int e = fill(ctx, stream, scratch, src_rank, src_token, probs, row_cap, pad)) return e;
   // A world of one rank has no readers of its ring: nothing to copy (every block still pulls).
   if ((steps & MOK_STEP_STAGE_COPY) && ctx->comm.world > 1)
-    if (int e = stage_copy(ctx, stream, x, num_tokens)) return e;
+    if (int e = stage_copy(ctx, stream, x, num_tokens, row_bytes)) return e;
   if (steps & MOK_STEP_TRANSFER)
     return transfer(ctx, stream, scratch, x, num_tokens, out_rows, row_cap, num_blocks, num_producers,
-                    transfer_mode);
+                    transfer_mode, row_bytes);
   return 0;
 }
 

@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 10
+#define MOK_ABI_VERSION 11
 int mok_abi_version(void);
 
 /* expert_alignment >= 1: each local expert's rows are followed by zero rows (no source, prob 0)
@@ -54,7 +54,11 @@ int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void
 int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
                       int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap,
                       int pad);
-/* mode 0: one kernel, num_producers blocks stage and the rest pull; 1: every block stages
+/* row_bytes (transfer, stage copy, launch): bytes of one row of x and of out_rows; 0 = the
+ * Buffer's token row (hidden x elem_bytes), else a multiple of 16 no larger (the FP8 dispatch's
+ * packed rows: the FP8 token, its scales, padding; megatron_mok/fp8.py). Every rank of a group
+ * passes the same row_bytes in a call (a peer's ring rows are read at this pitch).
+ * mode 0: one kernel, num_producers blocks stage and the rest pull; 1: every block stages
  * (out_rows unused); 2: every block pulls; | 4: rows [R, row_cap) are not zeroed;
  * 0 | 8: mok_dispatch_stage_copy staged x earlier on the stream, every block pulls
  * (num_producers is ignored). With MOK_EAGER_STAGE_FIRST=1 an eager dispatch
@@ -62,12 +66,12 @@ int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
  * (megatron_mok/cuda/backend.py); otherwise every dispatch uses 0. */
 int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const void* x,
                           int num_tokens, void* out_rows, int64_t row_cap,
-                          int num_blocks, int num_producers, int mode);
+                          int num_blocks, int num_producers, int mode, int row_bytes);
 /* Copy-engine staging (mode 8 above): a one-block kernel waits for the readers of my dispatch
  * ring slots [0, ceil(num_tokens / chunk_tokens)) to release them, then the copy engine copies
  * x there. Only for a ring that holds a whole call (mok_dispatch_ce_stage_supported). Every
  * rank of a group must use it for every dispatch or for none (the slots are fixed with it). */
-int mok_dispatch_stage_copy(MokContext* ctx, void* stream, const void* x, int num_tokens);
+int mok_dispatch_stage_copy(MokContext* ctx, void* stream, const void* x, int num_tokens, int row_bytes);
 int mok_dispatch_ce_stage_supported(const MokContext* ctx);
 /* Several steps of one dispatch queued by one call (benchmarks/NOTES.md #51): the steps or'ed
  * in `steps` run in the order layout, fill, copy-engine staging, transfer, each exactly as the
@@ -88,7 +92,7 @@ int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
                         int64_t* src_rank, int64_t* src_token, float* probs, int pad,
                         const void* x, void* out_rows, int64_t row_cap,
                         int num_blocks, int num_producers, int transfer_mode,
-                        int64_t rows_per_expert);
+                        int64_t rows_per_expert, int row_bytes);
 /* 1 when mok_dispatch_layout runs publish, count and scan as one kernel (small layouts: at most
  * MOK_LAYOUT_FUSED_MAX_GROUPS, default 8192, (local expert, source, chunk) groups; not for
  * speculative calls, spec_cap >= 0; never with MOK_LAYOUT_FUSED=0), 0 when as three. Reads the

@@ -329,9 +329,9 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
 
 cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h,
                                      const TransferArgs& t, const void* x, void* out_rows,
-                                     int elem_bytes, cudaStream_t s) {
+                                     int row_bytes, cudaStream_t s) {
   DispatchShape sh;
-  sh.vec_per_row = c.ws.cfg.hidden * elem_bytes / 16;
+  sh.vec_per_row = row_bytes / 16;  // checked by the API: a multiple of 16, within the ring's row
   sh.cpc = HandleArrays::chunks_per_call(c.ws.cfg);
   sh.C = c.ws.cfg.chunk_tokens;
   sh.K = c.ws.cfg.topk;
@@ -368,7 +368,7 @@ __global__ void __launch_bounds__(kStageAcquireThreads) stage_acquire_kernel(Com
 }
 
 cudaError_t launch_dispatch_stage_copy(const CommContext& c, const void* x, int num_tokens,
-                                       int elem_bytes, cudaStream_t s) {
+                                       int row_bytes, cudaStream_t s) {
   const Workspace& ws = c.ws;
   if (!dispatch_call_fits_ring(ws)) return cudaErrorInvalidValue;
   const int C = ws.cfg.chunk_tokens;
@@ -377,9 +377,10 @@ cudaError_t launch_dispatch_stage_copy(const CommContext& c, const void* x, int 
   if (cudaError_t e = launch_kernel(c, stage_acquire_kernel, 1, kStageAcquireThreads, 0, s, c, n_chunks,
                                     HandleArrays::chunks_per_call(ws.cfg)))
     return e;
-  // A slot may be longer than its C rows (aligned to 256 B): copy full chunks with a pitch, then
-  // the last, partial one. At the usual sizes (C * row bytes a multiple of 256) it is one copy.
-  const size_t row = static_cast<size_t>(ws.cfg.hidden) * elem_bytes;
+  // A slot may be longer than its C rows (aligned to 256 B, or rows shorter than the ring's, as
+  // packed FP8 rows are): copy full chunks with a pitch, then the last, partial one. At the usual
+  // sizes (C * row bytes a multiple of 256, rows of the Buffer's dtype) it is one copy.
+  const size_t row = static_cast<size_t>(row_bytes);
   const size_t chunk = static_cast<size_t>(C) * row;
   char* dst = c.local() + ws.disp_ring;
   const char* src = static_cast<const char*>(x);

@@ -22,11 +22,24 @@ class DispatchFunction(torch.autograd.Function):
         tokens, probs, handle = backend.dispatch(x, topk_idx, topk_weights, rows_per_expert)
         ctx.backend, ctx.handle = backend, handle
         out_handle.append(handle)
+        # Packed FP8 rows (megatron_mok/fp8.py) are data: only probs carries a gradient.
+        ctx.packed = not tokens.is_floating_point()
+        if ctx.packed:
+            ctx.mark_non_differentiable(tokens)
         return tokens, probs
 
     @staticmethod
     def backward(ctx, grad_tokens, grad_probs):
         want_w = ctx.needs_input_grad[3]
+        if ctx.packed:
+            if not want_w:
+                return None, None, None, None, None, None
+            # The prob gradients travel with a combine; its rows are zero (the FP8 tokens have
+            # no gradient), so this costs a full combine for [T, K] floats.
+            b = ctx.backend.buf
+            zeros = torch.zeros(ctx.handle.num_out_rows, b.hidden, dtype=b.dtype, device=grad_probs.device)
+            _, grad_w = ctx.backend.combine(zeros, ctx.handle, grad_probs=grad_probs.contiguous())
+            return None, None, None, grad_w, None, None
         grad_x, grad_w = ctx.backend.combine(
             grad_tokens.contiguous(), ctx.handle,
             grad_probs=grad_probs.contiguous() if want_w else None)

@@ -133,7 +133,7 @@ class ReferenceBackend:
         pos, tpe, R = padded_positions(row_e, b.num_local_experts, b.expert_alignment,
                                        rows_per_expert, b.rank)
         out_rows = b._out_rows(R)
-        tokens = x.new_zeros(out_rows, b.hidden)
+        tokens = x.new_zeros(out_rows, x.shape[1])  # token rows, or packed FP8 rows
         tokens[pos] = all_x[row_s, row_t]
         probs = torch.zeros(out_rows, dtype=torch.float32, device=x.device)
         probs[pos] = all_w[row_s, row_t, row_k]
@@ -166,7 +166,7 @@ class ReferenceBackend:
         settle(x.device)
         all_x = self._gather_tokens(x)
         R = handle.num_rows
-        out = x.new_zeros(handle.num_out_rows, self.buf.hidden)
+        out = x.new_zeros(handle.num_out_rows, x.shape[1])
         live = handle.src_rank[:R] >= 0          # not the zero rows of expert_alignment
         out[:R][live] = all_x[handle.src_rank[:R][live], handle.src_token[:R][live]]
         return out
@@ -216,6 +216,6 @@ class ReferenceBackend:
     # -------------------------------------------------------------------------------- utils
     def _gather_tokens(self, x):
         b = self.buf
-        padded = x.new_zeros(b.max_tokens_per_rank, b.hidden)
+        padded = x.new_zeros(b.max_tokens_per_rank, x.shape[1])
         padded[: x.shape[0]] = x
         return all_gather_exact(padded, b.group, b.world_size)

@@ -323,7 +323,7 @@ class CudaBackend:
             # (A static dispatch staged beside the layout, MOK_DISPATCH_CE_OVERLAP=1: the transfer
             # waits for the side stream, so its launches stay separate.) Every output's size is
             # known before the layout: allocate now (NOTES (GG)).
-            tokens = torch.empty(b.max_recv_tokens, b.hidden, dtype=b.dtype, device=x.device)
+            tokens = self._rows_like(x, b.max_recv_tokens)
             probs_all, src_all = self._row_outputs(b.max_recv_tokens, x.device)
         if ce_side:
             self._stage_copy_beside(x, T, main)
@@ -350,7 +350,7 @@ class CudaBackend:
             if report[4] not in DATA_ERRORS:  # protocol errors: nothing more to launch
                 self._raise_if_error(report[4:])
             R = cap = report[0]
-            tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
+            tokens = self._rows_like(x, cap)
         if fill_first:
             # probs shrunk in place, not sliced: an output that is a view would forbid in-place
             # updates of it downstream (autograd's rule for custom Functions' outputs).
@@ -375,7 +375,8 @@ class CudaBackend:
             else:
                 self._check(self.lib.mok_dispatch_transfer(
                     self.ctx, stream, self._ptr(scratch), self._ptr(x), T, self._ptr(tokens), cap,
-                    self.num_blocks - self.dispatch_producers, 0, bindings.TRANSFER_PULL))
+                    self.num_blocks - self.dispatch_producers, 0, bindings.TRANSFER_PULL,
+                    self._row_bytes(x)))
                 # Later work on this stream (an in-place update of x, the next call) comes after
                 # the staging.
                 main.wait_event(staged)
@@ -395,7 +396,7 @@ class CudaBackend:
         (``fixed`` >= 0) R = E_local * N is known here (``known_R``)."""
         b = self.buf
         cap = b.max_recv_tokens
-        tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
+        tokens = self._rows_like(x, cap)
         probs, src = self._row_outputs(cap, x.device)
         steps = bindings.STEP_LAYOUT | bindings.STEP_FILL | bindings.STEP_TRANSFER
         if self.ce_stage:
@@ -415,7 +416,7 @@ class CudaBackend:
         the next eager dispatch's read, as in static-shape mode."""
         b = self.buf
         read = not torch.cuda.is_current_stream_capturing()
-        tokens = torch.empty(R, b.hidden, dtype=b.dtype, device=x.device)
+        tokens = self._rows_like(x, R)
         probs, src = self._row_outputs(R, x.device)
         self._layout(stream, scratch, idx, w, T, tpe, R, -1, read, n)
         if read:
@@ -451,7 +452,7 @@ class CudaBackend:
             self.ctx, stream, steps, scratch.data_ptr(), ptr(idx),
             int(idx is not None and idx.dtype == torch.int64), ptr(w), T, self.buf.num_experts,
             ptr(tpe), src_rank, src_token, ptr(probs), 1, ptr(x), ptr(out), cap, blocks, producers, mode,
-            fixed))
+            fixed, self._row_bytes(x)))
 
     def _dispatch_speculative(self, x, T, idx, w, scratch, tpe, stream):
         """Eager dispatch in the issue's order: allocate, launch, then read R.
@@ -466,7 +467,7 @@ class CudaBackend:
         """
         b = self.buf
         cap = self._spec_capacity()
-        tokens = torch.empty(cap, b.hidden, dtype=b.dtype, device=x.device)
+        tokens = self._rows_like(x, cap)
         probs_all, src_all = self._row_outputs(self.rows_bound, x.device)
         self._layout(stream, scratch, idx, w, T, tpe, 1 << 62, cap, True, bindings.NO_ROWS_PER_EXPERT)
         main = torch.cuda.current_stream(self.device)
@@ -482,10 +483,10 @@ class CudaBackend:
         self._spec_recent = (self._spec_recent + [R])[-SPEC_HISTORY:]
         if short:
             self.spec_fallbacks += 1
-            tokens = torch.empty(R, b.hidden, dtype=b.dtype, device=x.device)
+            tokens = self._rows_like(x, R)
             self._transfer(x, T, scratch, tokens, R)
         else:
-            tokens = tokens.resize_(R, b.hidden)  # in place: outputs must not be views
+            tokens = tokens.resize_(R, x.shape[1])  # in place: outputs must not be views
         if bad_ids:  # the peers' redo (if any) is matched by this rank's: now raise
             self._raise_if_error(self.host_report[4:])
         handle = self._handle(T, R, R, src_all[0, :R], src_all[1, :R], tpe, scratch)
@@ -506,6 +507,17 @@ class CudaBackend:
             return 0
         guess = int(max(self._spec_recent) * SPEC_MARGIN) + self.chunk_tokens
         return min(guess, self.rows_bound)
+
+    @staticmethod
+    def _rows_like(x, rows: int):
+        """``[rows, x.shape[1]]`` rows of ``x``'s dtype: token rows in the Buffer's dtype, or the
+        FP8 dispatch's packed byte rows (``megatron_mok/fp8.py``); dispatch moves rows as bytes."""
+        return torch.empty(rows, x.shape[1], dtype=x.dtype, device=x.device)
+
+    @staticmethod
+    def _row_bytes(x) -> int:
+        """Bytes of one row of ``x`` (the library's ``row_bytes``)."""
+        return x.shape[1] * x.element_size()
 
     @staticmethod
     def _row_outputs(rows: int, device):
@@ -530,7 +542,7 @@ class CudaBackend:
         blocks, producers, _ = self._roles(T)
         self._check(self.lib.mok_dispatch_transfer(
             self.ctx, stream, self._ptr(scratch), self._ptr(x), T,
-            self._ptr(out), cap, blocks, producers, mode))
+            self._ptr(out), cap, blocks, producers, mode, self._row_bytes(x)))
 
     def _roles(self, T: int):
         """(blocks, dispatch producers, combine producers) of a transfer kernel for a call
@@ -545,7 +557,7 @@ class CudaBackend:
         A world of one rank has no readers: nothing to copy (every block still pulls)."""
         if self.buf.world_size == 1:
             return
-        self._check(self.lib.mok_dispatch_stage_copy(self.ctx, stream, self._ptr(x), T))
+        self._check(self.lib.mok_dispatch_stage_copy(self.ctx, stream, self._ptr(x), T, self._row_bytes(x)))
 
     def _on_side_stream(self, main, fork, done, launch, *tensors) -> torch.cuda.Event:
         """Run ``launch()`` on the side stream after the work queued on ``main`` so far (event
@@ -577,12 +589,12 @@ class CudaBackend:
         return self._on_side_stream(main, self._layout_done, self._staged, lambda: self._check(
             self.lib.mok_dispatch_transfer(self.ctx, self._side_raw, self._ptr(scratch), self._ptr(x), T,
                                            ctypes.c_void_p(0), 0, self.dispatch_producers, 0,
-                                           bindings.TRANSFER_STAGE)),
+                                           bindings.TRANSFER_STAGE, self._row_bytes(x))),
             x, scratch)
 
     def dispatch_cached(self, x, handle: DispatchHandle):
         self._alive()
-        out = torch.empty(handle.num_out_rows, self.buf.hidden, dtype=self.buf.dtype, device=x.device)
+        out = self._rows_like(x, handle.num_out_rows)
         if self.ce_stage:   # staging and transfer in one library call
             self._launch(bindings.STEP_STAGE_COPY | bindings.STEP_TRANSFER, self._stream(),
                          handle.state.scratch, x, handle.num_tokens, None, None, None, None, None,

@@ -79,16 +79,18 @@ enum TransferMode : int32_t {
   kTransferCeStaged = 8,
 };
 
-// Stage x into my dispatch ring and pull every task's token into its expert-major rows.
+// Stage x into my dispatch ring and pull every task's token into its expert-major rows. A row
+// is row_bytes bytes (a multiple of 16, at most hidden x elem_bytes: the ring's row): the token
+// row in the Buffer's dtype, or a packed FP8 row with its scales (megatron_mok/fp8.py).
 cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h,
                                      const TransferArgs& t, const void* x, void* out_rows,
-                                     int elem_bytes, cudaStream_t s);
+                                     int row_bytes, cudaStream_t s);
 
 // Copy-engine staging of a dispatch (kTransferCeStaged): a one-block kernel waits until the
 // readers of slots [0, chunks) released their previous generation, then the copy engine copies
 // x into those slots (no SM moves these bytes). Only when a call fits in the ring.
 cudaError_t launch_dispatch_stage_copy(const CommContext& c, const void* x, int num_tokens,
-                                       int elem_bytes, cudaStream_t s);
+                                       int row_bytes, cudaStream_t s);
 bool dispatch_call_fits_ring(const Workspace& ws);
 
 // Reduce my rows per task into partials (staged), pull every rank's partials for my tokens.

@@ -1,0 +1,107 @@
+"""FP8 dispatch: tokens travel as FP8 with their per-block scales, about half the bytes of bf16.
+
+``Buffer.dispatch((x_fp8, scales), topk_idx, topk_weights)`` takes DeepEP's FP8 input, a pair of
+
+- ``x_fp8``: ``[T, H]`` ``torch.float8_e4m3fn`` (or ``float8_e5m2``), contiguous;
+- ``scales``: ``[T, S]`` contiguous, ``float32`` (DeepSeek-V3 / DeepEP: one scale per 128
+  columns, :func:`quantize`) or a one-byte dtype (``float8_e8m0fnu`` / ``uint8``: MXFP8's one
+  scale per 32 columns),
+
+and returns ``tokens = (rows_fp8 [R, H], row_scales [R, S])`` in the same expert-major order,
+padding and layout as a bf16 dispatch of the same routing. Everything else (``probs``, counts,
+handle, ``combine`` in the Buffer's dtype) is unchanged.
+
+How: a dispatch moves rows as bytes. The pair is packed into one byte row per token, ``[FP8
+token | scales | zero padding to 16 bytes]`` (:func:`pack`), dispatched like any row, and the
+received rows are handed back as two views of the packed rows (:func:`unpack`): no copy on the
+receiving side, so ``rows_fp8`` has row stride ``P`` (the packed row's bytes), not ``H``. Call
+``.contiguous()`` where a kernel needs dense rows. The packed row must fit the Buffer's token row
+(``P <= H x`` the Buffer's element size): always true for a bf16 Buffer with 128-column float32
+scales (``P = 1.03 H``).
+
+Gradients: the FP8 pair is data, not differentiable. ``probs`` stays differentiable with respect
+to ``topk_weights`` (its backward is a combine of zero rows that carries the prob gradients, so
+it costs a full combine). The usual FP8 training step dispatches FP8 forward and computes the
+gradient of the bf16 tokens with ``combine`` of the expert-side gradients, as DeepEP's users do.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Scales: float32 (one per 128 columns, DeepEP) or one byte (MXFP8's E8M0 exponents).
+SCALE_DTYPES = (torch.float32, torch.uint8) + (
+    (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
+E4M3_MAX = 448.0
+ROW_ALIGN = 16  # the dispatch copies 16-byte vectors
+
+
+def quantize(x: torch.Tensor, block: int = 128) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8 E4M3 with one float32 scale per ``block`` columns (DeepSeek-V3's
+    activation format, DeepEP's ``per_token_cast_to_fp8``).
+
+    Args:
+        x: ``[T, H]`` bf16 / fp16 / fp32, ``H`` a multiple of ``block``.
+        block: columns per scale.
+
+    Returns:
+        ``(x_fp8 [T, H] float8_e4m3fn, scales [T, H / block] float32)`` with
+        ``x ~= x_fp8 * scale`` per block (:func:`dequantize`); a block's largest magnitude
+        maps to 448 (an all-zero block gets scale 1e-4 / 448 and zeros).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
+    T, H = x.shape
+    if block <= 0 or H % block != 0:
+        raise ValueError(f"hidden {H} is not a multiple of the scale block {block}")
+    xv = x.float().view(T, H // block, block)
+    amax = xv.abs().amax(dim=2).clamp(min=1e-4)
+    q = (xv * (E4M3_MAX / amax).unsqueeze(2)).to(torch.float8_e4m3fn).view(T, H)
+    return q, amax / E4M3_MAX
+
+
+def dequantize(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``[T, H]`` in ``dtype`` from :func:`quantize`'s pair (or a dispatch's rows of it; strided
+    views are fine). ``scales`` must be float32, ``H`` a multiple of its columns."""
+    T, H = x_fp8.shape
+    S = scales.shape[1]
+    if S == 0 or H % S != 0:
+        raise ValueError(f"hidden {H} is not a multiple of the {S} scale columns")
+    blocks = x_fp8.float().view(T, S, H // S) * scales.float().unsqueeze(2)
+    return blocks.view(T, H).to(dtype)
+
+
+def packed_row_bytes(hidden: int, scale_cols: int, scale_dtype: torch.dtype) -> int:
+    """``P``: bytes of one packed row (FP8 token, scales, zero padding to 16 bytes)."""
+    raw = hidden + scale_cols * torch.tensor([], dtype=scale_dtype).element_size()
+    return (raw + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+
+
+def pack(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``[T, P]`` uint8: each token's FP8 bytes, then its scales' bytes, then zeros (one copy)."""
+    T, H = x_fp8.shape
+    scale_bytes = scales.contiguous().view(torch.uint8)  # [T, S x scale bytes]
+    P = packed_row_bytes(H, scales.shape[1], scales.dtype)
+    parts = [x_fp8.view(torch.uint8), scale_bytes]
+    pad = P - H - scale_bytes.shape[1]
+    if pad:
+        parts.append(torch.zeros(T, pad, dtype=torch.uint8, device=x_fp8.device))
+    return torch.cat(parts, dim=1)
+
+
+def unpack(rows: torch.Tensor, hidden: int, fp8_dtype: torch.dtype, scale_cols: int,
+           scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Views of packed rows ``[R, P]`` uint8: ``(rows_fp8 [R, hidden], row_scales [R, scale_cols])``
+    with row strides ``P`` and ``P / scale size`` (no copy)."""
+    esize = torch.tensor([], dtype=scale_dtype).element_size()
+    x = rows[:, :hidden].view(fp8_dtype)
+    s = rows[:, hidden: hidden + scale_cols * esize].view(scale_dtype)
+    return x, s
+
+
+def is_fp8_pair(x) -> bool:
+    """Whether a dispatch's ``x`` is an FP8 pair (a tuple, as DeepEP takes it), not a token tensor."""
+    return isinstance(x, tuple)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Runs s22-1 and s22-2 (benchmarks/results/README.md): the FP8 dispatch (megatron_mok/fp8.py,
+# C ABI 11) on one H200, in two calls that fit the 10-minute limit:
+#
+#   bash scripts/device_runs/s22_fp8_1gpu.sh COMMIT fp8          # s22-1
+#   bash scripts/device_runs/s22_fp8_1gpu.sh COMMIT regression   # s22-2
+#
+# fp8: its GPU tests (world size 1, loopback ranks 2-4, each dispatch schedule, ring
+# wrap-arounds; W = 2 as processes sharing the GPU), then the suite's mok and mok_fp8 rows at
+# W = 1 (NOTES #55's prediction: the transfer scales with the bytes). regression: a sample of
+# the CUDA tests, since every dispatch now passes its row size to the library.
+C=${1:?commit}; PART=${2:?fp8 or regression}; LIMIT=${3:-500}
+. "$(dirname "$0")/common.sh"
+if [ "$PART" = fp8 ]; then
+  timeout -k 5 220 python3 -m pytest -v -p no:cacheprovider -rs --tb=short --durations=5 \
+    tests/test_fp8_dispatch.py tests/test_cuda_library_abi.py > $R/fp8_tests.log 2>&1
+  echo "[fp8 GPU tests] rc=$?"; grep -cE " PASSED" $R/fp8_tests.log; grep -E " FAILED| ERROR|SKIPPED \[" $R/fp8_tests.log | head -20
+  grep -E "^E " $R/fp8_tests.log | head -20; tail -2 $R/fp8_tests.log
+  MOK_TEST_SHARED_GPU=1 timeout -k 5 90 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
+    tests/test_fp8_dispatch.py -k "test_cuda_fp8_dispatch and not world_size_1" > $R/fp8_shared.log 2>&1
+  echo "[fp8 W=2 shared GPU] rc=$?"; grep -E " PASSED| FAILED| ERROR|SKIPPED \[" $R/fp8_shared.log | head; grep -E "^E " $R/fp8_shared.log | head
+  timeout -k 5 230 python3 benchmarks/bench_dispatch_combine.py --shapes dsv3,h4096,t8192,t512,t128 \
+    --systems mok,mok_fp8 --sm-sweep 24 --out $R/bench > $R/bench.log 2>&1
+  echo "[suite mok / mok_fp8, W=1] rc=$?"; grep -A16 "^SUMMARY" $R/bench.log
+else
+  timeout -k 5 $LIMIT python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
+    tests/test_cuda_backend.py tests/test_cuda_loopback.py \
+    -k "world_size_1 or (loopback_matches_reference and 3]) or loopback_static_shape or loopback_cached or loopback_graph or (loopback_ring_wraps and 3-) or loopback_expert_alignment or loopback_rows_per_expert" \
+    > $R/cuda_regression.log 2>&1
+  echo "[CUDA regression sample] rc=$?"; grep -cE " PASSED" $R/cuda_regression.log; grep -E " FAILED| ERROR" $R/cuda_regression.log | head -20; tail -2 $R/cuda_regression.log
+fi
+cd $OUT && tar czf r.tgz r && rm -rf r

@@ -1,0 +1,347 @@
+"""FP8 dispatch (``megatron_mok/fp8.py``): ``Buffer.dispatch((x_fp8, scales), ...)``.
+
+The FP8 rows and their scales must arrive byte for byte: each received row is the packed row
+of its source token (``src_rank``, ``src_token``), zero bytes on padding rows, and the layout
+(``probs``, counts, sources, row count) is bitwise the one a token dispatch of the same
+routing gives on the same Buffer. The expectation is built from every rank's packed inputs
+and the token dispatch's sources only, so it holds any backend to the same bytes; the token
+dispatch itself is held to the oracle by the contract tests.
+
+CPU (every CI run): the reference backend over gloo at 1-3 ranks, every mode. GPU: the CUDA
+backend at world size 1, as loopback ranks (2-4 threads on one GPU), as processes over NCCL
+(2 GPUs, or shared-GPU mode), under each dispatch schedule, and through ring wrap-arounds
+with a call larger than the ring.
+"""
+
+import pytest
+import torch
+
+import oracle
+from harness import (_buffer, assert_bitwise, contract_cases, in_loopback, make_inputs, rank_device,
+                     run_distributed, run_loopback, spec_inputs)
+from megatron_mok import fp8
+
+BLOCK = 16  # the contract cases have H = 32 or 64: two or four float32 scales per row
+MODES = ("plain", "static", "aligned", "rows_per_expert")
+# Routing cases with awkward shapes: no tokens on rank 0, -1 slots, every row to one expert,
+# experts without rows, T not a multiple of anything, 16 slots per token.
+FP8_CASES = ("random", "t0_on_rank0", "unrouted_slots", "all_to_one_expert", "experts_without_rows",
+             "odd_t", "k16_duplicates")
+SCALE_DTYPES = [pytest.param(torch.float32, id="f32_scales"),
+                pytest.param(torch.uint8, id="byte_scales")]
+
+
+def fp8_pairs(inputs, seed, scale_dtype):
+    """Every rank's ``(x_fp8, scales)``: :func:`fp8.quantize` of its tokens (float32 scales,
+    one per BLOCK columns), or its tokens cast to FP8 with random one-byte scales (MXFP8's
+    E8M0 exponents are bytes: every byte value must arrive, NaN patterns included)."""
+    out = []
+    for s, (x, _idx, _w) in enumerate(inputs):
+        if scale_dtype == torch.float32:
+            q, sc = fp8.quantize(x.cpu(), BLOCK)
+        else:
+            g = torch.Generator().manual_seed(seed * 31 + s)
+            q = x.cpu().float().clamp(-448, 448).to(torch.float8_e4m3fn)
+            sc = torch.randint(0, 256, (x.shape[0], max(1, x.shape[1] // 32)), generator=g,
+                               dtype=torch.uint8).view(scale_dtype)
+        out.append((q.to(x.device), sc.to(x.device)))
+    return out
+
+
+def expected_bytes(pairs, src_rank, src_token, rows):
+    """``(fp8 bytes [rows, H], scale bytes [rows, S bytes])`` of a dispatch whose row ``i``
+    came from ``(src_rank[i], src_token[i])`` (-1: a padding row, zero bytes)."""
+    H = pairs[0][0].shape[1]
+    sb = pairs[0][1].shape[1] * pairs[0][1].element_size()
+    want_x = torch.zeros(rows, H, dtype=torch.uint8)
+    want_s = torch.zeros(rows, sb, dtype=torch.uint8)
+    for i, (s, t) in enumerate(zip(src_rank.tolist(), src_token.tolist())):
+        if s >= 0:
+            want_x[i] = pairs[s][0][t].cpu().view(torch.uint8)
+            want_s[i] = pairs[s][1][t].cpu().contiguous().view(torch.uint8)
+    return want_x, want_s
+
+
+def assert_fp8_rows(tokens, pairs, src_rank, src_token, rows, what):
+    """``tokens`` (the FP8 dispatch's pair of views) against :func:`expected_bytes`."""
+    rows_fp8, row_scales = tokens
+    x0, s0 = pairs[0]
+    assert rows_fp8.dtype == x0.dtype and row_scales.dtype == s0.dtype, what
+    assert tuple(rows_fp8.shape) == (rows, x0.shape[1]), f"{what}: {tuple(rows_fp8.shape)}"
+    assert tuple(row_scales.shape) == (rows, s0.shape[1]), f"{what}: {tuple(row_scales.shape)}"
+    want_x, want_s = expected_bytes(pairs, src_rank.cpu(), src_token.cpu(), rows)
+    assert_bitwise(rows_fp8.contiguous().view(torch.uint8), want_x.to(rows_fp8.device), f"fp8 rows {what}")
+    assert_bitwise(row_scales.contiguous().view(torch.uint8), want_s.to(rows_fp8.device), f"scales {what}")
+
+
+def prob_grad_signal(src_rank, src_token):
+    """A gradient for each row's prob that names its source token (0 on padding rows): the
+    gradient of ``topk_weights[t, k]`` must then be this value of ``(rank, t)`` on every
+    routed slot, whichever rank holds the row."""
+    g = ((src_rank * 131 + src_token * 7 + 3) % 17).float() / 16 + 0.5
+    return torch.where(src_rank >= 0, g, torch.zeros_like(g))
+
+
+def check_fp8_case(rank, world_size, name, seed, backend="reference", mode="plain",
+                   scale_dtype=torch.float32, buffer_dtype=torch.bfloat16, compare_reference=False):
+    """One routing case of the FP8 dispatch in ``mode`` (module docstring). Returns the rows
+    this rank received (so a caller can see what was covered)."""
+    dev = rank_device(rank)
+    spec = contract_cases(world_size)[name]
+    inputs = spec_inputs(spec, world_size, buffer_dtype, seed, device=dev)
+    pairs = fp8_pairs(inputs, seed, scale_dtype)
+    routing = oracle.route([tuple(t.cpu() for t in inp) for inp in inputs], spec["E"])
+    kw, rpe = {}, None
+    if mode == "static":
+        kw["max_recv_tokens"] = max(rr.num_rows for rr in routing) + 3
+    elif mode == "aligned":
+        kw["expert_alignment"] = 4
+    elif mode == "rows_per_expert":
+        rpe = max(max(rr.tokens_per_expert) for rr in routing) + 2
+    buf = _buffer(spec, buffer_dtype, backend, device=dev, **kw)
+    x, idx, w0 = inputs[rank]
+    tag = f"[{name} {mode} {scale_dtype} {backend} rank {rank}/{world_size}]"
+
+    w = w0.clone().requires_grad_(True)
+    res8 = buf.dispatch(pairs[rank], idx, w, rows_per_expert=rpe)
+    res = buf.dispatch(x, idx, w0, rows_per_expert=rpe)
+    rows = res.tokens.shape[0]
+    for k in ("probs", "tokens_per_expert", "src_rank", "src_token"):
+        assert_bitwise(getattr(res8, k).detach(), getattr(res, k), f"{k} vs the token dispatch {tag}")
+    assert res8.handle.num_rows == res.handle.num_rows, tag
+    if mode == "plain":
+        exp = oracle.expected_dispatch([tuple(t.cpu() for t in inp) for inp in inputs], spec["E"], rank, routing)
+        assert_bitwise(res8.src_rank.cpu(), exp["src_rank"], f"src_rank vs oracle {tag}")
+        assert_bitwise(res8.src_token.cpu(), exp["src_token"], f"src_token vs oracle {tag}")
+    assert_fp8_rows(res8.tokens, pairs, res.src_rank, res.src_token, rows, tag)
+
+    # A cached FP8 dispatch along either handle moves new pairs to the same rows.
+    pairs2 = fp8_pairs(spec_inputs(spec, world_size, buffer_dtype, seed + 1, device=dev), seed + 1, scale_dtype)
+    for which, h in (("token handle", res.handle), ("fp8 handle", res8.handle)):
+        cached = buf.dispatch(pairs2[rank], handle=h)
+        assert cached.probs is None
+        assert_fp8_rows(cached.tokens, pairs2, res.src_rank, res.src_token, rows, f"cached, {which} {tag}")
+
+    # The prob gradients travel back through the FP8 dispatch's handle (a combine of zero rows);
+    # autograd cannot run the reference backend's collectives inside loopback threads.
+    if not (in_loopback() and backend == "reference"):
+        gp = prob_grad_signal(res.src_rank, res.src_token)
+        (res8.probs * gp).sum().backward()
+        mine = prob_grad_signal(torch.full_like(idx, rank), torch.arange(idx.shape[0], device=dev).view(-1, 1).expand_as(idx))
+        want = torch.where(idx >= 0, mine, torch.zeros_like(mine))
+        assert_bitwise(w.grad, want, f"grad topk_weights {tag}")
+
+    if compare_reference:
+        ref = _buffer(spec, buffer_dtype, "reference", device=dev, **kw)
+        r8 = ref.dispatch(pairs[rank], idx, w0, rows_per_expert=rpe)
+        for a, b, what in zip(res8.tokens, r8.tokens, ("fp8 rows", "scales")):
+            assert_bitwise(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8),
+                           f"{what}: {backend} vs reference {tag}")
+        ref.destroy()
+    if hasattr(buf, "check_errors"):
+        buf.check_errors()
+    buf.destroy()
+    return rows
+
+
+def fp8_ring_wrap(rank, world_size, calls, chunks=3, T_max=512):
+    """``calls`` FP8 dispatches of varying sizes through a ring of ``chunks`` chunks, one of
+    them larger than the whole ring; every one byte-checked. Returns the rows and ring bytes."""
+    from test_cuda_backend import mok_buffer, ring_chunk_bytes
+
+    dev = rank_device(rank)
+    H, K, E = 256, 4, 4 * world_size
+    disp, comb = ring_chunk_bytes(H, K)
+    ring = chunks * max(disp, comb)
+    buf = mok_buffer(E, H, K, T_max, torch.bfloat16, "cuda", dev, ring_bytes=ring, timeout_s=30)
+    g = torch.Generator().manual_seed(78)                      # the same sizes on every rank
+    cases = ("duplicate", "mixed", "skewed", "one_expert")
+    most = 0
+    for i in range(calls):
+        T_all = [int(v) for v in torch.randint(0, T_max + 1, (world_size,), generator=g)]
+        if i == calls // 2:
+            T_all = [T_max] * world_size
+            assert T_max * fp8.packed_row_bytes(H, H // BLOCK, torch.float32) > ring
+        inputs = make_inputs(2000 + i, world_size, T_all, E, H, K, torch.bfloat16, case=cases[i % 4], device=dev)
+        pairs = fp8_pairs(inputs, i, torch.float32)
+        res = buf.dispatch(pairs[rank], inputs[rank][1], inputs[rank][2])
+        rows = res.src_rank.shape[0]
+        most = max(most, rows)
+        assert_fp8_rows(res.tokens, pairs, res.src_rank, res.src_token, rows, f"call {i} T={T_all} rank {rank}")
+    buf.check_errors()
+    buf.destroy()
+    return most, ring
+
+
+# ------------------------------------------------------------------------------ CPU (CI)
+@pytest.mark.parametrize("world_size", (1, 2, 3))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_reference_fp8_dispatch(mode, scale_dtype, world_size):
+    for name in FP8_CASES:
+        run_distributed(check_fp8_case, world_size, name, 11, "reference", mode, scale_dtype)
+
+
+def test_reference_fp8_dispatch_on_a_float32_buffer():
+    run_distributed(check_fp8_case, 2, "mixed", 12, "reference", "plain", torch.float32, torch.float32)
+
+
+def test_fp8_byte_check_catches_a_wrong_row():
+    """The row check is not vacuous: one byte changed, or two rows swapped, fails it."""
+    x = torch.randn(5, 32)
+    pairs = [fp8.quantize(x, BLOCK)]
+    src_rank = torch.zeros(4, dtype=torch.int64)
+    src_token = torch.tensor([3, 0, 0, 4])
+    rows = fp8.unpack(fp8.pack(*pairs[0])[src_token], 32, torch.float8_e4m3fn, 2, torch.float32)
+    assert_fp8_rows(rows, pairs, src_rank, src_token, 4, "unchanged")
+    bad = rows[0].clone()
+    bad.view(torch.uint8)[2, 5] ^= 1
+    with pytest.raises(AssertionError, match="differ bitwise"):
+        assert_fp8_rows((bad, rows[1]), pairs, src_rank, src_token, 4, "one byte")
+    with pytest.raises(AssertionError, match="differ bitwise"):
+        assert_fp8_rows(rows, pairs, src_rank, torch.tensor([0, 3, 0, 4]), 4, "swapped")
+
+
+def test_quantize_matches_the_per_token_block_definition():
+    """Each block's largest magnitude becomes +-448 (scale = amax / 448); every value is within
+    half an E4M3 step of x / scale; dequantize multiplies back; an all-zero block stays zero."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 256, generator=g) * torch.logspace(-3, 3, 7).view(-1, 1)).to(torch.bfloat16)
+    x[2, 128:] = 0
+    q, s = fp8.quantize(x, 128)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert tuple(q.shape) == (7, 256) and tuple(s.shape) == (7, 2)
+    blocks = x.float().view(7, 2, 128)
+    amax = blocks.abs().amax(dim=2)
+    assert torch.equal(s, amax.clamp(min=1e-4) / 448)
+    qb = q.float().view(7, 2, 128)
+    live = amax > 0
+    assert torch.equal(qb.abs().amax(dim=2)[live], torch.full_like(amax[live], 448.0))
+    assert torch.equal(qb[~live], torch.zeros_like(qb[~live]))
+    scaled = blocks / s.unsqueeze(2)
+    # E4M3: 3 mantissa bits (half a step is 1/16 of the value), subnormal step 2^-9.
+    assert bool(((qb - scaled).abs() <= torch.maximum(scaled.abs() / 16, torch.full_like(scaled, 2.0 ** -10)) * 1.0001).all())
+    deq = fp8.dequantize(q, s, torch.float32)
+    assert torch.equal(deq, (qb * s.unsqueeze(2)).view(7, 256))
+    assert fp8.dequantize(q, s).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("H,S,scale_dtype,P", [(7168, 56, torch.float32, 7392), (640, 5, torch.float32, 672),
+                                               (32, 1, torch.uint8, 48), (4096, 128, torch.uint8, 4224)])
+def test_pack_and_unpack_round_trip(H, S, scale_dtype, P):
+    g = torch.Generator().manual_seed(H)
+    q = torch.randint(0, 256, (3, H), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    sc = torch.randint(0, 256, (3, S * torch.tensor([], dtype=scale_dtype).element_size()), generator=g,
+                       dtype=torch.uint8).view(scale_dtype)
+    assert fp8.packed_row_bytes(H, S, scale_dtype) == P
+    packed = fp8.pack(q, sc)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (3, P)
+    assert torch.equal(packed[:, H + sc.view(torch.uint8).shape[1]:], torch.zeros(3, P - H - sc.view(torch.uint8).shape[1], dtype=torch.uint8))
+    q2, s2 = fp8.unpack(packed, H, torch.float8_e4m3fn, S, scale_dtype)
+    assert q2.data_ptr() == packed.data_ptr()            # views, no copy
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(s2.contiguous().view(torch.uint8), sc.view(torch.uint8))
+    empty = fp8.pack(q[:0], sc[:0])
+    assert tuple(empty.shape) == (0, P)
+
+
+def _fp8_buffer(H=32, dtype=torch.bfloat16):
+    import megatron_mok as mok
+    return mok.Buffer(None, num_experts=4, hidden=H, topk=2, max_tokens_per_rank=8, dtype=dtype,
+                      backend="reference")
+
+
+def _ok_pair(T=3, H=32):
+    return fp8.quantize(torch.randn(T, H), BLOCK)
+
+
+@pytest.mark.parametrize("make,err,match", [
+    (lambda q, s: (q,), ValueError, "x = \\(x_fp8, scales\\)"),
+    (lambda q, s: (q.float(), s), TypeError, "x_fp8 must be one of"),
+    (lambda q, s: (q, s.double()), TypeError, "scales must be one of"),
+    (lambda q, s: (q[:, :16], s), ValueError, "x_fp8 must be \\[T, hidden=32\\]"),
+    (lambda q, s: (q, s[:2]), ValueError, "scales must be \\[T=3"),
+    (lambda q, s: (q, s.t().contiguous().t()), ValueError, "scales must be contiguous"),
+    (lambda q, s: (q, s.clone().requires_grad_(True)), ValueError, "not differentiable"),
+    (lambda q, s: (q, torch.zeros(3, 9)), ValueError, "more than the Buffer's token row"),
+])
+def test_fp8_input_errors(make, err, match):
+    buf = _fp8_buffer()
+    q, s = _ok_pair()
+    idx = torch.tensor([[0, 1], [2, 3], [1, -1]])
+    w = torch.rand(3, 2)
+    with pytest.raises(err, match=match):
+        buf.dispatch(make(q, s), idx, w)
+    buf.dispatch((q, s), idx, w)                        # the pair itself is fine
+
+
+def test_fp8_cached_dispatch_errors():
+    buf = _fp8_buffer()
+    q, s = _ok_pair()
+    res = buf.dispatch((q, s), torch.tensor([[0, 1], [2, 3], [1, -1]]), torch.rand(3, 2))
+    q4, s4 = _ok_pair(T=4)
+    with pytest.raises(ValueError, match="the handle's dispatch"):
+        buf.dispatch((q4, s4), handle=res.handle)
+    with pytest.raises(TypeError, match="handle must be a DispatchHandle"):
+        buf.dispatch((q, s), handle=object())
+
+
+# -------------------------------------------------------------------------------- GPU
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_cuda_fp8_dispatch_world_size_1(mode, scale_dtype):
+    for name in ("random", "t0_everywhere", "k1", "same_expert_twice", "mixed"):
+        run_distributed(check_fp8_case, 1, name, 21, "cuda", mode, scale_dtype, compare_reference=True,
+                        backend="nccl", timeout=300)
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (2, 3, 4))
+@pytest.mark.parametrize("mode", MODES)
+def test_loopback_fp8_dispatch(mode, world_size):
+    for name in FP8_CASES:
+        for scale_dtype in (torch.float32, torch.uint8):
+            run_loopback(check_fp8_case, world_size, name, 31, "cuda", mode, scale_dtype,
+                         compare_reference=mode == "plain", timeout=300)
+
+
+FP8_SCHEDULES = [pytest.param({"MOK_DISPATCH_CE_STAGE": "0"}, id="dispatch_sm_staging"),
+                 pytest.param({"MOK_EAGER_STAGE_FIRST": "1"}, id="eager_stage_first"),
+                 pytest.param({"MOK_EAGER_FILL_FIRST": "1"}, id="eager_fill_first"),
+                 pytest.param({"MOK_EAGER_SPECULATIVE": "1"}, id="eager_speculative"),
+                 pytest.param({"MOK_DISPATCH_CE_OVERLAP": "1"}, id="dispatch_ce_copy_beside_layout")]
+
+
+@gpu
+@pytest.mark.parametrize("env", FP8_SCHEDULES)
+def test_loopback_fp8_dispatch_schedules(env, monkeypatch):
+    """Every launch path that passes the row size: the SM staging, the stage/pull split, the
+    fill-first and speculative eager dispatches, the side-stream copy."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for name in ("mixed", "t0_on_rank0", "all_to_one_expert"):
+        for mode in ("plain", "static", "rows_per_expert"):
+            run_loopback(check_fp8_case, 3, name, 41, "cuda", mode, timeout=300)
+
+
+@gpu
+@pytest.mark.parametrize("env", [pytest.param({}, id="default"),
+                                 pytest.param({"MOK_DISPATCH_CE_STAGE": "0"}, id="dispatch_sm_staging")])
+def test_loopback_fp8_dispatch_wraps_the_ring(env, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rows, ring = run_loopback(fp8_ring_wrap, 3, 60, timeout=600)[0]
+    assert rows > 0 and ring > 0
+
+
+@pytest.mark.parametrize("world_size", [
+    pytest.param(2, marks=[pytest.mark.gpu, pytest.mark.multigpu])])
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_fp8_dispatch(mode, world_size):
+    for name in FP8_CASES:
+        run_distributed(check_fp8_case, world_size, name, 51, "cuda", mode, torch.float32,
+                        compare_reference=True, backend="nccl", timeout=300)
