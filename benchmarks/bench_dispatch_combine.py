@@ -297,6 +297,10 @@ class Bench:
         if self.cpu:
             self.peer_bw = {"gbps": None, "method": None, "reason": "cpu smoke: no NVLink"}
             return
+        if self.world == 1:
+            self.peer_bw = {"gbps": None, "method": None,
+                            "reason": "world size 1: no peer (local copies and layout only)"}
+            return
         n = self.args.peer_bw_bytes // 2
         peer = (self.rank + 1) % self.world
         out = {"bytes": n * 2, "direction": "every rank reads from rank+1 at the same time"}
@@ -1063,8 +1067,9 @@ def main(argv=None):
         nproc = args.nproc or 2
     else:
         nproc = args.nproc or min(2, torch.cuda.device_count())
-        if nproc < 2:
-            raise SystemExit("need at least 2 GPUs (or run with --cpu for the smoke test)")
+        if nproc < 1 or (nproc < 2 and args.nproc != 1):
+            raise SystemExit("need at least 2 GPUs (or --nproc 1: one GPU, world size 1, no NVLink "
+                             "traffic; or --cpu for the smoke test)")
     import torch.multiprocessing as mp
     mp.spawn(_spawn_entry, args=(nproc, C.free_port(), args, cpu), nprocs=nproc, join=True)
 

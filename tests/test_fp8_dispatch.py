@@ -18,7 +18,7 @@ import torch
 
 import oracle
 from harness import (_buffer, assert_bitwise, contract_cases, in_loopback, make_inputs, rank_device,
-                     run_distributed, run_loopback, spec_inputs)
+                     run_distributed, run_loopback, settle, spec_inputs)
 from megatron_mok import fp8
 
 BLOCK = 16  # the contract cases have H = 32 or 64: two or four float32 scales per row
@@ -37,6 +37,7 @@ def fp8_pairs(inputs, seed, scale_dtype):
     E8M0 exponents are bytes: every byte value must arrive, NaN patterns included)."""
     out = []
     for s, (x, _idx, _w) in enumerate(inputs):
+        settle(x.device)     # loopback ranks: no host-synchronising copy behind communication
         if scale_dtype == torch.float32:
             q, sc = fp8.quantize(x.cpu(), BLOCK)
         else:
@@ -65,6 +66,9 @@ def expected_bytes(pairs, src_rank, src_token, rows):
 def assert_fp8_rows(tokens, pairs, src_rank, src_token, rows, what):
     """``tokens`` (the FP8 dispatch's pair of views) against :func:`expected_bytes`."""
     rows_fp8, row_scales = tokens
+    # Loopback ranks: wait for this rank's stream before the .cpu() copies below (a pageable
+    # copy queued behind the communication kernels stalls the peers' CUDA calls: loopback.settle).
+    settle(rows_fp8.device)
     x0, s0 = pairs[0]
     assert rows_fp8.dtype == x0.dtype and row_scales.dtype == s0.dtype, what
     assert tuple(rows_fp8.shape) == (rows, x0.shape[1]), f"{what}: {tuple(rows_fp8.shape)}"
@@ -110,6 +114,7 @@ def check_fp8_case(rank, world_size, name, seed, backend="reference", mode="plai
         assert_bitwise(getattr(res8, k).detach(), getattr(res, k), f"{k} vs the token dispatch {tag}")
     assert res8.handle.num_rows == res.handle.num_rows, tag
     if mode == "plain":
+        settle(dev)
         exp = oracle.expected_dispatch([tuple(t.cpu() for t in inp) for inp in inputs], spec["E"], rank, routing)
         assert_bitwise(res8.src_rank.cpu(), exp["src_rank"], f"src_rank vs oracle {tag}")
         assert_bitwise(res8.src_token.cpu(), exp["src_token"], f"src_token vs oracle {tag}")

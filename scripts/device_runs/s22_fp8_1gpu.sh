@@ -19,7 +19,7 @@ if [ "$PART" = fp8 ]; then
   MOK_TEST_SHARED_GPU=1 timeout -k 5 90 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
     tests/test_fp8_dispatch.py -k "test_cuda_fp8_dispatch and not world_size_1" > $R/fp8_shared.log 2>&1
   echo "[fp8 W=2 shared GPU] rc=$?"; grep -E " PASSED| FAILED| ERROR|SKIPPED \[" $R/fp8_shared.log | head; grep -E "^E " $R/fp8_shared.log | head
-  timeout -k 5 230 python3 benchmarks/bench_dispatch_combine.py --shapes dsv3,h4096,t8192,t512,t128 \
+  timeout -k 5 230 python3 benchmarks/bench_dispatch_combine.py --nproc 1 --shapes dsv3,h4096,t8192,t512,t128 \
     --systems mok,mok_fp8 --sm-sweep 24 --out $R/bench > $R/bench.log 2>&1
   echo "[suite mok / mok_fp8, W=1] rc=$?"; grep -A16 "^SUMMARY" $R/bench.log
 else
