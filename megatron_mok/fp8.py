@@ -76,7 +76,7 @@ def dequantize(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
 
 def packed_row_bytes(hidden: int, scale_cols: int, scale_dtype: torch.dtype) -> int:
     """``P``: bytes of one packed row (FP8 token, scales, zero padding to 16 bytes)."""
-    raw = hidden + scale_cols * torch.tensor([], dtype=scale_dtype).element_size()
+    raw = hidden + scale_cols * scale_dtype.itemsize
     return (raw + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
 
 
@@ -96,7 +96,7 @@ def unpack(rows: torch.Tensor, hidden: int, fp8_dtype: torch.dtype, scale_cols: 
            scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """Views of packed rows ``[R, P]`` uint8: ``(rows_fp8 [R, hidden], row_scales [R, scale_cols])``
     with row strides ``P`` and ``P / scale size`` (no copy)."""
-    esize = torch.tensor([], dtype=scale_dtype).element_size()
+    esize = scale_dtype.itemsize
     x = rows[:, :hidden].view(fp8_dtype)
     s = rows[:, hidden: hidden + scale_cols * esize].view(scale_dtype)
     return x, s

@@ -135,7 +135,7 @@ def check_fp8_pair(buf, x, num_tokens=None):
         raise ValueError(f"scales is on {scales.device} but x_fp8 is on {x_fp8.device}")
     buf._check_device(x_fp8.device, "x_fp8")
     row = fp8.packed_row_bytes(buf.hidden, scales.shape[1], scales.dtype)
-    token_row = buf.hidden * torch.tensor([], dtype=buf.dtype).element_size()
+    token_row = buf.hidden * buf.dtype.itemsize
     if row > token_row:
         raise ValueError(
             f"an FP8 row with its {scales.shape[1]} {scales.dtype} scales packs into {row} bytes, "

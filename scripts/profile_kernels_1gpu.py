@@ -2,8 +2,12 @@
 from the torch profiler: which kernel of the chain costs what at small batches.
 
     python scripts/profile_kernels_1gpu.py [--tokens 128,512] [--sms 24] [--iters 20]
+    python scripts/profile_kernels_1gpu.py --fp8 [--tokens 4096] [--host]
 
-Prints, per token count, each kernel's median duration (us) over ``iters`` calls.
+Prints, per token count, each kernel's median duration (us) over ``iters`` calls. ``--fp8``:
+instead, the kernels of cached and eager dispatches of bf16 tokens and of FP8 pairs
+(megatron_mok/fp8.py: the pack, then the transfer of packed rows), and with ``--host`` the host
+ops of the FP8 eager dispatch.
 """
 
 import argparse
@@ -37,6 +41,50 @@ def _profiled(buf, x, idx, w, iters, activity):
     return prof
 
 
+def _kernel_table(prof, iters, title):
+    per = collections.defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name[:60]].append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
+    print(f"{title} (median us over {iters} calls)")
+    for name, v in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
+        print(f"  {statistics.median(v):8.1f}  x{len(v) // iters:<3d} {name}")
+
+
+def _profile_calls(call, iters, activity):
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[activity]) as prof:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    return prof
+
+
+def fp8_main(a, dev):
+    """Kernels of bf16 and FP8 dispatches, cached and eager (world size 1)."""
+    from megatron_mok import fp8
+    for T in (int(v) for v in a.tokens.split(",")):
+        shape = common.Shape(f"t{T}", T, 7168, seed=1237 + T)
+        idx, w = common.make_routing(shape, 0, 1, dev)
+        x = common.make_x(shape, 0, dev)
+        pair = fp8.quantize(x, 128)
+        buf = mok.Buffer(None, num_experts=256, hidden=7168, topk=8, max_tokens_per_rank=T, backend="cuda",
+                         num_sms=a.sms)
+        h16, h8 = buf.dispatch(x, idx, w).handle, buf.dispatch(pair, idx, w).handle
+        for title, call in (("bf16 cached", lambda: buf.dispatch(x, handle=h16)),
+                            ("fp8 cached", lambda: buf.dispatch(pair, handle=h8)),
+                            ("bf16 eager", lambda: buf.dispatch(x, idx, w)),
+                            ("fp8 eager", lambda: buf.dispatch(pair, idx, w))):
+            _kernel_table(_profile_calls(call, a.iters, ProfilerActivity.CUDA), a.iters, f"T={T} {title}")
+        if a.host:
+            hp = _profile_calls(lambda: buf.dispatch(pair, idx, w), a.iters, ProfilerActivity.CPU)
+            print(f"T={T} fp8 eager dispatch host ops (totals over {a.iters} calls)")
+            print(hp.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        buf.destroy()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="128,512")
@@ -44,8 +92,11 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--host", action="store_true",
                     help="also print the host (CPU) ops of an eager dispatch+combine by self time")
+    ap.add_argument("--fp8", action="store_true", help="bf16 vs FP8 dispatches (module docstring)")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
+    if a.fp8:
+        return fp8_main(a, dev)
     for T in (int(v) for v in a.tokens.split(",")):
         shape = common.Shape(f"t{T}", T, 7168, seed=1237 + T)
         idx, w = common.make_routing(shape, 0, 1, dev)

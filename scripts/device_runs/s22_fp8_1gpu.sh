@@ -8,8 +8,9 @@
 # fp8: its GPU tests (world size 1, loopback ranks 2-4, each dispatch schedule, ring
 # wrap-arounds; W = 2 as processes sharing the GPU), then the suite's mok and mok_fp8 rows at
 # W = 1 (NOTES #55's prediction: the transfer scales with the bytes). regression: a sample of
-# the CUDA tests, since every dispatch now passes its row size to the library.
-C=${1:?commit}; PART=${2:?fp8 or regression}; LIMIT=${3:-500}
+# the CUDA tests, since every dispatch now passes its row size to the library, after the FP8
+# kernel profile (scripts/profile_kernels_1gpu.py --fp8) and the suite's rows again.
+C=${1:?commit}; PART=${2:?fp8 or regression}; LIMIT=${3:-330}
 . "$(dirname "$0")/common.sh"
 if [ "$PART" = fp8 ]; then
   timeout -k 5 220 python3 -m pytest -v -p no:cacheprovider -rs --tb=short --durations=5 \
@@ -23,6 +24,11 @@ if [ "$PART" = fp8 ]; then
     --systems mok,mok_fp8 --sm-sweep 24 --out $R/bench > $R/bench.log 2>&1
   echo "[suite mok / mok_fp8, W=1] rc=$?"; grep -A16 "^SUMMARY" $R/bench.log
 else
+  timeout -k 5 60 python3 scripts/profile_kernels_1gpu.py --fp8 --tokens 4096,128 --host > $R/fp8_kernels.log 2>&1
+  echo "[fp8 kernels, W=1] rc=$?"; grep -E "^T=|^  " $R/fp8_kernels.log | head -80
+  timeout -k 5 100 python3 benchmarks/bench_dispatch_combine.py --nproc 1 --shapes dsv3,h4096,t8192,t512,t128 \
+    --systems mok,mok_fp8 --sm-sweep 24 --out $R/bench > $R/bench.log 2>&1
+  echo "[suite mok / mok_fp8, W=1, after the host-path cleanup] rc=$?"; grep -A16 "^SUMMARY" $R/bench.log
   timeout -k 5 $LIMIT python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
     tests/test_cuda_backend.py tests/test_cuda_loopback.py \
     -k "world_size_1 or (loopback_matches_reference and 3]) or loopback_static_shape or loopback_cached or loopback_graph or (loopback_ring_wraps and 3-) or loopback_expert_alignment or loopback_rows_per_expert" \
