@@ -232,7 +232,8 @@ def test_quantize_matches_the_per_token_block_definition():
 
 
 @pytest.mark.parametrize("H,S,scale_dtype,P", [(7168, 56, torch.float32, 7392), (640, 5, torch.float32, 672),
-                                               (32, 1, torch.uint8, 48), (4096, 128, torch.uint8, 4224)])
+                                               (32, 1, torch.uint8, 48), (4096, 128, torch.uint8, 4224),
+                                               (24, 3, torch.uint8, 32), (40, 3, torch.float32, 64)])
 def test_pack_and_unpack_round_trip(H, S, scale_dtype, P):
     g = torch.Generator().manual_seed(H)
     q = torch.randint(0, 256, (3, H), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)

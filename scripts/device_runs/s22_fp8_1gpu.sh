@@ -2,12 +2,13 @@
 # Runs s22-1 and s22-2 (benchmarks/results/README.md): the FP8 dispatch (megatron_mok/fp8.py,
 # C ABI 11) on one H200, in two calls that fit the 10-minute limit:
 #
-#   bash scripts/device_runs/s22_fp8_1gpu.sh COMMIT fp8          # s22-1
+#   bash scripts/device_runs/s22_fp8_1gpu.sh COMMIT fp8          # s22-1, s22-3
 #   bash scripts/device_runs/s22_fp8_1gpu.sh COMMIT regression   # s22-2
 #
 # fp8: its GPU tests (world size 1, loopback ranks 2-4, each dispatch schedule, ring
 # wrap-arounds; W = 2 as processes sharing the GPU), then the suite's mok and mok_fp8 rows at
-# W = 1 (NOTES #55's prediction: the transfer scales with the bytes). regression: a sample of
+# W = 1 (NOTES #55's prediction: the transfer scales with the bytes) and (s22-3) the kernels and
+# host ops of bf16 vs FP8 dispatches (scripts/profile_kernels_1gpu.py --fp8). regression: a sample of
 # the CUDA tests, since every dispatch now passes its row size to the library, after the FP8
 # kernel profile (scripts/profile_kernels_1gpu.py --fp8) and the suite's rows again.
 C=${1:?commit}; PART=${2:?fp8 or regression}; LIMIT=${3:-330}
@@ -23,6 +24,8 @@ if [ "$PART" = fp8 ]; then
   timeout -k 5 230 python3 benchmarks/bench_dispatch_combine.py --nproc 1 --shapes dsv3,h4096,t8192,t512,t128 \
     --systems mok,mok_fp8 --sm-sweep 24 --out $R/bench > $R/bench.log 2>&1
   echo "[suite mok / mok_fp8, W=1] rc=$?"; grep -A16 "^SUMMARY" $R/bench.log
+  timeout -k 5 60 python3 scripts/profile_kernels_1gpu.py --fp8 --tokens 4096,128 --host > $R/fp8_kernels.log 2>&1
+  echo "[fp8 kernels, W=1] rc=$?"; grep -E "^T=|^  |aten::|Function" $R/fp8_kernels.log | head -60
 else
   timeout -k 5 60 python3 scripts/profile_kernels_1gpu.py --fp8 --tokens 4096,128 --host > $R/fp8_kernels.log 2>&1
   echo "[fp8 kernels, W=1] rc=$?"; grep -E "^T=|^  " $R/fp8_kernels.log | head -80
