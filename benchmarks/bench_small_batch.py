@@ -25,7 +25,7 @@ Two ways to run it:
   barrier, then CUDA events around the replay, per call the slowest rank, the median), with a
   sleep kernel between the barrier and the start event (the launch off the clock, as above).
 
-    python benchmarks/bench_small_batch.py --out benchmarks/results [--tokens 128,512] [--worlds 1,2]
+    python benchmarks/bench_small_batch.py --out benchmarks/results [--tokens 128,512] [--worlds 1,2] [--fp8]
     torchrun --nproc-per-node 2 benchmarks/bench_small_batch.py --out DIR [--tokens 128,512]
 
 Writes ``small_batch.json`` (date, commit, GPU, command, medians per case) and prints a table.
@@ -78,12 +78,15 @@ class _ProcessGroup:
         return out
 
 
-def _rank(rank, world, tokens, iters, warmup, sms, grp=None):
+def _rank(rank, world, tokens, iters, warmup, sms, grp=None, fp8=False):
     grp = grp if grp is not None else loopback.current()
     dev = torch.device("cuda", torch.cuda.current_device())
     shape = common.Shape(f"t{tokens}", tokens, H, experts=E, topk=K, seed=1237 + tokens)
     idx, w = common.make_routing(shape, rank, world, dev)
     x = common.make_x(shape, rank, dev)
+    if fp8:   # the FP8 dispatch (megatron_mok/fp8.py): 1x128 blocks, float32 scales
+        from megatron_mok import fp8 as fp8_mod
+        x = fp8_mod.quantize(x, 128)
     stream = torch.cuda.current_stream(dev)
 
     def host_time(fn):
@@ -141,15 +144,20 @@ def _rank(rank, world, tokens, iters, warmup, sms, grp=None):
               num_sms=sms)
     eager = mok.Buffer(None, **kw)
     res = eager.dispatch(x, idx, w)
-    cap = max(grp.exchange(res.tokens.shape[0])) + 8   # what a user would size: max rows + slack
-    r = {"rows": res.tokens.shape[0], "max_recv_tokens": cap}
+    rows = res.src_rank.shape[0]
+    # Combine always takes rows in the Buffer's dtype (an FP8 dispatch's rows are FP8).
+    expert_out = (lambda n: torch.zeros(n, H, dtype=torch.bfloat16, device=dev)) if fp8 else None
+    eo = expert_out(rows) if fp8 else res.tokens
+    cap = max(grp.exchange(rows)) + 8   # what a user would size: max rows + slack
+    r = {"rows": rows, "max_recv_tokens": cap}
     r["eager_dispatch_us"] = host_time(lambda: eager.dispatch(x, idx, w))
-    r["eager_combine_us"] = host_time(lambda: eager.combine(res.tokens, res.handle))
+    r["eager_combine_us"] = host_time(lambda: eager.combine(eo, res.handle))
 
     static = mok.Buffer(None, max_recv_tokens=cap, **kw)
     sres = static.dispatch(x, idx, w)
+    seo = expert_out(cap) if fp8 else sres.tokens
     r["static_dispatch_us"] = host_time(lambda: static.dispatch(x, idx, w))
-    r["static_combine_us"] = host_time(lambda: static.combine(sres.tokens, sres.handle))
+    r["static_combine_us"] = host_time(lambda: static.combine(seo, sres.handle))
 
     # One capture at a time (loopback.py): torch synchronises the device around a capture.
     gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -159,7 +167,7 @@ def _rank(rank, world, tokens, iters, warmup, sms, grp=None):
             with torch.cuda.graph(gd):
                 gres = static.dispatch(x, idx, w)
             with torch.cuda.graph(gc):
-                static.combine(gres.tokens, gres.handle)
+                static.combine(seo if fp8 else gres.tokens, gres.handle)
         grp.barrier()
     gd.replay()
     stream.synchronize()
@@ -182,6 +190,9 @@ def main(argv=None):
                     help="Buffer num_sms (default: the Buffer's own, 24 for large calls and 64 for "
                          "calls of at most 1024 tokens per rank; a value given applies to every call)")
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--fp8", action="store_true",
+                    help="dispatch FP8 pairs (megatron_mok/fp8.py: 1x128 float32 scales); combine "
+                         "takes bf16 rows as always")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_small_batch.py needs a CUDA GPU (it times the CUDA backend)")
@@ -191,7 +202,7 @@ def main(argv=None):
     for W in (int(v) for v in a.worlds.split(",")):
         for T in (int(v) for v in a.tokens.split(",")):
             t0 = time.time()
-            per_rank = loopback.run(_rank, W, T, a.iters, a.warmup, a.sms, timeout_s=600)
+            per_rank = loopback.run(_rank, W, T, a.iters, a.warmup, a.sms, fp8=a.fp8, timeout_s=600)
             cases.append(_case(W, T, per_rank, t0))
     _write(a, _info(a, 1, "loopback", "one GPU: world size 1 and loopback ranks (threads), "
                     "not the 2-GPU targets"), cases)
@@ -210,7 +221,8 @@ def _case(world, tokens, per_rank, t0):
 
 def _info(a, world, backend, note):
     info = common.env_info(sys.argv, a.commit, world, backend)
-    info.update(iters=a.iters, warmup=a.warmup, num_sms=a.sms, hidden=H, experts=E, topk=K, note=note)
+    info.update(iters=a.iters, warmup=a.warmup, num_sms=a.sms, hidden=H, experts=E, topk=K, note=note,
+                fp8_dispatch=a.fp8)
     return info
 
 
@@ -224,7 +236,7 @@ def _main_distributed(a):
     cases = []
     for T in (int(v) for v in a.tokens.split(",")):
         t0 = time.time()
-        per_rank = grp.exchange(_rank(rank, world, T, a.iters, a.warmup, a.sms, grp))
+        per_rank = grp.exchange(_rank(rank, world, T, a.iters, a.warmup, a.sms, grp, fp8=a.fp8))
         if rank == 0:  # every rank has the same per_rank; one prints and writes
             cases.append(_case(world, T, per_rank, t0))
     if rank == 0:

@@ -4,16 +4,26 @@
 #
 #   bash scripts/device_runs/s22_fp8_1gpu.sh COMMIT fp8          # s22-1, s22-3
 #   bash scripts/device_runs/s22_fp8_1gpu.sh COMMIT regression   # s22-2
+#   bash scripts/device_runs/s22_fp8_1gpu.sh COMMIT graphs       # s22-4
 #
 # fp8: its GPU tests (world size 1, loopback ranks 2-4, each dispatch schedule, ring
 # wrap-arounds; W = 2 as processes sharing the GPU), then the suite's mok and mok_fp8 rows at
 # W = 1 (NOTES #55's prediction: the transfer scales with the bytes) and (s22-3) the kernels and
 # host ops of bf16 vs FP8 dispatches (scripts/profile_kernels_1gpu.py --fp8). regression: a sample of
 # the CUDA tests, since every dispatch now passes its row size to the library, after the FP8
-# kernel profile (scripts/profile_kernels_1gpu.py --fp8) and the suite's rows again.
-C=${1:?commit}; PART=${2:?fp8 or regression}; LIMIT=${3:-330}
+# kernel profile (scripts/profile_kernels_1gpu.py --fp8) and the suite's rows again. graphs:
+# bench_small_batch.py with bf16 and FP8 dispatches at 128, 512, 4096 tokens, W = 1 and 2
+# loopback ranks: host-inclusive eager / static calls and device-only graph replays.
+C=${1:?commit}; PART=${2:?fp8, regression or graphs}; LIMIT=${3:-330}
 . "$(dirname "$0")/common.sh"
-if [ "$PART" = fp8 ]; then
+if [ "$PART" = graphs ]; then   # s22-4: device-only times (CUDA-graph replays) of bf16 vs FP8
+  for mode in bf16 fp8; do
+    flag=; [ $mode = fp8 ] && flag=--fp8
+    timeout -k 5 140 python3 benchmarks/bench_small_batch.py --out $R/small_$mode --tokens 128,512,4096 \
+      --worlds 1,2 --iters 50 --warmup 10 $flag > $R/small_$mode.log 2>&1
+    echo "[small batch $mode] rc=$?"; grep -E "^\| " $R/small_$mode.log
+  done
+elif [ "$PART" = fp8 ]; then
   timeout -k 5 220 python3 -m pytest -v -p no:cacheprovider -rs --tb=short --durations=5 \
     tests/test_fp8_dispatch.py tests/test_cuda_library_abi.py > $R/fp8_tests.log 2>&1
   echo "[fp8 GPU tests] rc=$?"; grep -cE " PASSED" $R/fp8_tests.log; grep -E " FAILED| ERROR|SKIPPED \[" $R/fp8_tests.log | head -20
