@@ -224,6 +224,23 @@ def _launch(lib, ctx, steps, num_tokens=0, blocks=24, producers=4, mode=0, rows_
                                    rows_per_expert, row_bytes)
 
 
+@pytest.mark.parametrize("dst_bytes,a_bytes,b_bytes,a_ptr,message", [
+    (48, 32, 8, 16, "multiples of 16"),          # scale row of 8 bytes
+    (48, 40, 16, 16, "multiples of 16"),
+    (32, 32, 16, 16, "a_bytes + b_bytes <= dst_bytes"),
+    (40, 16, 16, 16, "multiples of 16"),         # packed row of 40 bytes
+    (48, 32, 16, 8, "16-byte aligned"),          # a misaligned source
+    (48, 32, 16, 0, "non-null"),
+])
+def test_pack_rows_refuses_bad_widths_and_pointers_before_launching(dst_bytes, a_bytes, b_bytes, a_ptr, message):
+    # The checks come first, so fake pointers never reach a launch (no GPU needed).
+    lib = library.get()
+    rc = lib.mok_pack_rows(None, 1 << 40, dst_bytes, a_ptr and (1 << 40) + a_ptr, a_bytes, 2 << 40, b_bytes, 3)
+    assert rc != 0
+    assert message in lib.mok_last_error().decode()
+    assert lib.mok_pack_rows(None, None, 48, None, 32, None, 16, 0) == 0   # no rows: nothing to do
+
+
 # The row size of an FP8 dispatch's packed rows (megatron_mok/fp8.py): a multiple of 16 within
 # the ring's row of hidden x elem = 7168 x 2 bytes; 0 means that row.
 @pytest.mark.parametrize("row_bytes", [-16, 8, 7400, 14336 + 16, 1 << 30])

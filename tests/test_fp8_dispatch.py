@@ -29,17 +29,24 @@ FP8_CASES = ("random", "t0_on_rank0", "unrouted_slots", "all_to_one_expert", "ex
              "odd_t", "k16_duplicates")
 SCALE_DTYPES = [pytest.param(torch.float32, id="f32_scales"),
                 pytest.param(torch.uint8, id="byte_scales")]
+# (scale dtype, block): the GPU tests pack 16-byte scale rows with mok_pack_rows (f32, block 8)
+# and the others with torch copies.
+GPU_SCALES = [pytest.param(torch.float32, BLOCK, id="f32_scales"),
+              pytest.param(torch.float32, 8, id="f32_scales_kernel_pack"),
+              pytest.param(torch.uint8, BLOCK, id="byte_scales")]
 
 
-def fp8_pairs(inputs, seed, scale_dtype):
+def fp8_pairs(inputs, seed, scale_dtype, block=BLOCK):
     """Every rank's ``(x_fp8, scales)``: :func:`fp8.quantize` of its tokens (float32 scales,
-    one per BLOCK columns), or its tokens cast to FP8 with random one-byte scales (MXFP8's
-    E8M0 exponents are bytes: every byte value must arrive, NaN patterns included)."""
+    one per ``block`` columns), or its tokens cast to FP8 with random one-byte scales (MXFP8's
+    E8M0 exponents are bytes: every byte value must arrive, NaN patterns included). With
+    ``block`` 8 the float32 scale rows of H = 32 or 64 are 16-byte multiples, which the GPU
+    packs with one kernel (``mok_pack_rows``); the other widths take the torch copies."""
     out = []
     for s, (x, _idx, _w) in enumerate(inputs):
         settle(x.device)     # loopback ranks: no host-synchronising copy behind communication
         if scale_dtype == torch.float32:
-            q, sc = fp8.quantize(x.cpu(), BLOCK)
+            q, sc = fp8.quantize(x.cpu(), block)
         else:
             g = torch.Generator().manual_seed(seed * 31 + s)
             q = x.cpu().float().clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -87,13 +94,14 @@ def prob_grad_signal(src_rank, src_token):
 
 
 def check_fp8_case(rank, world_size, name, seed, backend="reference", mode="plain",
-                   scale_dtype=torch.float32, buffer_dtype=torch.bfloat16, compare_reference=False):
+                   scale_dtype=torch.float32, buffer_dtype=torch.bfloat16, compare_reference=False,
+                   block=BLOCK):
     """One routing case of the FP8 dispatch in ``mode`` (module docstring). Returns the rows
     this rank received (so a caller can see what was covered)."""
     dev = rank_device(rank)
     spec = contract_cases(world_size)[name]
     inputs = spec_inputs(spec, world_size, buffer_dtype, seed, device=dev)
-    pairs = fp8_pairs(inputs, seed, scale_dtype)
+    pairs = fp8_pairs(inputs, seed, scale_dtype, block)
     routing = oracle.route([tuple(t.cpu() for t in inp) for inp in inputs], spec["E"])
     kw, rpe = {}, None
     if mode == "static":
@@ -104,7 +112,7 @@ def check_fp8_case(rank, world_size, name, seed, backend="reference", mode="plai
         rpe = max(max(rr.tokens_per_expert) for rr in routing) + 2
     buf = _buffer(spec, buffer_dtype, backend, device=dev, **kw)
     x, idx, w0 = inputs[rank]
-    tag = f"[{name} {mode} {scale_dtype} {backend} rank {rank}/{world_size}]"
+    tag = f"[{name} {mode} {scale_dtype} block {block} {backend} rank {rank}/{world_size}]"
 
     w = w0.clone().requires_grad_(True)
     res8 = buf.dispatch(pairs[rank], idx, w, rows_per_expert=rpe)
@@ -121,7 +129,8 @@ def check_fp8_case(rank, world_size, name, seed, backend="reference", mode="plai
     assert_fp8_rows(res8.tokens, pairs, res.src_rank, res.src_token, rows, tag)
 
     # A cached FP8 dispatch along either handle moves new pairs to the same rows.
-    pairs2 = fp8_pairs(spec_inputs(spec, world_size, buffer_dtype, seed + 1, device=dev), seed + 1, scale_dtype)
+    pairs2 = fp8_pairs(spec_inputs(spec, world_size, buffer_dtype, seed + 1, device=dev), seed + 1, scale_dtype,
+                       block)
     for which, h in (("token handle", res.handle), ("fp8 handle", res8.handle)):
         cached = buf.dispatch(pairs2[rank], handle=h)
         assert cached.probs is None
@@ -298,11 +307,11 @@ gpu = pytest.mark.gpu
 
 @gpu
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
-def test_cuda_fp8_dispatch_world_size_1(mode, scale_dtype):
+@pytest.mark.parametrize("scale_dtype,block", GPU_SCALES)
+def test_cuda_fp8_dispatch_world_size_1(mode, scale_dtype, block):
     for name in ("random", "t0_everywhere", "k1", "same_expert_twice", "mixed"):
         run_distributed(check_fp8_case, 1, name, 21, "cuda", mode, scale_dtype, compare_reference=True,
-                        backend="nccl", timeout=300)
+                        block=block, backend="nccl", timeout=300)
 
 
 @gpu
@@ -310,9 +319,29 @@ def test_cuda_fp8_dispatch_world_size_1(mode, scale_dtype):
 @pytest.mark.parametrize("mode", MODES)
 def test_loopback_fp8_dispatch(mode, world_size):
     for name in FP8_CASES:
-        for scale_dtype in (torch.float32, torch.uint8):
+        for scale_dtype, block in ((torch.float32, BLOCK), (torch.float32, 8), (torch.uint8, BLOCK)):
             run_loopback(check_fp8_case, world_size, name, 31, "cuda", mode, scale_dtype,
-                         compare_reference=mode == "plain", timeout=300)
+                         compare_reference=mode == "plain", block=block, timeout=300)
+
+
+@gpu
+@pytest.mark.parametrize("H,S,scale_dtype", [(7168, 56, torch.float32), (4096, 32, torch.float32), (32, 4, torch.float32),
+                                             (64, 16, torch.uint8), (640, 5, torch.float32), (24, 3, torch.uint8)])
+@pytest.mark.parametrize("T", (0, 1, 37, 4096))
+def test_cuda_pack_matches_the_cpu_pack(H, S, scale_dtype, T, monkeypatch):
+    """The GPU pack (mok_pack_rows where the widths are 16-byte multiples, torch copies where
+    not) gives the CPU pack's bytes; the kernel path is taken exactly where it should be."""
+    taken = []
+    real = fp8._pack_on_device
+    monkeypatch.setattr(fp8, "_pack_on_device", lambda *a: taken.append(real(*a)) or taken[-1])
+    g = torch.Generator().manual_seed(T * 7 + H)
+    q = torch.randint(0, 256, (T, H), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    sc = torch.randint(0, 256, (T, S * scale_dtype.itemsize), generator=g, dtype=torch.uint8).view(scale_dtype)
+    want = fp8.pack(q, sc)
+    got = fp8.pack(q.cuda(), sc.cuda())
+    assert torch.equal(got.cpu(), want)
+    kernel = H % 16 == 0 and (S * scale_dtype.itemsize) % 16 == 0
+    assert taken == ([kernel] if T else [])
 
 
 FP8_SCHEDULES = [pytest.param({"MOK_DISPATCH_CE_STAGE": "0"}, id="dispatch_sm_staging"),
@@ -349,5 +378,6 @@ def test_loopback_fp8_dispatch_wraps_the_ring(env, monkeypatch):
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_fp8_dispatch(mode, world_size):
     for name in FP8_CASES:
-        run_distributed(check_fp8_case, world_size, name, 51, "cuda", mode, torch.float32,
-                        compare_reference=True, backend="nccl", timeout=300)
+        for block in (BLOCK, 8):
+            run_distributed(check_fp8_case, world_size, name, 51, "cuda", mode, torch.float32,
+                            compare_reference=True, block=block, backend="nccl", timeout=300)

@@ -354,6 +354,20 @@ int mok_layout_fused(const MokContext* ctx, int speculative) {
   return layout_is_fused(ctx->comm.ws.cfg, speculative != 0) ? 1 : 0;
 }
 
+int mok_pack_rows(void* stream, void* dst, int64_t dst_bytes, const void* a, int64_t a_bytes,
+                  const void* b, int64_t b_bytes, int64_t rows) {
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  if (rows < 0) return fail("mok_pack_rows: rows < 0");
+  if (a_bytes < 0 || b_bytes < 0 || a_bytes % 16 || b_bytes % 16 || dst_bytes % 16 || a_bytes + b_bytes > dst_bytes ||
+      dst_bytes / 16 > (int64_t{1} << 30))
+    return fail("mok_pack_rows: widths must be multiples of 16 with a_bytes + b_bytes <= dst_bytes");
+  if (rows > 0 && (!aligned(dst) || !aligned(a) || !aligned(b) || dst == nullptr || (a_bytes && a == nullptr) ||
+                   (b_bytes && b == nullptr)))
+    return fail("mok_pack_rows: pointers must be non-null and 16-byte aligned");
+  return check_launch(launch_pack_rows(dst, dst_bytes, a, a_bytes, b, b_bytes, rows, static_cast<cudaStream_t>(stream)),
+                      "mok_pack_rows launch");
+}
+
 const char* mok_last_error(void) { return g_last_error.c_str(); }
 
 int mok_abi_version(void) { return MOK_ABI_VERSION; }

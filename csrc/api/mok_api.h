@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 11
+#define MOK_ABI_VERSION 12
 int mok_abi_version(void);
 
 /* expert_alignment >= 1: each local expert's rows are followed by zero rows (no source, prob 0)
@@ -107,6 +107,13 @@ int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert
                 const float* grad_probs, int num_tokens, void* y, float* grad_w,
                 int64_t row_cap, int dtype_code, int partial_code, int num_blocks,
                 int num_producers);
+
+/* The FP8 dispatch's pack (megatron_mok/fp8.py): row r of dst (dst_bytes) = row r of a (a_bytes),
+ * then row r of b (b_bytes), then zeros; rows rows, one kernel on `stream`. Every width a
+ * multiple of 16, a_bytes + b_bytes <= dst_bytes, every pointer 16-byte aligned (else an error,
+ * nothing launched). Needs no context. */
+int mok_pack_rows(void* stream, void* dst, int64_t dst_bytes, const void* a, int64_t a_bytes,
+                  const void* b, int64_t b_bytes, int64_t rows);
 
 const char* mok_last_error(void);
 int mok_sm_count(int device);

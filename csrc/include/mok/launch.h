@@ -93,6 +93,11 @@ cudaError_t launch_dispatch_stage_copy(const CommContext& c, const void* x, int 
                                        int row_bytes, cudaStream_t s);
 bool dispatch_call_fits_ring(const Workspace& ws);
 
+// rows x [a row | b row | zeros] into dst rows of dst_bytes (the FP8 dispatch's pack); every
+// width a multiple of 16 bytes, a_bytes + b_bytes <= dst_bytes, pointers 16-byte aligned.
+cudaError_t launch_pack_rows(void* dst, int64_t dst_bytes, const void* a, int64_t a_bytes, const void* b,
+                             int64_t b_bytes, int64_t rows, cudaStream_t s);
+
 // Reduce my rows per task into partials (staged), pull every rank's partials for my tokens.
 cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
                                     const TransferArgs& t, const void* expert_out,
