@@ -6,6 +6,7 @@ The public surface is small:
   ``dispatch`` / ``combine`` (differentiable) on the chosen backend.
 - :class:`DispatchResult` -- what ``dispatch`` returns (expert-major rows and their layout).
 - :class:`DispatchHandle` -- the layout, reused by ``combine`` and by both backward passes.
+- :mod:`megatron_mok.fp8` -- the FP8 dispatch's input (``quantize``) and its packed rows.
 
 ``docs/CONTRACT.md`` states the semantics every backend implements. The package imports
 without the compiled CUDA library; asking for ``backend="cuda"`` without it raises an error
@@ -19,5 +20,6 @@ _disable_multicast_env()  # before any NCCL / symmetric-memory initialisation we
 from .version import __version__
 from .handle import DispatchHandle, DispatchResult
 from .buffer import Buffer, available_backends
+from . import fp8
 
-__all__ = ["Buffer", "DispatchHandle", "DispatchResult", "available_backends", "__version__"]
+__all__ = ["Buffer", "DispatchHandle", "DispatchResult", "available_backends", "fp8", "__version__"]

@@ -5,7 +5,7 @@
 Every ``*.json`` under SRC_DIR is embedded under its path (``small/small_batch.json`` ->
 key ``small/small_batch``); every ``*.log`` contributes its last ``--tail`` lines (the
 pytest summary, the tables the tools print); ``gpu.txt`` (``nvidia-smi --query-gpu=name
-...``) gives the GPU model and count. The date is today's (UTC). Why a tool: a device run
+...``) gives the GPU model and count. The date is today's (UTC) unless --date gives the run's. Why a tool: a device run
 leaves a folder of per-tool outputs; the results index wants one file per run that names
 its date, commit, GPU model/count and exact command (METHOD.md), and a hand-assembled file
 is where such fields go missing.
@@ -52,6 +52,7 @@ def main(argv=None):
     p.add_argument("--command", required=True, action="append", help="repeat for several")
     p.add_argument("--summary", action="append", default=[], help="a line of findings")
     p.add_argument("--tail", type=int, default=30)
+    p.add_argument("--date", default=None, help="the run's UTC date (default: today), for a run recorded after midnight")
     a = p.parse_args(argv)
     if not os.path.isdir(a.src):
         sys.exit(f"results_json: no folder {a.src}")
@@ -59,7 +60,7 @@ def main(argv=None):
         "note": a.note,
         "commit": a.commit,
         "gpu": _gpu(a.src),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "date": a.date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "commands": a.command,
         "summary": a.summary,
     }

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Runs s22-1 and s22-2 (benchmarks/results/README.md): the FP8 dispatch (megatron_mok/fp8.py,
-# C ABI 11) on one H200, in two calls that fit the 10-minute limit:
+# Runs s22-1, s22-4..s22-8 (benchmarks/results/README.md): the FP8 dispatch (megatron_mok/fp8.py,
+# C ABI 11, 12 with the pack kernel) on one H200, in calls that fit the 10-minute limit:
 #
-#   bash scripts/device_runs/s22_fp8_1gpu.sh COMMIT fp8          # s22-1, s22-3
-#   bash scripts/device_runs/s22_fp8_1gpu.sh COMMIT regression   # s22-2
-#   bash scripts/device_runs/s22_fp8_1gpu.sh COMMIT graphs       # s22-4
+#   bash scripts/device_runs/s22_fp8_1gpu.sh COMMIT fp8          # s22-1, s22-4, s22-6, s22-8 (a)
+#   bash scripts/device_runs/s22_fp8_1gpu.sh COMMIT regression   # s22-5
+#   bash scripts/device_runs/s22_fp8_1gpu.sh COMMIT graphs       # s22-7, s22-8 (b)
 #
 # fp8: its GPU tests (world size 1, loopback ranks 2-4, each dispatch schedule, ring
 # wrap-arounds; W = 2 as processes sharing the GPU), then the suite's mok and mok_fp8 rows at
-# W = 1 (NOTES #55's prediction: the transfer scales with the bytes) and (s22-3) the kernels and
+# W = 1 (NOTES #55's prediction: the transfer scales with the bytes) and (from s22-6) the kernels and
 # host ops of bf16 vs FP8 dispatches (scripts/profile_kernels_1gpu.py --fp8). regression: a sample of
 # the CUDA tests, since every dispatch now passes its row size to the library, after the FP8
 # kernel profile (scripts/profile_kernels_1gpu.py --fp8) and the suite's rows again. graphs:
@@ -16,7 +16,7 @@
 # loopback ranks: host-inclusive eager / static calls and device-only graph replays.
 C=${1:?commit}; PART=${2:?fp8, regression or graphs}; LIMIT=${3:-330}
 . "$(dirname "$0")/common.sh"
-if [ "$PART" = graphs ]; then   # s22-4: device-only times (CUDA-graph replays) of bf16 vs FP8
+if [ "$PART" = graphs ]; then   # device-only times (CUDA-graph replays) of bf16 vs FP8
   for mode in bf16 fp8; do
     flag=; [ $mode = fp8 ] && flag=--fp8
     timeout -k 5 140 python3 benchmarks/bench_small_batch.py --out $R/small_$mode --tokens 128,512,4096 \

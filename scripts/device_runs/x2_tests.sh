@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 2-GPU tests of tests/test_cuda_backend.py in shards that fit one device call (each 2-GPU
+# The 2-GPU tests of tests/test_cuda_backend.py (and test_fp8_dispatch.py) in shards that fit one device call (each 2-GPU
 # test spawns 2 processes: ~5-10 s apiece, ~180 tests at W=2 are ~25 min in all):
 #
 #   bash scripts/device_runs/x2_tests.sh COMMIT SELECT [SHARD NSHARDS] [LIMIT_S]
@@ -25,7 +25,7 @@ case "$SELECT" in
 esac
 if [ -z "$K" ]; then cp "${SELECT#file:}" $R/all_ids.txt
 else
-  python3 -m pytest --collect-only -q -m multigpu -k "$K" tests/test_cuda_backend.py -p no:cacheprovider 2>/dev/null \
+  python3 -m pytest --collect-only -q -m multigpu -k "$K" tests/test_cuda_backend.py tests/test_fp8_dispatch.py -p no:cacheprovider 2>/dev/null \
     | grep "::" | grep -E -- "-${WORLD}\]$|\[${WORLD}\]$" > $R/all_ids.txt
 fi
 awk -v s=$SHARD -v n=$NSHARDS '(NR - 1) % n == s' $R/all_ids.txt > $R/ids.txt
