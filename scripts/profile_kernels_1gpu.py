@@ -29,16 +29,10 @@ import megatron_mok as mok  # noqa: E402
 def _profiled(buf, x, idx, w, iters, activity):
     """``iters`` dispatch + combine calls of ``buf`` under the torch profiler (after 5 warm-up
     calls); returns the profile."""
-    for _ in range(5):
+    def call():
         res = buf.dispatch(x, idx, w)
         buf.combine(res.tokens, res.handle)
-    torch.cuda.synchronize()
-    with profile(activities=[activity]) as prof:
-        for _ in range(iters):
-            res = buf.dispatch(x, idx, w)
-            buf.combine(res.tokens, res.handle)
-        torch.cuda.synchronize()
-    return prof
+    return _profile_calls(call, iters, activity)
 
 
 def _kernel_table(prof, iters, title):
@@ -52,6 +46,7 @@ def _kernel_table(prof, iters, title):
 
 
 def _profile_calls(call, iters, activity):
+    """``iters`` calls of ``call()`` under the torch profiler, after 5 warm-up calls."""
     for _ in range(5):
         call()
     torch.cuda.synchronize()
@@ -104,14 +99,7 @@ def main():
         kw = dict(num_experts=256, hidden=7168, topk=8, max_tokens_per_rank=T, backend="cuda", num_sms=a.sms)
         rows = mok.Buffer(None, **kw).dispatch(x, idx, w).tokens.shape[0]
         buf = mok.Buffer(None, max_recv_tokens=rows + 8, **kw)
-        prof = _profiled(buf, x, idx, w, a.iters, ProfilerActivity.CUDA)
-        per = collections.defaultdict(list)
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                per[e.name[:60]].append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
-        print(f"T={T} rows={rows} (median us over {a.iters} calls)")
-        for name, v in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
-            print(f"  {statistics.median(v):8.1f}  x{len(v) // a.iters:<3d} {name}")
+        _kernel_table(_profiled(buf, x, idx, w, a.iters, ProfilerActivity.CUDA), a.iters, f"T={T} rows={rows}")
         if a.host:
             # Where the eager path's host time goes (the part a CUDA graph removes).
             hp = _profiled(mok.Buffer(None, **kw), x, idx, w, a.iters, ProfilerActivity.CPU)
