@@ -233,8 +233,8 @@ class Buffer:
     def _backend_for(self, t: torch.Tensor):
         name = self.requested_backend
         if name == "auto":
-            name = "cuda" if t.is_cuda and "cuda" in available_backends() else "reference"
-        if name == "cuda" and not t.is_cuda:
+            name = "cuda" if getattr(t, "is_cuda", False) and "cuda" in available_backends() else "reference"
+        if name == "cuda" and not getattr(t, "is_cuda", False):
             raise ValueError(f"backend='cuda' needs CUDA tensors, got a tensor on {t.device}")
         return self._get_backend(name)
 

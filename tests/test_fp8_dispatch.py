@@ -290,6 +290,17 @@ def test_fp8_input_errors(make, err, match):
     buf.dispatch((q, s), idx, w)                        # the pair itself is fine
 
 
+def test_fp8_pair_of_non_tensors_is_a_type_error_with_the_auto_backend():
+    import megatron_mok as mok
+    buf = mok.Buffer(None, num_experts=4, hidden=32, topk=2, max_tokens_per_rank=8)   # backend="auto"
+    q, s = _ok_pair()
+    idx, w = torch.tensor([[0, 1], [2, 3], [1, -1]]), torch.rand(3, 2)
+    with pytest.raises(TypeError, match="x_fp8 must be a torch.Tensor"):
+        buf.dispatch(("not a tensor", s), idx, w)
+    with pytest.raises(TypeError, match="scales must be a torch.Tensor"):
+        buf.dispatch((q, [1.0]), idx, w)
+
+
 def test_fp8_cached_dispatch_errors():
     buf = _fp8_buffer()
     q, s = _ok_pair()
