@@ -355,6 +355,67 @@ def test_cuda_pack_matches_the_cpu_pack(H, S, scale_dtype, T, monkeypatch):
     assert taken == ([kernel] if T else [])
 
 
+def fp8_graph(rank, world_size, block):
+    """A static-shape FP8 dispatch (pack included) captured in one CUDA graph, replayed on new
+    pairs and routings copied into the captured tensors: every replay's rows byte-checked."""
+    from harness import loopback_barrier, sync_device
+    from test_cuda_backend import mok_buffer
+
+    dev = rank_device(rank)
+    E, H, K, T = 4 * world_size, 64, 2, 24
+    buf = mok_buffer(E, H, K, T, torch.bfloat16, "cuda", dev, max_recv_tokens=T * K * world_size,
+                     timeout_s=30)
+    q_s = torch.zeros(T, H, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
+    s_s = torch.zeros(T, H // block, dtype=torch.float32, device=dev)
+    idx_s = torch.zeros(T, K, dtype=torch.int64, device=dev)
+    w_s = torch.zeros(T, K, dtype=torch.float32, device=dev)
+
+    def load(it):
+        inputs = make_inputs(300 + it, world_size, [T] * world_size, E, H, K, torch.bfloat16,
+                             case=("random", "mixed", "one_expert")[it % 3], device=dev)
+        pairs = fp8_pairs(inputs, it, torch.float32, block)
+        q_s.view(torch.uint8).copy_(pairs[rank][0].view(torch.uint8))
+        s_s.copy_(pairs[rank][1])
+        idx_s.copy_(inputs[rank][1])
+        w_s.copy_(inputs[rank][2])
+        return pairs
+
+    load(0)
+    buf.dispatch((q_s, s_s), idx_s, w_s)          # warm-up outside the capture
+    sync_device()
+    graph = torch.cuda.CUDAGraph()
+
+    def capture():
+        with torch.cuda.graph(graph):
+            return buf.dispatch((q_s, s_s), idx_s, w_s)
+
+    if in_loopback():    # one capture at a time, no replay before all captured (loopback.py)
+        loopback_barrier()
+        for r in range(world_size):
+            if r == rank:
+                res = capture()
+            loopback_barrier()
+    else:
+        res = capture()
+    for it in range(1, 5):
+        pairs = load(it)
+        graph.replay()
+        sync_device()
+        buf.check_errors()
+        rows = res.src_rank.shape[0]
+        assert_fp8_rows(res.tokens, pairs, res.src_rank, res.src_token, rows, f"replay {it} rank {rank}")
+    buf.destroy()
+    return True
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (1, 2, 3))
+@pytest.mark.parametrize("block", (32, BLOCK), ids=("torch_copies_pack", "kernel_pack"))
+def test_loopback_fp8_static_dispatch_in_a_cuda_graph(world_size, block):
+    # H = 64: 1x32 blocks give 8-byte scale rows (torch copies), 1x16 blocks 16-byte ones (kernel)
+    assert run_loopback(fp8_graph, world_size, block, timeout=300) == [True] * world_size
+
+
 FP8_SCHEDULES = [pytest.param({"MOK_DISPATCH_CE_STAGE": "0"}, id="dispatch_sm_staging"),
                  pytest.param({"MOK_EAGER_STAGE_FIRST": "1"}, id="eager_stage_first"),
                  pytest.param({"MOK_EAGER_FILL_FIRST": "1"}, id="eager_fill_first"),
