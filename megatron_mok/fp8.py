@@ -86,8 +86,8 @@ def pack(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     On a GPU with the compiled library and 16-byte widths (``H`` and the scale row multiples of
     16 bytes: DeepEP's 1x128 float32 scales whenever ``H`` is a multiple of 512) one kernel
     (``mok_pack_rows``); otherwise two strided copies in the widest integer type that divides
-    the widths. Not ``torch.cat``: its CUDA path cost ~160-200 us of host time per call
-    (s22-2); the torch copies ~100 us of host time at 128 tokens (s22-4)."""
+    the widths. Not ``torch.cat``: its CUDA path cost ~160-210 us of host time per call
+    (run s22-5); the two torch copies ~20 us each at 128 tokens (s22-6), the kernel one launch."""
     T, H = x_fp8.shape
     scale_bytes = scales.contiguous().view(torch.uint8)  # [T, S x scale bytes]
     sb = scale_bytes.shape[1]
@@ -112,14 +112,23 @@ def _pack_on_device(out, x_fp8, scale_bytes, H: int, sb: int, P: int) -> bool:
     if not library.is_available():
         return False
     lib = library.get()
-    dev = x_fp8.device
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    with torch.cuda.device(dev):
-        rc = lib.mok_pack_rows(stream, out.data_ptr(), P, x_fp8.data_ptr(), H, scale_bytes.data_ptr(), sb,
-                               x_fp8.shape[0])
+    dev = x_fp8.device.index
+    args = (out.data_ptr(), P, x_fp8.data_ptr(), H, scale_bytes.data_ptr(), sb, x_fp8.shape[0])
+    if dev == torch.cuda.current_device():   # the usual case: no device switch around the launch
+        rc = lib.mok_pack_rows(_raw_stream(dev), *args)
+    else:
+        with torch.cuda.device(dev):
+            rc = lib.mok_pack_rows(_raw_stream(dev), *args)
     if rc != 0:
         raise RuntimeError(f"megatron_mok: FP8 pack failed: {lib.mok_last_error().decode()}")
     return True
+
+
+def _raw_stream(device_index: int) -> int:
+    """The current stream of a device as an int, without building a Stream object (as the CUDA
+    backend gets it)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
 
 
 def _copy_dtype(*widths: int) -> torch.dtype:
@@ -134,10 +143,13 @@ def _copy_dtype(*widths: int) -> torch.dtype:
 def unpack(rows: torch.Tensor, hidden: int, fp8_dtype: torch.dtype, scale_cols: int,
            scale_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """Views of packed rows ``[R, P]`` uint8: ``(rows_fp8 [R, hidden], row_scales [R, scale_cols])``
-    with row strides ``P`` and ``P / scale size`` (no copy)."""
+    with row strides ``P`` and ``P / scale size`` (no copy; one ``as_strided`` each, about half
+    the host time of slicing then viewing)."""
+    R, P = rows.shape
     esize = scale_dtype.itemsize
-    x = rows[:, :hidden].view(fp8_dtype)
-    s = rows[:, hidden: hidden + scale_cols * esize].view(scale_dtype)
+    x = torch.as_strided(rows, (R, hidden), (P, 1)).view(fp8_dtype)
+    s = torch.as_strided(rows.view(scale_dtype), (R, scale_cols), (P // esize, 1),
+                         rows.storage_offset() // esize + hidden // esize)
     return x, s
 
 

@@ -134,6 +134,9 @@ def check_fp8_pair(buf, x, num_tokens=None):
     if scales.device != x_fp8.device:
         raise ValueError(f"scales is on {scales.device} but x_fp8 is on {x_fp8.device}")
     buf._check_device(x_fp8.device, "x_fp8")
+    if buf.hidden % scales.dtype.itemsize:
+        raise ValueError(f"hidden={buf.hidden} is not a multiple of the {scales.dtype} scales' "
+                         f"{scales.dtype.itemsize} bytes: the packed row's scales would be misaligned")
     row = fp8.packed_row_bytes(buf.hidden, scales.shape[1], scales.dtype)
     token_row = buf.hidden * buf.dtype.itemsize
     if row > token_row:

@@ -301,6 +301,26 @@ def test_fp8_pair_of_non_tensors_is_a_type_error_with_the_auto_backend():
         buf.dispatch((q, [1.0]), idx, w)
 
 
+def test_fp8_scales_must_start_aligned_in_the_packed_row():
+    import megatron_mok as mok
+    buf = mok.Buffer(None, num_experts=4, hidden=30, topk=2, max_tokens_per_rank=8, backend="reference")
+    q = torch.zeros(3, 30, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    idx, w = torch.tensor([[0, 1], [2, 3], [1, -1]]), torch.rand(3, 2)
+    with pytest.raises(ValueError, match="not a multiple of the torch.float32 scales' 4 bytes"):
+        buf.dispatch((q, torch.ones(3, 2)), idx, w)
+    res = buf.dispatch((q, torch.ones(3, 2, dtype=torch.uint8)), idx, w)   # one-byte scales: fine
+    assert tuple(res.tokens[1].shape) == (res.src_rank.shape[0], 2)
+
+
+def test_unpack_views_of_offset_rows():
+    """Views of packed rows that do not start at their storage's beginning (a slice)."""
+    q, s = fp8.quantize(torch.randn(6, 256), 128)
+    packed = fp8.pack(q, s)
+    x2, s2 = fp8.unpack(packed[2:5], 256, torch.float8_e4m3fn, 2, torch.float32)
+    assert torch.equal(x2.view(torch.uint8), q[2:5].view(torch.uint8)) and torch.equal(s2, s[2:5])
+    assert x2.stride() == (packed.shape[1], 1) and s2.stride() == (packed.shape[1] // 4, 1)
+
+
 def test_fp8_cached_dispatch_errors():
     buf = _fp8_buffer()
     q, s = _ok_pair()
