@@ -152,9 +152,8 @@ class Buffer:
         """
         self._check_alive()
         pair = fp8.is_fp8_pair(x)
-        if pair and len(x) != 2:
-            raise ValueError(f"an FP8 dispatch takes x = (x_fp8, scales), got a sequence of {len(x)}")
-        backend = self._backend_for(x[0] if pair else x)
+        # (The pair's own checks, its length first, come below; the backend only looks at a tensor.)
+        backend = self._backend_for(x[0] if pair and x else x)
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("pass either (topk_idx, topk_weights) or handle=, not both")
@@ -232,9 +231,10 @@ class Buffer:
     # ------------------------------------------------------------------------------ internal
     def _backend_for(self, t: torch.Tensor):
         name = self.requested_backend
+        is_tensor = isinstance(t, torch.Tensor)   # not one: the input checks raise the TypeError
         if name == "auto":
-            name = "cuda" if getattr(t, "is_cuda", False) and "cuda" in available_backends() else "reference"
-        if name == "cuda" and not getattr(t, "is_cuda", False):
+            name = "cuda" if is_tensor and t.is_cuda and "cuda" in available_backends() else "reference"
+        if name == "cuda" and is_tensor and not t.is_cuda:
             raise ValueError(f"backend='cuda' needs CUDA tensors, got a tensor on {t.device}")
         return self._get_backend(name)
 

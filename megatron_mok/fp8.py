@@ -109,26 +109,20 @@ def _pack_on_device(out, x_fp8, scale_bytes, H: int, sb: int, P: int) -> bool:
     if H % 16 or sb % 16 or (x_fp8.data_ptr() | scale_bytes.data_ptr()) & 15:
         return False
     from .cuda import library
+    from .cuda.backend import current_stream_ptr
     if not library.is_available():
         return False
     lib = library.get()
     dev = x_fp8.device.index
     args = (out.data_ptr(), P, x_fp8.data_ptr(), H, scale_bytes.data_ptr(), sb, x_fp8.shape[0])
     if dev == torch.cuda.current_device():   # the usual case: no device switch around the launch
-        rc = lib.mok_pack_rows(_raw_stream(dev), *args)
+        rc = lib.mok_pack_rows(current_stream_ptr(dev), *args)
     else:
         with torch.cuda.device(dev):
-            rc = lib.mok_pack_rows(_raw_stream(dev), *args)
+            rc = lib.mok_pack_rows(current_stream_ptr(dev), *args)
     if rc != 0:
         raise RuntimeError(f"megatron_mok: FP8 pack failed: {lib.mok_last_error().decode()}")
     return True
-
-
-def _raw_stream(device_index: int) -> int:
-    """The current stream of a device as an int, without building a Stream object (as the CUDA
-    backend gets it)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device_index) if raw is not None else torch.cuda.current_stream(device_index).cuda_stream
 
 
 def _copy_dtype(*widths: int) -> torch.dtype:

@@ -364,6 +364,22 @@ def loopback_barrier() -> None:
     loopback.current().barrier()
 
 
+def capture_in_turn(rank: int, world_size: int, capture):
+    """``capture()`` (a CUDA-graph capture) on every rank; returns its result. Loopback ranks
+    are threads of one process: they capture one at a time (torch synchronises the device and
+    frees cached memory around a capture, and a global-mode capture forbids such calls on other
+    threads), and none goes on to replay before all have captured."""
+    if not in_loopback():
+        return capture()
+    loopback_barrier()
+    out = None
+    for r in range(world_size):
+        if r == rank:
+            out = capture()
+        loopback_barrier()
+    return out
+
+
 def shutdown_pools() -> None:
     """End every pooled rank (called at the end of the pytest session)."""
     for key in list(_POOLS):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import oracle
-from harness import (ALIGNMENT_CASES, DTYPES, _buffer, check_alignment_case, check_and_destroy, settle, assert_bitwise, assert_same_results, backward_by_hand,
+from harness import (ALIGNMENT_CASES, DTYPES, _buffer, capture_in_turn, check_alignment_case, check_and_destroy, settle, assert_bitwise, assert_same_results, backward_by_hand,
                      contract_cases, full_pass, gpus_for, in_loopback, loopback_barrier, make_inputs, rank_device, run_distributed,
                      spec_inputs, sync_device)
 from test_cached_dispatch import check_cached_case
@@ -617,17 +617,7 @@ def _graph(rank, world_size, seed, backward, fixed_rows=None):
         with torch.cuda.graph(graph):
             return step(buf, x_s, idx_s, w_s)
 
-    if in_loopback():
-        # Ranks are threads of one process: they capture one at a time (torch synchronises
-        # the device and frees cached memory around a capture, and a global-mode capture
-        # forbids such calls on other threads), and none replays before all have captured.
-        loopback_barrier()
-        for r in range(world_size):
-            if r == rank:
-                outs_g = capture()
-            loopback_barrier()
-    else:
-        outs_g = capture()
+    outs_g = capture_in_turn(rank, world_size, capture)
     names = ["tokens", "probs", "src_rank", "src_token", "tokens_per_expert", "y", "grad_x", "grad_w"]
     for it in range(1, 7):
         x, idx, w = load(it)

@@ -378,7 +378,7 @@ def test_cuda_pack_matches_the_cpu_pack(H, S, scale_dtype, T, monkeypatch):
 def fp8_graph(rank, world_size, block):
     """A static-shape FP8 dispatch (pack included) captured in one CUDA graph, replayed on new
     pairs and routings copied into the captured tensors: every replay's rows byte-checked."""
-    from harness import loopback_barrier, sync_device
+    from harness import capture_in_turn, sync_device
     from test_cuda_backend import mok_buffer
 
     dev = rank_device(rank)
@@ -409,14 +409,7 @@ def fp8_graph(rank, world_size, block):
         with torch.cuda.graph(graph):
             return buf.dispatch((q_s, s_s), idx_s, w_s)
 
-    if in_loopback():    # one capture at a time, no replay before all captured (loopback.py)
-        loopback_barrier()
-        for r in range(world_size):
-            if r == rank:
-                res = capture()
-            loopback_barrier()
-    else:
-        res = capture()
+    res = capture_in_turn(rank, world_size, capture)
     for it in range(1, 5):
         pairs = load(it)
         graph.replay()

@@ -54,6 +54,15 @@ MAX_TOPK, MAX_RANKS = 32, 64
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def current_stream_ptr(device_index: int) -> int:
+    """A device's current CUDA stream as an int for the library. The raw-pointer query skips
+    building a Stream object (a few us per call); pointers go to the library as plain ints
+    (ctypes converts them for its c_void_p arguments)."""
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
 @dataclass
 class CudaLayout:
     """Backend-private part of a handle: the device layout arrays (``csrc`` HandleArrays)."""
@@ -238,11 +247,7 @@ class CudaBackend:
             raise RuntimeError(f"megatron_mok CUDA call failed: {self.lib.mok_last_error().decode()}")
 
     def _stream(self) -> int:
-        # The raw-pointer query skips building a Stream object (a few us per call). Pointers go
-        # to the library as plain ints (ctypes converts them for its c_void_p arguments).
-        if _RAW_STREAM is not None:
-            return _RAW_STREAM(self.device.index)
-        return torch.cuda.current_stream(self.device).cuda_stream
+        return current_stream_ptr(self.device.index)
 
     @staticmethod
     def _ptr(t: Optional[torch.Tensor]) -> int:
