@@ -260,7 +260,8 @@ class Bench:
                     self.systems[name].update(available=False, reason="backend cuda needs a GPU")
         except Exception as e:  # noqa: BLE001
             self.mok = None
-            self.systems["mok"]["reason"] = f"import megatron_mok failed: {type(e).__name__}: {e}"
+            for name in ("mok", "mok_fp8"):
+                self.systems[name]["reason"] = f"import megatron_mok failed: {type(e).__name__}: {e}"
         if self.cpu:
             self.systems["deepep"]["reason"] = "needs CUDA"
             self.systems["symm_a2a"]["reason"] = "needs CUDA + NVSHMEM"
@@ -500,15 +501,20 @@ class Bench:
         except Exception:  # noqa: BLE001
             return getattr(buf, "backend", self.args.mok_backend)
 
+    def _mok_record(self, rec, buf, inp) -> str:
+        """A MoK system's backend and SM fields in its record; returns the backend's name."""
+        backend = self._mok_backend_name(buf, inp.x)
+        rec["backend"] = backend
+        rec["num_sms"] = self.args.mok_num_sms
+        if backend == "cuda":  # the SMs this shape's calls run on (small calls: their own budget)
+            rec["transfer_sms"] = buf._get_backend("cuda")._roles(inp.shape.tokens)[0]
+        return backend
+
     def _run_mok(self, inp, orc, ref, rec):
         s, a = inp.shape, self.args
         buf = self.make_mok(s, a.mok_backend, a.mok_num_sms)
         try:
-            backend = self._mok_backend_name(buf, inp.x)
-            rec["backend"] = backend
-            rec["num_sms"] = a.mok_num_sms
-            if backend == "cuda":  # the SMs this shape's calls run on (small calls: their own budget)
-                rec["transfer_sms"] = buf._get_backend("cuda")._roles(s.tokens)[0]
+            backend = self._mok_record(rec, buf, inp)
             res = buf.dispatch(inp.x, inp.idx, inp.w)
             self._check_rows(s.name, "mok", inp, res.tokens, res.probs, res.tokens_per_expert)
             self.check(s.name, "mok", "src_rank/src_token == oracle",
@@ -588,10 +594,7 @@ class Bench:
         s, a = inp.shape, self.args
         buf = self.make_mok(s, a.mok_backend, a.mok_num_sms)
         try:
-            rec["backend"] = self._mok_backend_name(buf, inp.x)
-            rec["num_sms"] = a.mok_num_sms
-            if rec["backend"] == "cuda":
-                rec["transfer_sms"] = buf._get_backend("cuda")._roles(s.tokens)[0]
+            self._mok_record(rec, buf, inp)
             block = fp8_block(s.hidden)
             pairs = [fp8.quantize(x, block) for x in inp.all_x]
             pair = pairs[self.rank]
