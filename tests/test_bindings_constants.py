@@ -60,3 +60,15 @@ def test_rows_per_expert_off_value_matches_the_header():
     # "-1: rows as received" in mok_dispatch_layout's comment; RowOutputs' default
     assert "int32_t rows_per_expert = -1;" in _read("include/mok/launch.h")
     assert bindings.NO_ROWS_PER_EXPERT == -1
+
+
+def test_config_mismatch_subjects_match_the_kernels_enum():
+    from megatron_mok.cuda import errors
+
+    config = _read("include/mok/config.h")
+    for c_name, value in (("kMismatchSpeculative", errors.MISMATCH_SPECULATIVE),
+                          ("kMismatchRowBytes", errors.MISMATCH_ROW_BYTES)):
+        m = re.search(rf"\b{c_name} = (\d+)", config)
+        assert m and int(m.group(1)) == value, c_name
+    assert "dispatched rows of different sizes" in errors.describe([5, 0, 1, 1, 7392, 0, 0, 0], 60, None)
+    assert "speculative" in errors.describe([5, 0, 1, 0, -1, -1, 0, 0], 60, None)

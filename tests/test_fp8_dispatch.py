@@ -466,3 +466,33 @@ def test_cuda_fp8_dispatch(mode, world_size):
         for block in (BLOCK, 8):
             run_distributed(check_fp8_case, world_size, name, 51, "cuda", mode, torch.float32,
                             compare_reference=True, block=block, backend="nccl", timeout=300)
+
+
+def fp8_on_one_rank_only(rank, world_size, static):
+    """Rank 0 dispatches an FP8 pair while its peers dispatch bf16 tokens (a caller's bug: the
+    ranks would read each other's rings at different row sizes). Every rank's layout compares
+    the row size its peers published with the routing: every rank must raise, none hang."""
+    from test_cuda_backend import mok_buffer
+
+    dev = rank_device(rank)
+    E = 2 * world_size
+    buf = mok_buffer(E, 64, 2, 16, torch.bfloat16, "cuda", dev, timeout_s=10,
+                     max_recv_tokens=16 * 2 * world_size if static else None)
+    x, idx, w = make_inputs(4, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
+    with pytest.raises(RuntimeError, match="rows of different sizes"):
+        buf.dispatch(fp8.quantize(x, BLOCK) if rank == 0 else x, idx, w)
+        buf.check_errors()
+    return True
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("static", (False, True), ids=("eager", "static"))
+def test_loopback_fp8_on_one_rank_only_is_an_error(world_size, static):
+    assert run_loopback(fp8_on_one_rank_only, world_size, static, timeout=120) == [True] * world_size
+
+
+@pytest.mark.parametrize("world_size", [
+    pytest.param(2, marks=[pytest.mark.gpu, pytest.mark.multigpu])])
+def test_cuda_fp8_on_one_rank_only_is_an_error(world_size):
+    run_distributed(fp8_on_one_rank_only, world_size, False, backend="nccl", timeout=120, fresh=True)

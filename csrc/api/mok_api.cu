@@ -134,9 +134,9 @@ int check_rows_per_expert(const MokContext* ctx, int64_t rows_per_expert, int64_
 
 int layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx, int idx_is_64,
            const float* topk_weights, int num_tokens, int num_experts, int64_t* tokens_per_expert,
-           int64_t row_cap, int64_t spec_cap, int write_report, int64_t rows_per_expert) {
+           int64_t row_cap, int64_t spec_cap, int write_report, int64_t rows_per_expert, int row_bytes) {
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
-  RoutingArgs r{topk_idx, idx_is_64, topk_weights, num_tokens, num_experts, spec_cap};
+  RoutingArgs r{topk_idx, idx_is_64, topk_weights, num_tokens, num_experts, spec_cap, row_bytes};
   RowOutputs out{nullptr, nullptr, nullptr, tokens_per_expert, row_cap, 0,
                  write_report ? ctx->host_report_dev : nullptr, static_cast<int32_t>(rows_per_expert)};
   return check_launch(launch_dispatch_layout(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
@@ -146,7 +146,7 @@ int layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx, i
 int fill(MokContext* ctx, void* stream, void* scratch, int64_t* src_rank, int64_t* src_token,
          float* probs, int64_t row_cap, int pad) {
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
-  RoutingArgs r{nullptr, 0, nullptr, 0, 0, -1};
+  RoutingArgs r{nullptr, 0, nullptr, 0, 0, -1, 0};
   RowOutputs out{src_rank, src_token, probs, nullptr, row_cap, pad};
   return check_launch(launch_dispatch_fill(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
                       "dispatch fill launch");
@@ -260,12 +260,13 @@ int mok_set_peers(MokContext* ctx, const uint64_t* peer_bases, int n, double tim
 int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
                         int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
                         int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap,
-                        int write_report, int64_t rows_per_expert) {
+                        int write_report, int64_t rows_per_expert, int row_bytes) {
   if (int e = check_ready(ctx)) return e;
   if (int e = check_layout(ctx, num_tokens, write_report)) return e;
   if (int e = check_rows_per_expert(ctx, rows_per_expert, spec_cap)) return e;
+  if (int e = resolve_row_bytes(ctx, &row_bytes)) return e;
   return layout(ctx, stream, scratch, topk_idx, idx_is_64, topk_weights, num_tokens, num_experts,
-                tokens_per_expert, row_cap, spec_cap, write_report, rows_per_expert);
+                tokens_per_expert, row_cap, spec_cap, write_report, rows_per_expert, row_bytes);
 }
 
 int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
@@ -312,11 +313,10 @@ int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
     if (int e = check_stage_copy(ctx, num_tokens)) return e;
   if (steps & MOK_STEP_TRANSFER)
     if (int e = check_transfer(ctx, num_blocks, num_producers, transfer_mode)) return e;
-  if (steps & (MOK_STEP_STAGE_COPY | MOK_STEP_TRANSFER))
-    if (int e = resolve_row_bytes(ctx, &row_bytes)) return e;
+  if (int e = resolve_row_bytes(ctx, &row_bytes)) return e;
   if (steps & MOK_STEP_LAYOUT)
     if (int e = layout(ctx, stream, scratch, topk_idx, idx_is_64, topk_weights, num_tokens, num_experts,
-                       tokens_per_expert, row_cap, -1, 0, rows_per_expert))
+                       tokens_per_expert, row_cap, -1, 0, rows_per_expert, row_bytes))
       return e;
   if (steps & MOK_STEP_FILL)
     if (int e = fill(ctx, stream, scratch, src_rank, src_token, probs, row_cap, pad)) return e;

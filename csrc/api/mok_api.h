@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 12
+#define MOK_ABI_VERSION 13
 int mok_abi_version(void);
 
 /* expert_alignment >= 1: each local expert's rows are followed by zero rows (no source, prob 0)
@@ -47,17 +47,19 @@ int mok_set_host_report(MokContext* ctx, void* host_report);
 int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
                         int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
                         int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap,
-                        int write_report, int64_t rows_per_expert);
+                        int write_report, int64_t rows_per_expert, int row_bytes);
 /* Per-row outputs [row_cap]. pad 1: rows [R, row_cap) are written as "no source" (static
  * shape); pad 0: only rows < R are written (an eager dispatch passes a bound on R, so that
  * the fill can run before the host has read R). */
 int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
                       int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap,
                       int pad);
-/* row_bytes (transfer, stage copy, launch): bytes of one row of x and of out_rows; 0 = the
+/* row_bytes (layout, transfer, stage copy, launch): bytes of one row of x and of out_rows; 0 = the
  * Buffer's token row (hidden x elem_bytes), else a multiple of 16 no larger (the FP8 dispatch's
  * packed rows: the FP8 token, its scales, padding; megatron_mok/fp8.py). Every rank of a group
- * passes the same row_bytes in a call (a peer's ring rows are read at this pitch).
+ * passes the same row_bytes in a call (a peer's ring rows are read at this pitch): the layout
+ * publishes it with the routing and a rank whose peer's differs reports a configuration mismatch
+ * (error 5; a cached dispatch runs no layout, so only routed calls are checked).
  * mode 0: one kernel, num_producers blocks stage and the rest pull; 1: every block stages
  * (out_rows unused); 2: every block pulls; | 4: rows [R, row_cap) are not zeroed;
  * 0 | 8: mok_dispatch_stage_copy staged x earlier on the stream, every block pulls

@@ -332,7 +332,7 @@ class CudaBackend:
             probs_all, src_all = self._row_outputs(b.max_recv_tokens, x.device)
         if ce_side:
             self._stage_copy_beside(x, T, main)
-        self._layout(stream, scratch, idx, w, T, tpe, layout_cap, -1, not static, fixed)
+        self._layout(stream, scratch, idx, w, T, tpe, layout_cap, -1, not static, fixed, self._row_bytes(x))
         staged = None
         fill_first = self.fill_first and not static
         if fill_first:
@@ -423,7 +423,7 @@ class CudaBackend:
         read = not torch.cuda.is_current_stream_capturing()
         tokens = self._rows_like(x, R)
         probs, src = self._row_outputs(R, x.device)
-        self._layout(stream, scratch, idx, w, T, tpe, R, -1, read, n)
+        self._layout(stream, scratch, idx, w, T, tpe, R, -1, read, n, self._row_bytes(x))
         if read:
             self._layout_read.record(torch.cuda.current_stream(self.device))
         steps = bindings.STEP_FILL | bindings.STEP_TRANSFER
@@ -435,14 +435,16 @@ class CudaBackend:
             self._raise_if_error(self.host_report[4:])
         return tokens, probs, self._handle(T, R, R, src[0], src[1], tpe, scratch)
 
-    def _layout(self, stream, scratch, idx, w, T, tpe, cap, spec_cap, report, fixed) -> None:
+    def _layout(self, stream, scratch, idx, w, T, tpe, cap, spec_cap, report, fixed, row_bytes) -> None:
         """``mok_dispatch_layout`` alone: counts, offsets and each row's source into ``scratch``
         and ``tpe`` for at most ``cap`` rows; ``spec_cap`` >= 0: the speculative verdict against
         that capacity; ``report``: the host report is written (for a read of R or errors);
-        ``fixed``: rows_per_expert."""
+        ``fixed``: rows_per_expert; ``row_bytes``: the call's row size, published with the
+        routing (every rank checks its peers use the same: token rows vs packed FP8 rows)."""
         self._check(self.lib.mok_dispatch_layout(
             self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
-            self._ptr(w), T, self.buf.num_experts, self._ptr(tpe), cap, spec_cap, int(report), fixed))
+            self._ptr(w), T, self.buf.num_experts, self._ptr(tpe), cap, spec_cap, int(report), fixed,
+            row_bytes))
 
     def _launch(self, steps, stream, scratch, x, T, idx, w, tpe, probs, src, out, cap, mode,
                 fixed=bindings.NO_ROWS_PER_EXPERT) -> None:
@@ -474,7 +476,8 @@ class CudaBackend:
         cap = self._spec_capacity()
         tokens = self._rows_like(x, cap)
         probs_all, src_all = self._row_outputs(self.rows_bound, x.device)
-        self._layout(stream, scratch, idx, w, T, tpe, 1 << 62, cap, True, bindings.NO_ROWS_PER_EXPERT)
+        self._layout(stream, scratch, idx, w, T, tpe, 1 << 62, cap, True, bindings.NO_ROWS_PER_EXPERT,
+                     self._row_bytes(x))
         main = torch.cuda.current_stream(self.device)
         self._layout_read.record(main)
         self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)

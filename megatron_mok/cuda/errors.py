@@ -11,6 +11,9 @@ ERROR_CODES = {
     6: "expert overflow",
 }
 
+# A configuration mismatch's subject (csrc/include/mok/config.h ConfigMismatch), in `what`.
+MISMATCH_SPECULATIVE, MISMATCH_ROW_BYTES = 0, 1
+
 WAIT_KINDS = {
     0: "nothing",
     1: "the peer's routing for this dispatch (did the peer call dispatch?)",
@@ -75,6 +78,11 @@ def describe(report, timeout_s: float, max_recv_tokens, abandoned=()) -> str:
         return (f"megatron_mok: rank {rank} received {detail} rows, more than max_recv_tokens="
                 f"{max_recv_tokens} (static-shape mode); rows past it were not written. Raise "
                 "max_recv_tokens.")
+    if code == 5 and what == MISMATCH_ROW_BYTES:
+        return (f"megatron_mok: rank {rank} and rank {peer} dispatched rows of different sizes in "
+                f"the same call (rank {peer}'s rows are {detail} bytes): every rank must pass token "
+                "tensors, or every rank an FP8 pair (x_fp8, scales) with the same scale width and "
+                "dtype (docs/CONTRACT.md, \"FP8 dispatch\"). This Buffer can no longer be used.")
     if code == 5:
         return (f"megatron_mok: rank {rank} and rank {peer} disagree on the speculative eager "
                 "dispatch (one publishes a speculative capacity, the other does not). It is on "

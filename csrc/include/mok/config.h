@@ -100,10 +100,18 @@ enum ErrorCode : int32_t {
   kBadExpert = 2,       // topk_idx outside [-1, E)
   kRecvOverflow = 3,    // static-shape mode: more rows than max_recv_tokens
   kAborted = 4,         // stopped because another block reported an error
-  kConfigMismatch = 5,  // ranks disagree on MOK_EAGER_SPECULATIVE (their dispatches would
-                        // make different numbers of transfers): a protocol error
+  kConfigMismatch = 5,  // ranks disagree (what = ConfigMismatch below): on the row size of a
+                        // dispatch (tokens vs packed FP8 rows; detail = the peer's row bytes),
+                        // or on MOK_EAGER_SPECULATIVE (their dispatches would make different
+                        // numbers of transfers): a protocol error
   kExpertOverflow = 6,  // rows_per_expert: a local expert received more rows (peer = the
                         // expert, what = N, detail = its rows); the rows past N are dropped
+};
+
+// What a kConfigMismatch is about (the error report's `what`; mirrored in errors.py).
+enum ConfigMismatch : int32_t {
+  kMismatchSpeculative = 0,  // MOK_EAGER_SPECULATIVE differs
+  kMismatchRowBytes = 1,     // the dispatch's row size differs (tokens vs packed FP8 rows)
 };
 
 // What a spin-wait was waiting for (Workspace::error.what).

@@ -28,6 +28,8 @@ struct RoutingArgs {
   int32_t num_experts;        // E (global), for range checks
   int64_t spec_cap;           // speculative eager dispatch: rows allocated before the host
                               // read (published with the routing); -1: not speculative
+  int32_t row_bytes;          // the call's row size (token rows or packed FP8 rows), published
+                              // with the routing: every reader checks it is its own
 };
 
 // Outputs of a dispatch that the user sees.

@@ -17,7 +17,7 @@
 //   comb_*                     the same five arrays for the combine ring (Nc slots)
 //   comb_arrived [Nc]     i32  producer-private: rows of the slot's current generation staged
 //                              so far (the phased combine spreads one chunk over many warps)
-//   meta         [M] x MetaSlot  routing of one dispatch: T (i32), pad, the speculative row
+//   meta         [M] x MetaSlot  routing of one dispatch: T (i32), row bytes (i32), the speculative row
 //                                capacity (i64 at +8, -1: none), then topk_idx [T_max, K]
 //                                int32, then topk_weights [T_max, K] f32
 //   disp_ring    [Nd] x chunk   C token rows of H elements (the Buffer's dtype)
@@ -149,6 +149,10 @@ struct Workspace {
   }
   __host__ __device__ int32_t* meta_count_at(char* base, int slot) const {
     return (int32_t*)(base + meta + (size_t)slot * meta_slot_bytes);
+  }
+  // The row size of the slot owner's call (token rows or packed FP8 rows).
+  __host__ __device__ int32_t* meta_row_bytes_at(char* base, int slot) const {
+    return (int32_t*)(base + meta + (size_t)slot * meta_slot_bytes + 4);
   }
   // Rows the slot's owner allocated before reading R (speculative eager dispatch), or -1.
   __host__ __device__ int64_t* meta_spec_cap_at(char* base, int slot) const {
