@@ -622,11 +622,30 @@ class Bench:
                        f"rel err {err:.2e}")
             rec["pack_us"] = self.time(lambda: fp8.pack(*pair)).get("median_us")
             bf16_only = "bf16 only: combine runs in the Buffer's dtype (the mok row)"
-            self._time_ops(rec, {"dispatch": lambda: buf.dispatch(pair, inp.idx, inp.w),
-                                 "dispatch_cached": lambda: buf.dispatch(pair, handle=res.handle),
-                                 "combine": bf16_only,
-                                 "dispatch_bwd": "n/a: FP8 rows have no gradient",
-                                 "combine_bwd": bf16_only})
+            fns = {"dispatch": lambda: buf.dispatch(pair, inp.idx, inp.w),
+                   "dispatch_cached": lambda: buf.dispatch(pair, handle=res.handle),
+                   "combine": bf16_only,
+                   "dispatch_bwd": "n/a (--no-bwd)",
+                   "combine_bwd": bf16_only}
+            if not a.no_bwd:
+                # The FP8 rows have no gradient; the backward carries the prob gradients only.
+                w_r = inp.w.detach().clone().requires_grad_(True)
+                r2 = buf.dispatch(pair, inp.idx, w_r)
+                gw, = torch.autograd.grad([r2.probs], [w_r], [inp.grad_probs], retain_graph=True)
+                self.check(s.name, "mok_fp8", "dispatch bwd grad_topk_weights == oracle (bitwise)",
+                           C.bitwise_equal(gw, inp.exp_grad_w))
+                fns["dispatch_bwd"] = lambda: torch.autograd.grad([r2.probs], [w_r], [inp.grad_probs],
+                                                                  retain_graph=True)
+                # Same-run A/B (NOTES #56): session 22's backward, a full combine of zero rows.
+                backend = buf._backend_for(pair[0])
+                zeros = torch.zeros(r2.handle.num_out_rows, s.hidden, dtype=inp.x.dtype, device=inp.x.device)
+                rec["dispatch_bwd_full_combine_us"] = self.time(
+                    lambda: backend.combine(zeros, r2.handle, grad_probs=inp.grad_probs)).get("median_us")
+            self._time_ops(rec, fns)
+            if "dispatch_bwd_full_combine_us" in rec:
+                self.log(f"{s.name} mok_fp8 dispatch bwd (prob gradients only): "
+                         f"{rec['ops']['dispatch_bwd'].get('median_us')} us; as a full combine of zero "
+                         f"rows: {rec['dispatch_bwd_full_combine_us']} us")
         finally:
             self.sync()
             buf.destroy()

@@ -20,8 +20,8 @@ receiving side, so ``rows_fp8`` has row stride ``P`` (the packed row's bytes), n
 scales (``P = 1.03 H``).
 
 Gradients: the FP8 pair is data, not differentiable. ``probs`` stays differentiable with respect
-to ``topk_weights`` (its backward is a combine of zero rows that carries the prob gradients, so
-it costs a full combine). The usual FP8 training step dispatches FP8 forward and computes the
+to ``topk_weights``: its backward is a combine that carries only the prob gradients (rows 8
+zeros wide, ``CudaBackend.combine_prob_grads``), a small fraction of a full combine's time. The usual FP8 training step dispatches FP8 forward and computes the
 gradient of the bf16 tokens with ``combine`` of the expert-side gradients, as DeepEP's users do.
 """
 

@@ -6,8 +6,9 @@ from the torch profiler: which kernel of the chain costs what at small batches.
 
 Prints, per token count, each kernel's median duration (us) over ``iters`` calls. ``--fp8``:
 instead, the kernels of cached and eager dispatches of bf16 tokens and of FP8 pairs
-(megatron_mok/fp8.py: the pack, then the transfer of packed rows), and with ``--host`` the host
-ops of the FP8 eager dispatch.
+(megatron_mok/fp8.py: the pack, then the transfer of packed rows), the FP8 dispatch's backward
+(the prob gradients only) beside a full combine of zero rows carrying the same gradients, and
+with ``--host`` the host ops of the FP8 eager dispatch.
 """
 
 import argparse
@@ -68,10 +69,17 @@ def fp8_main(a, dev):
         buf = mok.Buffer(None, num_experts=256, hidden=7168, topk=8, max_tokens_per_rank=T, backend="cuda",
                          num_sms=a.sms)
         h16, h8 = buf.dispatch(x, idx, w).handle, buf.dispatch(pair, idx, w).handle
+        # The FP8 dispatch's backward (prob gradients only) against a full combine of zero rows
+        # that carries the same gradients (session 22's backward; NOTES #56).
+        backend = buf._backend_for(x)
+        gp = torch.rand(h8.num_out_rows, device=dev)
+        zeros = torch.zeros(h8.num_out_rows, 7168, dtype=torch.bfloat16, device=dev)
         for title, call in (("bf16 cached", lambda: buf.dispatch(x, handle=h16)),
                             ("fp8 cached", lambda: buf.dispatch(pair, handle=h8)),
                             ("bf16 eager", lambda: buf.dispatch(x, idx, w)),
-                            ("fp8 eager", lambda: buf.dispatch(pair, idx, w))):
+                            ("fp8 eager", lambda: buf.dispatch(pair, idx, w)),
+                            ("fp8 bwd prob grads only", lambda: backend.combine_prob_grads(h8, gp)),
+                            ("fp8 bwd as a full zero-rows combine", lambda: backend.combine(zeros, h8, grad_probs=gp))):
             _kernel_table(_profile_calls(call, a.iters, ProfilerActivity.CUDA), a.iters, f"T={T} {title}")
         if a.host:
             hp = _profile_calls(lambda: buf.dispatch(pair, idx, w), a.iters, ProfilerActivity.CPU)

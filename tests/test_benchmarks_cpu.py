@@ -105,6 +105,8 @@ def test_smoke_mok_fp8_ran_and_was_checked(smoke):
         assert r["ops"]["dispatch"]["median_us"] > 0 and r["ops"]["dispatch_cached"]["median_us"] > 0
         assert "unavailable" in r["ops"]["combine"]          # combine stays bf16: the mok row
         assert "packed FP8 rows" in r["bytes_kind"]
+        # The backward carries the prob gradients only, beside the full-combine way (NOTES #56).
+        assert r["ops"]["dispatch_bwd"]["median_us"] > 0 and r["dispatch_bwd_full_combine_us"] > 0
     for s in doc["shapes"]:       # FP8 rows: fewer bytes than bf16 ones (16-byte padding aside)
         fp8_row, bf16_row = s["nvlink_bytes_fp8"]["row_bytes"], s["nvlink_bytes"]["row_bytes"]
         assert fp8_row <= bf16_row and (s["hidden"] < 64 or fp8_row < bf16_row), s["name"]
@@ -112,7 +114,8 @@ def test_smoke_mok_fp8_ran_and_was_checked(smoke):
     names = {c["check"] for c in checks}
     for expected in ("fp8 rows == quantized oracle rows (bytes)", "dispatch probs == oracle (bitwise)",
                      "cached fp8 dispatch == fp8 dispatch (bytes)",
-                     "dequantized rows ~= bf16 rows (E4M3 tolerance)"):
+                     "dequantized rows ~= bf16 rows (E4M3 tolerance)",
+                     "dispatch bwd grad_topk_weights == oracle (bitwise)"):
         assert expected in names, expected
     assert all(c["passed"] for c in checks)
 

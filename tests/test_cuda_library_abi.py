@@ -257,6 +257,22 @@ def test_dispatch_refuses_a_bad_row_size_before_launching(row_bytes):
         lib.mok_destroy(ctx)
 
 
+# The combine's row width (the prob-gradient-only combine runs with hidden = 8): 0 means the
+# Buffer's hidden (7168); else a multiple of 8 no larger.
+@pytest.mark.parametrize("hidden", [-8, 4, 12, 7168 + 8, 1 << 30])
+def test_combine_refuses_a_bad_row_width_before_launching(hidden):
+    lib = library.get()
+    ctx = _with_fake_peers(lib)
+    try:
+        assert lib.mok_combine(ctx, None, None, None, None, 0, None, None, 0, 0, 0, 24, 4, hidden) != 0
+        assert "combine hidden must be 0" in lib.mok_last_error().decode()
+        # The producer check comes first and still names itself.
+        assert lib.mok_combine(ctx, None, None, None, None, 0, None, None, 0, 0, 0, 24, 24, 8) != 0
+        assert "num_producers" in lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(ctx)
+
+
 @pytest.mark.parametrize("steps", [0, 16, 1 | 32, -1])
 def test_dispatch_launch_refuses_unknown_steps(steps):
     lib = library.get()

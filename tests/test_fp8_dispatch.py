@@ -468,6 +468,57 @@ def test_cuda_fp8_dispatch(mode, world_size):
                             compare_reference=True, block=block, backend="nccl", timeout=300)
 
 
+def prob_grads_only(rank, world_size, calls, chunks=None, T_max=256):
+    """The narrow combine that carries only the prob gradients (``combine_prob_grads``: the FP8
+    dispatch's backward) against a full combine's ``grad_topk_weights`` and against each slot's
+    expected value, bitwise, over ``calls`` calls of varying sizes (a rank with no tokens, unrouted
+    slots, one expert for every row, duplicate experts among them). ``chunks``: a combine ring of
+    that many chunks, so that calls wrap it (the role split); else the phased combine."""
+    from test_cuda_backend import mok_buffer, ring_chunk_bytes
+
+    dev = rank_device(rank)
+    H, K, E = 256, 4, 4 * world_size
+    kw = {"ring_bytes": chunks * max(ring_chunk_bytes(H, K))} if chunks else {}
+    buf = mok_buffer(E, H, K, T_max, torch.bfloat16, "cuda", dev, timeout_s=30, **kw)
+    g = torch.Generator().manual_seed(91)                      # the same sizes on every rank
+    cases = ("mixed", "unrouted", "one_expert", "duplicate", "skewed")
+    for i in range(calls):
+        T_all = [int(v) for v in torch.randint(1, T_max + 1, (world_size,), generator=g)]
+        T_all[0] = 0 if i % 4 == 1 else T_all[0]
+        T_all = [T_max] * world_size if i == 2 else T_all
+        x, idx, w = make_inputs(3000 + i, world_size, T_all, E, H, K, torch.bfloat16, case=cases[i % 5],
+                                device=dev)[rank]
+        res = buf.dispatch(x, idx, w)
+        backend = buf._backend_for(x)
+        # Each row's gradient: its prob times a value naming its source token, so a slot's
+        # gradient names both the token and the slot (the weights differ across slots).
+        gp = res.probs * prob_grad_signal(res.src_rank, res.src_token)
+        narrow = backend.combine_prob_grads(res.handle, gp)
+        _, full = backend.combine(res.tokens, res.handle, grad_probs=gp)
+        mine = prob_grad_signal(torch.full_like(idx, rank), torch.arange(idx.shape[0], device=dev).view(-1, 1).expand_as(idx))
+        want = torch.where(idx >= 0, w * mine, torch.zeros_like(mine))
+        tag = f"call {i} T={T_all} rank {rank}/{world_size} ring chunks {chunks}"
+        assert narrow.shape == (T_all[rank], K) and narrow.dtype == torch.float32, tag
+        assert_bitwise(narrow, full, f"narrow vs full combine {tag}")
+        assert_bitwise(narrow, want, f"narrow combine vs expected {tag}")
+    buf.check_errors()
+    buf.destroy()
+    return True
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (1, 2, 3))
+@pytest.mark.parametrize("chunks", (None, 3), ids=("phased", "ring_wraps"))
+def test_loopback_prob_grads_only_combine(world_size, chunks):
+    assert run_loopback(prob_grads_only, world_size, 12, chunks, timeout=300) == [True] * world_size
+
+
+@gpu
+def test_loopback_prob_grads_only_combine_role_split(monkeypatch):
+    monkeypatch.setenv("MOK_COMBINE_PHASED", "0")
+    assert run_loopback(prob_grads_only, 2, 8, timeout=300) == [True] * 2
+
+
 def fp8_on_one_rank_only(rank, world_size, static):
     """Rank 0 dispatches an FP8 pair while its peers dispatch bf16 tokens (a caller's bug: the
     ranks would read each other's rings at different row sizes). Every rank's layout compares

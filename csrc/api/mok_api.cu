@@ -336,16 +336,20 @@ int mok_dispatch_ce_stage_supported(const MokContext* ctx) {
 int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert_out,
                 const float* grad_probs, int num_tokens, void* y, float* grad_w,
                 int64_t row_cap, int dtype_code, int partial_code, int num_blocks,
-                int num_producers) {
+                int num_producers, int hidden) {
   if (int e = check_ready(ctx)) return e;
   if (num_producers < 1 || num_blocks <= num_producers)
     return fail("combine needs 1 <= num_producers < num_blocks");
+  if (hidden == 0) hidden = ctx->comm.ws.cfg.hidden;
+  if (hidden < 8 || hidden % 8 != 0 || hidden > ctx->comm.ws.cfg.hidden)
+    return fail("combine hidden must be 0 (the Buffer's hidden) or a multiple of 8 in [8, hidden]");
   if (partial_code != dtype_code && partial_code != kFP32)
     return fail("the combine partial dtype must be the token dtype or float32");
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
   TransferArgs t{num_tokens, num_blocks, num_producers, row_cap, kTransferBoth};
   return check_launch(launch_combine_transfer(ctx->comm, h, t, expert_out, grad_probs, y, grad_w,
-                                              dtype_code, partial_code, static_cast<cudaStream_t>(stream)),
+                                              dtype_code, partial_code, hidden,
+                                              static_cast<cudaStream_t>(stream)),
                       "combine launch");
 }
 

@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 13
+#define MOK_ABI_VERSION 14
 int mok_abi_version(void);
 
 /* expert_alignment >= 1: each local expert's rows are followed by zero rows (no source, prob 0)
@@ -105,10 +105,14 @@ int mok_layout_fused(const MokContext* ctx, int speculative);
  * device); 0 (the default of mok_create) launches plainly. Returns 0; mok_pdl reads it back. */
 int mok_set_pdl(MokContext* ctx, int on);
 int mok_pdl(const MokContext* ctx);
+/* hidden (elements of expert_out's and y's rows): 0 = the Buffer's hidden; else a multiple of 8
+ * no larger. Every rank of a group passes the same in a call (partials are read at this pitch).
+ * A narrow call carries the prob gradients with next to no row data: the FP8 dispatch's
+ * backward, whose tokens have no gradient, runs it with hidden = 8 and zero rows. */
 int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert_out,
                 const float* grad_probs, int num_tokens, void* y, float* grad_w,
                 int64_t row_cap, int dtype_code, int partial_code, int num_blocks,
-                int num_producers);
+                int num_producers, int hidden);
 
 /* The FP8 dispatch's pack (megatron_mok/fp8.py): row r of dst (dst_bytes) = row r of a (a_bytes),
  * then row r of b (b_bytes), then zeros; rows rows, one kernel on `stream`. Every width a

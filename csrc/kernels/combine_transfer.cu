@@ -1059,9 +1059,9 @@ cudaError_t launch_partial(int partial_code, const CommContext& c, const HandleA
 cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
                                     const TransferArgs& t, const void* expert_out,
                                     const float* grad_probs, void* y, float* grad_w,
-                                    int dtype_code, int partial_code, cudaStream_t s) {
+                                    int dtype_code, int partial_code, int hidden, cudaStream_t s) {
   CombineShape sh;
-  sh.H = c.ws.cfg.hidden;
+  sh.H = hidden;  // every row pitch below (expert_out, partials in the ring chunk, y) is sh.H
   sh.K = c.ws.cfg.topk;
   sh.C = c.ws.cfg.chunk_tokens;
   sh.cps = HandleArrays::chunks_per_call(c.ws.cfg);

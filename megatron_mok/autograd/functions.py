@@ -34,11 +34,9 @@ class DispatchFunction(torch.autograd.Function):
         if ctx.packed:
             if not want_w:
                 return None, None, None, None, None, None
-            # The prob gradients travel with a combine; its rows are zero (the FP8 tokens have
-            # no gradient), so this costs a full combine for [T, K] floats.
-            b = ctx.backend.buf
-            zeros = torch.zeros(ctx.handle.num_out_rows, b.hidden, dtype=b.dtype, device=grad_probs.device)
-            _, grad_w = ctx.backend.combine(zeros, ctx.handle, grad_probs=grad_probs.contiguous())
+            # Only the prob gradients travel back (the FP8 tokens have none): a combine whose
+            # rows are 8 zeros wide, not a full one (benchmarks/NOTES.md #56).
+            grad_w = ctx.backend.combine_prob_grads(ctx.handle, grad_probs.contiguous())
             return None, None, None, grad_w, None, None
         grad_x, grad_w = ctx.backend.combine(
             grad_tokens.contiguous(), ctx.handle,

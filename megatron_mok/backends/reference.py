@@ -197,18 +197,26 @@ class ReferenceBackend:
             y[lay.hit[d]] += mine[d][lay.hit[d]].float()
         y = y.to(b.dtype)
 
-        grad_w = None
-        if grad_probs is not None:
-            R = handle.num_rows
-            side = torch.zeros(W * t_max, K, dtype=torch.float32, device=dev)
-            live = lay.row_k >= 0                # not the zero rows of expert_alignment
-            key = handle.src_rank[:R][live] * t_max + handle.src_token[:R][live]
-            side[key, lay.row_k[live]] = grad_probs[:R][live].float()
-            all_side = all_gather_exact(side, b.group, W).view(W, W, t_max, K)[:, b.rank, :T]
-            grad_w = torch.zeros(T, K, dtype=torch.float32, device=dev)
-            for d in range(W):          # exactly one rank holds each routed slot
-                grad_w += all_side[d]
+        grad_w = None if grad_probs is None else self.combine_prob_grads(handle, grad_probs)
         return y, grad_w
+
+    def combine_prob_grads(self, handle: DispatchHandle, grad_probs: torch.Tensor) -> torch.Tensor:
+        """``grad_topk_weights [T, K]`` float32 from ``grad_probs [R]``: each row's prob gradient
+        back to its source slot (the side values of a combine, with no row data)."""
+        settle(grad_probs.device)
+        b = self.buf
+        W, t_max, K = b.world_size, b.max_tokens_per_rank, b.topk
+        lay: ReferenceLayout = handle.state
+        dev, T, R = grad_probs.device, handle.num_tokens, handle.num_rows
+        side = torch.zeros(W * t_max, K, dtype=torch.float32, device=dev)
+        live = lay.row_k >= 0                # not the zero rows of expert_alignment
+        key = handle.src_rank[:R][live] * t_max + handle.src_token[:R][live]
+        side[key, lay.row_k[live]] = grad_probs[:R][live].float()
+        all_side = all_gather_exact(side, b.group, W).view(W, W, t_max, K)[:, b.rank, :T]
+        grad_w = torch.zeros(T, K, dtype=torch.float32, device=dev)
+        for d in range(W):              # exactly one rank holds each routed slot
+            grad_w += all_side[d]
+        return grad_w
 
     def destroy(self):
         pass

@@ -36,6 +36,9 @@ DEFAULT_NUM_SMS = 24
 DEFAULT_RING_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_CHUNK_TOKENS = 64
+# Row width (elements) of the combine that carries only prob gradients (combine_prob_grads):
+# the narrowest the combine kernels take (one 16-byte vector of bf16).
+PROB_GRAD_HIDDEN = 8
 # The eager fill-first dispatch keeps row outputs for a bound on R per handle (20 B per row);
 # above this it falls back to filling after the host read (outputs of exactly R rows).
 FILL_FIRST_MAX_BYTES = 64 << 20
@@ -616,17 +619,27 @@ class CudaBackend:
         self._alive()
         b = self.buf
         T = handle.num_tokens
-        y = torch.empty(T, b.hidden, dtype=b.dtype, device=expert_out.device)
+        y = torch.empty(T, expert_out.shape[1], dtype=b.dtype, device=expert_out.device)
         grad_w = None
         if grad_probs is not None:
             grad_w = torch.empty(T, b.topk, dtype=torch.float32, device=expert_out.device)
             grad_probs = grad_probs.float().contiguous()
+        # expert_out's width: the Buffer's hidden, or PROB_GRAD_HIDDEN (combine_prob_grads).
         self._check(self.lib.mok_combine(
             self.ctx, self._stream(), self._ptr(handle.state.scratch), self._ptr(expert_out),
             self._ptr(grad_probs), T, self._ptr(y), self._ptr(grad_w),
             handle.num_out_rows, DTYPE_CODES[b.dtype], DTYPE_CODES[b.combine_partial_dtype],
-            *self._roles(T)[::2]))
+            *self._roles(T)[::2], expert_out.shape[1]))
         return y, grad_w
+
+    def combine_prob_grads(self, handle: DispatchHandle, grad_probs):
+        """``grad_topk_weights [T, K]`` float32 from ``grad_probs [R]``, with no row gradients
+        (the FP8 dispatch's backward: its tokens have none). One combine of rows
+        ``PROB_GRAD_HIDDEN`` elements wide: the prob gradients travel as the partials' side
+        values, as in a full combine, and the rows (zeros) cost next to nothing."""
+        rows = torch.zeros(handle.num_out_rows, PROB_GRAD_HIDDEN, dtype=self.buf.dtype,
+                           device=grad_probs.device)
+        return self.combine(rows, handle, grad_probs=grad_probs)[1]
 
     def destroy(self):
         if getattr(self, "mem", None) is not None:

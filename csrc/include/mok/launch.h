@@ -101,10 +101,12 @@ cudaError_t launch_pack_rows(void* dst, int64_t dst_bytes, const void* a, int64_
                              int64_t b_bytes, int64_t rows, cudaStream_t s);
 
 // Reduce my rows per task into partials (staged), pull every rank's partials for my tokens.
+// hidden: elements per row of expert_out, y and the partials (<= the Buffer's hidden; the ring
+// chunk keeps its size, a narrower call uses its first bytes).
 cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
                                     const TransferArgs& t, const void* expert_out,
                                     const float* grad_probs, void* y, float* grad_w,
-                                    int dtype_code, int partial_code, cudaStream_t s);
+                                    int dtype_code, int partial_code, int hidden, cudaStream_t s);
 
 // Whether (kernel, current device) was already allowed at least `smem` bytes of dynamic shared
 // memory; `remember` records a grant. A small locked table: the attribute call costs ~1.5 us of

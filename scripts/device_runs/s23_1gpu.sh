@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Session 23 on one H200 (benchmarks/results/README.md, "Session 23"):
+#
+#   bash scripts/device_runs/s23_1gpu.sh COMMIT check    # tests, kernel profile, suite rows
+#
+# check: the row-size check across ranks (NOTES item 20, C ABI 13: every rank must raise, none
+# hang, loopback eager/static and W = 2 processes sharing the GPU) and the prob-gradient-only
+# combine of the FP8 dispatch's backward (NOTES #56, C ABI 14: bitwise the full combine's, phased,
+# role split and ring wraps) with the rest of the FP8 GPU tests; the CUDA regression sample of
+# session 22 (the combine's signature changed); the kernels of the FP8 backward beside a full
+# zero-rows combine (#56's prediction); the suite's mok / mok_fp8 rows at W = 1 (d-bwd, and the
+# same run's dispatch_bwd_full_combine_us in the JSON).
+C=${1:?commit}; PART=${2:?check}
+. "$(dirname "$0")/common.sh"
+if [ "$PART" = check ]; then
+  timeout -k 5 200 python3 -m pytest -v -p no:cacheprovider -rs --tb=short --durations=5 \
+    tests/test_fp8_dispatch.py tests/test_cuda_library_abi.py > $R/fp8_tests.log 2>&1
+  echo "[fp8 GPU tests] rc=$?"; grep -cE " PASSED" $R/fp8_tests.log; grep -E " FAILED| ERROR" $R/fp8_tests.log | head -20
+  grep -E "prob_grads|one_rank_only" $R/fp8_tests.log | head -20; grep -E "^E " $R/fp8_tests.log | head -20; tail -2 $R/fp8_tests.log
+  MOK_TEST_SHARED_GPU=1 timeout -k 5 120 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
+    tests/test_fp8_dispatch.py -k "test_cuda_fp8 and not world_size_1" > $R/fp8_shared.log 2>&1
+  echo "[fp8 W=2 shared GPU] rc=$?"; grep -E " PASSED| FAILED| ERROR|SKIPPED \[" $R/fp8_shared.log | head; grep -E "^E " $R/fp8_shared.log | head
+  timeout -k 5 60 python3 scripts/profile_kernels_1gpu.py --fp8 --tokens 4096,128 > $R/fp8_kernels.log 2>&1
+  echo "[fp8 kernels, W=1] rc=$?"; grep -E "^T=|^  " $R/fp8_kernels.log | head -70
+  timeout -k 5 110 python3 benchmarks/bench_dispatch_combine.py --nproc 1 --shapes dsv3,t8192,t512,t128 \
+    --systems mok,mok_fp8 --out $R/bench > $R/bench.log 2>&1
+  echo "[suite mok / mok_fp8, W=1] rc=$?"; grep -A12 "^SUMMARY" $R/bench.log; grep "prob gradients only" $R/bench.log
+  timeout -k 5 150 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
+    tests/test_cuda_backend.py tests/test_cuda_loopback.py \
+    -k "world_size_1 or (loopback_matches_reference and 3]) or loopback_static_shape or loopback_cached or loopback_graph or (loopback_ring_wraps and 3-) or loopback_expert_alignment or loopback_rows_per_expert" \
+    > $R/cuda_regression.log 2>&1
+  echo "[CUDA regression sample] rc=$?"; grep -cE " PASSED" $R/cuda_regression.log; grep -E " FAILED| ERROR" $R/cuda_regression.log | head -20; tail -2 $R/cuda_regression.log
+fi
+cd $OUT && tar czf r.tgz r && rm -rf r
