@@ -636,16 +636,21 @@ class Bench:
                            C.bitwise_equal(gw, inp.exp_grad_w))
                 fns["dispatch_bwd"] = lambda: torch.autograd.grad([r2.probs], [w_r], [inp.grad_probs],
                                                                   retain_graph=True)
-                # Same-run A/B (NOTES #56): session 22's backward, a full combine of zero rows.
+                # Same-run A/B (NOTES #56), both called on the backend directly (no autograd
+                # time): the prob gradients alone, and session 22's way, a full combine of zero rows.
                 backend = buf._backend_for(pair[0])
                 zeros = torch.zeros(r2.handle.num_out_rows, s.hidden, dtype=inp.x.dtype, device=inp.x.device)
+                rec["dispatch_bwd_prob_grads_us"] = self.time(
+                    lambda: backend.combine_prob_grads(r2.handle, inp.grad_probs)).get("median_us")
                 rec["dispatch_bwd_full_combine_us"] = self.time(
                     lambda: backend.combine(zeros, r2.handle, grad_probs=inp.grad_probs)).get("median_us")
             self._time_ops(rec, fns)
             if "dispatch_bwd_full_combine_us" in rec:
-                self.log(f"{s.name} mok_fp8 dispatch bwd (prob gradients only): "
-                         f"{rec['ops']['dispatch_bwd'].get('median_us')} us; as a full combine of zero "
-                         f"rows: {rec['dispatch_bwd_full_combine_us']} us")
+                us = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
+                self.log(f"{s.name} mok_fp8 dispatch bwd: {us(rec['ops']['dispatch_bwd'].get('median_us'))} us "
+                         f"through autograd; on the backend: prob gradients only "
+                         f"{us(rec['dispatch_bwd_prob_grads_us'])} us, as a full combine of zero rows "
+                         f"{us(rec['dispatch_bwd_full_combine_us'])} us")
         finally:
             self.sync()
             buf.destroy()

@@ -47,14 +47,18 @@ def _kernel_table(prof, iters, title):
 
 
 def _profile_calls(call, iters, activity):
-    """``iters`` calls of ``call()`` under the torch profiler, after 5 warm-up calls."""
+    """``iters`` calls of ``call()`` under the torch profiler, after 5 warm-up calls, each call
+    waited for: with programmatic dependent launch (the default on a GPU of its own, NOTES #48)
+    a kernel queued right behind another is resident while that one runs and waits on the
+    device, so back-to-back calls of one kernel (a cached dispatch, a combine) would each show
+    about twice their duration (s23-3: 678 us for a 339 us transfer)."""
     for _ in range(5):
         call()
     torch.cuda.synchronize()
     with profile(activities=[activity]) as prof:
         for _ in range(iters):
             call()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
     return prof
 
 

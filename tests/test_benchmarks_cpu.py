@@ -107,6 +107,7 @@ def test_smoke_mok_fp8_ran_and_was_checked(smoke):
         assert "packed FP8 rows" in r["bytes_kind"]
         # The backward carries the prob gradients only, beside the full-combine way (NOTES #56).
         assert r["ops"]["dispatch_bwd"]["median_us"] > 0 and r["dispatch_bwd_full_combine_us"] > 0
+        assert r["dispatch_bwd_prob_grads_us"] > 0
     for s in doc["shapes"]:       # FP8 rows: fewer bytes than bf16 ones (16-byte padding aside)
         fp8_row, bf16_row = s["nvlink_bytes_fp8"]["row_bytes"], s["nvlink_bytes"]["row_bytes"]
         assert fp8_row <= bf16_row and (s["hidden"] < 64 or fp8_row < bf16_row), s["name"]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 23 on one H200 (benchmarks/results/README.md, "Session 23"):
 #
-#   bash scripts/device_runs/s23_1gpu.sh COMMIT check    # tests, kernel profile, suite rows
+#   bash scripts/device_runs/s23_1gpu.sh COMMIT check    # s23-3: tests, kernel profile, suite rows
+#   bash scripts/device_runs/s23_1gpu.sh COMMIT ab       # s23-4: #56's A/B measured like for like
 #
 # check: the row-size check across ranks (NOTES item 20, C ABI 13: every rank must raise, none
 # hang, loopback eager/static and W = 2 processes sharing the GPU) and the prob-gradient-only
@@ -10,7 +11,10 @@
 # session 22 (the combine's signature changed); the kernels of the FP8 backward beside a full
 # zero-rows combine (#56's prediction); the suite's mok / mok_fp8 rows at W = 1 (d-bwd, and the
 # same run's dispatch_bwd_full_combine_us in the JSON).
-C=${1:?commit}; PART=${2:?check}
+# ab: the kernel profile with every call waited for (s23-3's back-to-back calls overlapped under
+# programmatic dependent launch), once more with MOK_PDL=0 as a cross-check, and the suite's
+# mok_fp8 rows with both backwards called on the backend directly (no autograd time).
+C=${1:?commit}; PART=${2:?check or ab}
 . "$(dirname "$0")/common.sh"
 if [ "$PART" = check ]; then
   timeout -k 5 200 python3 -m pytest -v -p no:cacheprovider -rs --tb=short --durations=5 \
@@ -30,5 +34,13 @@ if [ "$PART" = check ]; then
     -k "world_size_1 or (loopback_matches_reference and 3]) or loopback_static_shape or loopback_cached or loopback_graph or (loopback_ring_wraps and 3-) or loopback_expert_alignment or loopback_rows_per_expert" \
     > $R/cuda_regression.log 2>&1
   echo "[CUDA regression sample] rc=$?"; grep -cE " PASSED" $R/cuda_regression.log; grep -E " FAILED| ERROR" $R/cuda_regression.log | head -20; tail -2 $R/cuda_regression.log
+elif [ "$PART" = ab ]; then
+  timeout -k 5 60 python3 scripts/profile_kernels_1gpu.py --fp8 --tokens 4096,512,128 > $R/fp8_kernels.log 2>&1
+  echo "[fp8 kernels, W=1, calls waited for] rc=$?"; grep -E "^T=|^  " $R/fp8_kernels.log | head -80
+  MOK_PDL=0 timeout -k 5 60 python3 scripts/profile_kernels_1gpu.py --fp8 --tokens 4096 > $R/fp8_kernels_nopdl.log 2>&1
+  echo "[fp8 kernels, W=1, MOK_PDL=0] rc=$?"; grep -E "^T=|^  " $R/fp8_kernels_nopdl.log | head -30
+  timeout -k 5 150 python3 benchmarks/bench_dispatch_combine.py --nproc 1 --shapes dsv3,h4096,t8192,t512,t128 \
+    --systems mok,mok_fp8 --out $R/bench > $R/bench.log 2>&1
+  echo "[suite mok / mok_fp8, W=1] rc=$?"; grep -A14 "^SUMMARY" $R/bench.log; grep "mok_fp8 dispatch bwd" $R/bench.log
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r
