@@ -3,6 +3,7 @@
 #
 #   bash scripts/device_runs/s23_1gpu.sh COMMIT check    # s23-3: tests, kernel profile, suite rows
 #   bash scripts/device_runs/s23_1gpu.sh COMMIT ab       # s23-4: #56's A/B measured like for like
+#   bash scripts/device_runs/s23_1gpu.sh COMMIT final    # s23-5: small calls, tests/megatron
 #
 # check: the row-size check across ranks (NOTES item 20, C ABI 13: every rank must raise, none
 # hang, loopback eager/static and W = 2 processes sharing the GPU) and the prob-gradient-only
@@ -14,7 +15,10 @@
 # ab: the kernel profile with every call waited for (s23-3's back-to-back calls overlapped under
 # programmatic dependent launch), once more with MOK_PDL=0 as a cross-check, and the suite's
 # mok_fp8 rows with both backwards called on the backend directly (no autograd time).
-C=${1:?commit}; PART=${2:?check or ab}
+# final: NOTES item 18's host-path trims (caf584f) measured: bench_small_batch.py with bf16 and FP8
+# dispatches at 128 / 512 tokens, W = 1; then every tests/megatron test one GPU runs, on
+# megatron-core 0.19.2 (the combine's new argument under the Megatron dispatcher).
+C=${1:?commit}; PART=${2:?check, ab or final}
 . "$(dirname "$0")/common.sh"
 if [ "$PART" = check ]; then
   timeout -k 5 200 python3 -m pytest -v -p no:cacheprovider -rs --tb=short --durations=5 \
@@ -42,5 +46,17 @@ elif [ "$PART" = ab ]; then
   timeout -k 5 150 python3 benchmarks/bench_dispatch_combine.py --nproc 1 --shapes dsv3,h4096,t8192,t512,t128 \
     --systems mok,mok_fp8 --out $R/bench > $R/bench.log 2>&1
   echo "[suite mok / mok_fp8, W=1] rc=$?"; grep -A14 "^SUMMARY" $R/bench.log; grep "mok_fp8 dispatch bwd" $R/bench.log
+elif [ "$PART" = final ]; then
+  for mode in bf16 fp8; do
+    flag=; [ $mode = fp8 ] && flag=--fp8
+    timeout -k 5 90 python3 benchmarks/bench_small_batch.py --out $R/small_$mode --tokens 128,512 \
+      --worlds 1 --iters 50 --warmup 10 $flag > $R/small_$mode.log 2>&1
+    echo "[small batch $mode] rc=$?"; grep -E "^\| " $R/small_$mode.log
+  done
+  install_wheels .whl /tmp/site19 || exit 1
+  PYTHONPATH=/tmp/site19 timeout -k 5 ${3:-280} python3 -m pytest -q -p no:cacheprovider tests/megatron -rs \
+    > $R/megatron_tests_019.log 2>&1
+  echo "[tests/megatron 0.19.2] rc=$?"; tail -2 $R/megatron_tests_019.log
+  grep -E "^(FAILED|ERROR)|Error:" $R/megatron_tests_019.log | head
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r
