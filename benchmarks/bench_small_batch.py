@@ -7,6 +7,9 @@ read of the row count, kernel launches. This script separates host from device t
 - ``eager``: a dispatch / combine call as a training step sees it, host-inclusive
   (``perf_counter`` around the call and a synchronisation of the stream);
 - ``static``: the same in static-shape mode (``max_recv_tokens``: no host read);
+- ``..._return``: for eager and static calls, the time until the call returned (its host work:
+  checks, allocations, launches, the eager host read), beside the host-inclusive figure; a
+  call whose return time is close to its host-inclusive time is host-bound;
 - ``graph``: the static calls captured in a CUDA graph each and replayed, timed with CUDA
   events: device time only (the kernel chain and the gaps between its kernels); with 2
   loopback ranks one thread replays both ranks' graphs back to back, so the two start
@@ -90,17 +93,21 @@ def _rank(rank, world, tokens, iters, warmup, sms, grp=None, fp8=False):
     stream = torch.cuda.current_stream(dev)
 
     def host_time(fn):
+        """Median host-inclusive time of ``fn`` (until the stream is idle) and median time until
+        ``fn`` returned (its host work: checks, allocations, launches, and any host wait)."""
         for _ in range(warmup):
             fn()
         stream.synchronize()
-        out = []
+        out, ret = [], []
         for _ in range(iters):
             grp.barrier()                       # ranks start each call together
             t0 = time.perf_counter()
             fn()
+            t1 = time.perf_counter()
             stream.synchronize()
             out.append(time.perf_counter() - t0)
-        return _median_us(out)
+            ret.append(t1 - t0)
+        return _median_us(out), _median_us(ret)
 
     def graph_time(g):
         if getattr(grp, "distributed", False):
@@ -150,14 +157,14 @@ def _rank(rank, world, tokens, iters, warmup, sms, grp=None, fp8=False):
     eo = expert_out(rows) if fp8 else res.tokens
     cap = max(grp.exchange(rows)) + 8   # what a user would size: max rows + slack
     r = {"rows": rows, "max_recv_tokens": cap}
-    r["eager_dispatch_us"] = host_time(lambda: eager.dispatch(x, idx, w))
-    r["eager_combine_us"] = host_time(lambda: eager.combine(eo, res.handle))
+    r["eager_dispatch_us"], r["eager_dispatch_return_us"] = host_time(lambda: eager.dispatch(x, idx, w))
+    r["eager_combine_us"], r["eager_combine_return_us"] = host_time(lambda: eager.combine(eo, res.handle))
 
     static = mok.Buffer(None, max_recv_tokens=cap, **kw)
     sres = static.dispatch(x, idx, w)
     seo = expert_out(cap) if fp8 else sres.tokens
-    r["static_dispatch_us"] = host_time(lambda: static.dispatch(x, idx, w))
-    r["static_combine_us"] = host_time(lambda: static.combine(seo, sres.handle))
+    r["static_dispatch_us"], r["static_dispatch_return_us"] = host_time(lambda: static.dispatch(x, idx, w))
+    r["static_combine_us"], r["static_combine_return_us"] = host_time(lambda: static.combine(seo, sres.handle))
 
     # One capture at a time (loopback.py): torch synchronises the device around a capture.
     gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -257,6 +264,13 @@ def _write(a, info, cases):
     for c in cases:
         print(f"| {c['world_size']} | {c['tokens']} | " +
               " | ".join(str(c["slowest_rank"][k + "_us"]) for k in cols) + " |")
+    ret = ["eager_dispatch", "static_dispatch", "eager_combine", "static_combine"]
+    print("\nUntil the call returned (host work):\n\n| W | tokens | " +
+          " | ".join(c.replace("_", " ") + " (us)" for c in ret) + " |")
+    print("|" + " --- |" * (len(ret) + 2))
+    for c in cases:
+        print(f"| {c['world_size']} | {c['tokens']} | " +
+              " | ".join(str(c["slowest_rank"][k + "_return_us"]) for k in ret) + " |")
     print(f"\nwrote {path}")
 
 

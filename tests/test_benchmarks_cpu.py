@@ -187,3 +187,30 @@ def test_symm_a2a_phase_skips_shapes_torch_cannot_run(monkeypatch, tmp_path):
     assert "16" in bench.systems["symm_a2a"]["reason"]
     assert sorted(s["what"] for s in bench.skipped) == ["dsv3/symm_a2a", "skew/symm_a2a", "t128/symm_a2a"]
     assert all("128 experts per rank" in s["reason"] for s in bench.skipped)
+
+
+def test_small_batch_report_keeps_host_return_times(tmp_path, capsys):
+    """bench_small_batch.py (GPU-only to run) writes, per case, the slowest rank's host-inclusive
+    and until-return times; its report prints both tables. Checked on made-up per-rank figures."""
+    import argparse
+    import time
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import bench_small_batch as sb
+    finally:
+        sys.path.pop(0)
+
+    ops = ["eager_dispatch", "static_dispatch", "graph_dispatch", "eager_combine", "static_combine",
+           "graph_combine"]
+    host = ["eager_dispatch", "static_dispatch", "eager_combine", "static_combine"]
+    per_rank = [{**{f"{k}_us": 10.0 + r for k in ops}, **{f"{k}_return_us": 4.0 + 2 * r for k in host},
+                 "rows": 5} for r in range(2)]
+    case = sb._case(2, 128, per_rank, time.time())
+    assert case["slowest_rank"]["static_dispatch_return_us"] == 6.0
+    assert case["slowest_rank"]["graph_dispatch_us"] == 11.0
+    sb._write(argparse.Namespace(out=str(tmp_path)), {"note": "test"}, [case])
+    doc = json.load(open(tmp_path / "small_batch.json"))
+    assert doc["cases"][0]["slowest_rank"]["eager_combine_return_us"] == 6.0
+    out = capsys.readouterr().out
+    assert "Until the call returned" in out and "| 2 | 128 | 6.0 | 6.0 | 6.0 | 6.0 |" in out
