@@ -28,7 +28,7 @@ Two ways to run it:
   barrier, then CUDA events around the replay, per call the slowest rank, the median), with a
   sleep kernel between the barrier and the start event (the launch off the clock, as above).
 
-    python benchmarks/bench_small_batch.py --out benchmarks/results [--tokens 128,512] [--worlds 1,2] [--fp8]
+    python benchmarks/bench_small_batch.py --out benchmarks/results [--tokens 128,512] [--worlds 1,2] [--fp8 | --fp8-ab]
     torchrun --nproc-per-node 2 benchmarks/bench_small_batch.py --out DIR [--tokens 128,512]
 
 Writes ``small_batch.json`` (date, commit, GPU, command, medians per case) and prints a table.
@@ -200,28 +200,37 @@ def main(argv=None):
     ap.add_argument("--fp8", action="store_true",
                     help="dispatch FP8 pairs (megatron_mok/fp8.py: 1x128 float32 scales); combine "
                          "takes bf16 rows as always")
+    ap.add_argument("--fp8-ab", action="store_true",
+                    help="single-process runs only: every case twice with bf16 tokens and twice with FP8 "
+                         "pairs, alternating (bf16, FP8, bf16, FP8), so both payloads are timed in "
+                         "one process and machine state (separate runs moved by more than their "
+                         "difference, NOTES item 18)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_small_batch.py needs a CUDA GPU (it times the CUDA backend)")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if a.fp8_ab:
+            sys.exit("--fp8-ab is for single-process runs (world size 1 and loopback ranks)")
         return _main_distributed(a)
     cases = []
+    payloads = (False, True, False, True) if a.fp8_ab else (a.fp8,)
     for W in (int(v) for v in a.worlds.split(",")):
         for T in (int(v) for v in a.tokens.split(",")):
-            t0 = time.time()
-            per_rank = loopback.run(_rank, W, T, a.iters, a.warmup, a.sms, fp8=a.fp8, timeout_s=600)
-            cases.append(_case(W, T, per_rank, t0))
+            for fp8 in payloads:
+                t0 = time.time()
+                per_rank = loopback.run(_rank, W, T, a.iters, a.warmup, a.sms, fp8=fp8, timeout_s=600)
+                cases.append(_case(W, T, per_rank, t0, "fp8" if fp8 else "bf16"))
     _write(a, _info(a, 1, "loopback", "one GPU: world size 1 and loopback ranks (threads), "
                     "not the 2-GPU targets"), cases)
 
 
-def _case(world, tokens, per_rank, t0):
+def _case(world, tokens, per_rank, t0, payload=None):
     """One (world, tokens) case: every rank's medians and, per figure, the slowest rank's;
-    prints a progress line."""
+    prints a progress line. ``payload``: "bf16" or "fp8" (the dispatched rows)."""
     keys = [k for k in per_rank[0] if k.endswith("_us")]
-    case = {"world_size": world, "tokens": tokens, "per_rank": per_rank,
+    case = {"world_size": world, "tokens": tokens, "payload": payload, "per_rank": per_rank,
             "slowest_rank": {k: max(r[k] for r in per_rank) for k in keys}}
-    print(f"[{time.time() - t0:5.1f} s] W={world} T={tokens}: " +
+    print(f"[{time.time() - t0:5.1f} s] W={world} T={tokens} {payload or ''}: " +
           ", ".join(f"{k[:-3]} {v}" for k, v in case["slowest_rank"].items()), flush=True)
     return case
 
@@ -245,7 +254,7 @@ def _main_distributed(a):
         t0 = time.time()
         per_rank = grp.exchange(_rank(rank, world, T, a.iters, a.warmup, a.sms, grp, fp8=a.fp8))
         if rank == 0:  # every rank has the same per_rank; one prints and writes
-            cases.append(_case(world, T, per_rank, t0))
+            cases.append(_case(world, T, per_rank, t0, "fp8" if a.fp8 else "bf16"))
     if rank == 0:
         _write(a, _info(a, world, "nccl", f"{world} processes, one GPU each (torchrun); graph "
                         "times: device barrier, CUDA events, per call the slowest rank, median"), cases)
@@ -259,17 +268,17 @@ def _write(a, info, cases):
     common.write_json(path, {"schema": "mok-bench-small-batch/1", "env": info, "cases": cases})
     cols = ["eager_dispatch", "static_dispatch", "graph_dispatch", "eager_combine",
             "static_combine", "graph_combine"]
-    print("\n| W | tokens | " + " | ".join(c.replace("_", " ") + " (us)" for c in cols) + " |")
-    print("|" + " --- |" * (len(cols) + 2))
+    print("\n| W | tokens | payload | " + " | ".join(c.replace("_", " ") + " (us)" for c in cols) + " |")
+    print("|" + " --- |" * (len(cols) + 3))
     for c in cases:
-        print(f"| {c['world_size']} | {c['tokens']} | " +
+        print(f"| {c['world_size']} | {c['tokens']} | {c.get('payload') or '-'} | " +
               " | ".join(str(c["slowest_rank"][k + "_us"]) for k in cols) + " |")
     ret = ["eager_dispatch", "static_dispatch", "eager_combine", "static_combine"]
-    print("\nUntil the call returned (host work):\n\n| W | tokens | " +
+    print("\nUntil the call returned (host work):\n\n| W | tokens | payload | " +
           " | ".join(c.replace("_", " ") + " (us)" for c in ret) + " |")
-    print("|" + " --- |" * (len(ret) + 2))
+    print("|" + " --- |" * (len(ret) + 3))
     for c in cases:
-        print(f"| {c['world_size']} | {c['tokens']} | " +
+        print(f"| {c['world_size']} | {c['tokens']} | {c.get('payload') or '-'} | " +
               " | ".join(str(c["slowest_rank"][k + "_return_us"]) for k in ret) + " |")
     print(f"\nwrote {path}")
 

@@ -206,11 +206,12 @@ def test_small_batch_report_keeps_host_return_times(tmp_path, capsys):
     host = ["eager_dispatch", "static_dispatch", "eager_combine", "static_combine"]
     per_rank = [{**{f"{k}_us": 10.0 + r for k in ops}, **{f"{k}_return_us": 4.0 + 2 * r for k in host},
                  "rows": 5} for r in range(2)]
-    case = sb._case(2, 128, per_rank, time.time())
+    case = sb._case(2, 128, per_rank, time.time(), "fp8")
     assert case["slowest_rank"]["static_dispatch_return_us"] == 6.0
     assert case["slowest_rank"]["graph_dispatch_us"] == 11.0
     sb._write(argparse.Namespace(out=str(tmp_path)), {"note": "test"}, [case])
     doc = json.load(open(tmp_path / "small_batch.json"))
     assert doc["cases"][0]["slowest_rank"]["eager_combine_return_us"] == 6.0
     out = capsys.readouterr().out
-    assert "Until the call returned" in out and "| 2 | 128 | 6.0 | 6.0 | 6.0 | 6.0 |" in out
+    assert "Until the call returned" in out and "| 2 | 128 | fp8 | 6.0 | 6.0 | 6.0 | 6.0 |" in out
+    assert "| 2 | 128 | fp8 | 11.0 | 11.0 | 11.0 | 11.0 | 11.0 | 11.0 |" in out
