@@ -21,8 +21,9 @@ scales (``P = 1.03 H``).
 
 Gradients: the FP8 pair is data, not differentiable. ``probs`` stays differentiable with respect
 to ``topk_weights``: its backward is a combine that carries only the prob gradients (rows 8
-zeros wide, ``CudaBackend.combine_prob_grads``), a small fraction of a full combine's time. The usual FP8 training step dispatches FP8 forward and computes the
-gradient of the bf16 tokens with ``combine`` of the expert-side gradients, as DeepEP's users do.
+zeros wide, ``CudaBackend.combine_prob_grads``), a small fraction of a full combine's time. The
+usual FP8 training step dispatches FP8 forward and computes the gradient of the bf16 tokens with
+``combine`` of the expert-side gradients, as DeepEP's users do.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def fp8_main(a, dev):
         # that carries the same gradients (session 22's backward; NOTES #56).
         backend = buf._backend_for(x)
         gp = torch.rand(h8.num_out_rows, device=dev)
-        zeros = torch.zeros(h8.num_out_rows, 7168, dtype=torch.bfloat16, device=dev)
+        zeros = torch.zeros(h8.num_out_rows, buf.hidden, dtype=buf.dtype, device=dev)
         for title, call in (("bf16 cached", lambda: buf.dispatch(x, handle=h16)),
                             ("fp8 cached", lambda: buf.dispatch(pair, handle=h8)),
                             ("bf16 eager", lambda: buf.dispatch(x, idx, w)),

@@ -341,7 +341,7 @@ int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert
   if (num_producers < 1 || num_blocks <= num_producers)
     return fail("combine needs 1 <= num_producers < num_blocks");
   if (hidden == 0) hidden = ctx->comm.ws.cfg.hidden;
-  if (hidden < 8 || hidden % 8 != 0 || hidden > ctx->comm.ws.cfg.hidden)
+  if (hidden < kCombineVec || hidden % kCombineVec != 0 || hidden > ctx->comm.ws.cfg.hidden)
     return fail("combine hidden must be 0 (the Buffer's hidden) or a multiple of 8 in [8, hidden]");
   if (partial_code != dtype_code && partial_code != kFP32)
     return fail("the combine partial dtype must be the token dtype or float32");

@@ -197,13 +197,17 @@ class ReferenceBackend:
             y[lay.hit[d]] += mine[d][lay.hit[d]].float()
         y = y.to(b.dtype)
 
-        grad_w = None if grad_probs is None else self.combine_prob_grads(handle, grad_probs)
+        grad_w = None if grad_probs is None else self._prob_grads(handle, grad_probs)
         return y, grad_w
 
     def combine_prob_grads(self, handle: DispatchHandle, grad_probs: torch.Tensor) -> torch.Tensor:
         """``grad_topk_weights [T, K]`` float32 from ``grad_probs [R]``: each row's prob gradient
         back to its source slot (the side values of a combine, with no row data)."""
         settle(grad_probs.device)
+        return self._prob_grads(handle, grad_probs)
+
+    def _prob_grads(self, handle: DispatchHandle, grad_probs: torch.Tensor) -> torch.Tensor:
+        """:meth:`combine_prob_grads` after the caller settled the device (combine did already)."""
         b = self.buf
         W, t_max, K = b.world_size, b.max_tokens_per_rank, b.topk
         lay: ReferenceLayout = handle.state
