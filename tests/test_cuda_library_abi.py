@@ -54,6 +54,8 @@ def test_layout_grows_with_t_max_and_zero_t_max_is_valid():
 
 @pytest.mark.parametrize("over, message", [
     (dict(hidden=100), "hidden must be a positive multiple of 8"),
+    (dict(hidden=1 << 22, elem=4), "must be under 16 MiB"),    # the dispatch ring's row tag
+    (dict(elem=0), "must be under 16 MiB"),
     (dict(topk=33), "topk must be in"),
     (dict(world=65), "world size"),
     (dict(rank=2), "rank outside"),

@@ -543,7 +543,46 @@ def test_loopback_fp8_on_one_rank_only_is_an_error(world_size, static):
     assert run_loopback(fp8_on_one_rank_only, world_size, static, timeout=120) == [True] * world_size
 
 
+def fp8_cached_on_one_rank_only(rank, world_size):
+    """The same mistake in a cached dispatch, which runs no layout: every rank dispatches tokens,
+    then rank 0 dispatches an FP8 pair along the handle while its peers dispatch tokens. The
+    consumers compare the row size each dispatch ring slot was staged with (carried in the slot's
+    ready value) with their own: every rank must raise, none hang."""
+    from test_cuda_backend import mok_buffer
+
+    dev = rank_device(rank)
+    E = 2 * world_size
+    buf = mok_buffer(E, 64, 2, 16, torch.bfloat16, "cuda", dev, timeout_s=10)
+    x, idx, w = make_inputs(4, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
+    res = buf.dispatch(x, idx, w)
+    settle(dev)
+    # The premise: rank 0 reads a peer's rows and every peer reads rank 0's, so every rank pulls
+    # at least one chunk staged at a row size other than its own.
+    src = res.src_rank.cpu()
+    assert bool((src != 0).any()) if rank == 0 else bool((src == 0).any()), f"rank {rank}: {src.tolist()}"
+    with pytest.raises(RuntimeError, match="rows of different sizes"):
+        buf.dispatch(fp8.quantize(x, BLOCK) if rank == 0 else x, handle=res.handle)
+        buf.check_errors()
+    return True
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("env", [pytest.param({}, id="default"),
+                                 pytest.param({"MOK_DISPATCH_CE_STAGE": "0"}, id="dispatch_sm_staging")])
+def test_loopback_fp8_cached_on_one_rank_only_is_an_error(world_size, env, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert run_loopback(fp8_cached_on_one_rank_only, world_size, timeout=120) == [True] * world_size
+
+
 @pytest.mark.parametrize("world_size", [
     pytest.param(2, marks=[pytest.mark.gpu, pytest.mark.multigpu])])
 def test_cuda_fp8_on_one_rank_only_is_an_error(world_size):
     run_distributed(fp8_on_one_rank_only, world_size, False, backend="nccl", timeout=120, fresh=True)
+
+
+@pytest.mark.parametrize("world_size", [
+    pytest.param(2, marks=[pytest.mark.gpu, pytest.mark.multigpu])])
+def test_cuda_fp8_cached_on_one_rank_only_is_an_error(world_size):
+    run_distributed(fp8_cached_on_one_rank_only, world_size, backend="nccl", timeout=120, fresh=True)

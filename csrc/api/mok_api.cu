@@ -180,6 +180,10 @@ MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int part
   if (rank < 0 || rank >= world) { fail("rank outside [0, world)"); return nullptr; }
   if (topk < 1 || topk > kMaxTopk) { fail("topk must be in [1, 32]"); return nullptr; }
   if (hidden <= 0 || hidden % kCombineVec != 0) { fail("hidden must be a positive multiple of 8"); return nullptr; }
+  if (elem_bytes < 1 || static_cast<int64_t>(hidden) * elem_bytes >= (16ll << kRowTagBits)) {
+    fail("a token row (hidden x elem_bytes) must be under 16 MiB");
+    return nullptr;
+  }
   if (chunk_tokens < 1 || meta_slots < 1 || disp_ring_chunks < 1 || comb_ring_chunks < 1) {
     fail("chunk_tokens, meta_slots and both ring sizes must be >= 1");
     return nullptr;

@@ -59,7 +59,8 @@ int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
  * packed rows: the FP8 token, its scales, padding; megatron_mok/fp8.py). Every rank of a group
  * passes the same row_bytes in a call (a peer's ring rows are read at this pitch): the layout
  * publishes it with the routing and a rank whose peer's differs reports a configuration mismatch
- * (error 5; a cached dispatch runs no layout, so only routed calls are checked).
+ * (error 5); the transfer checks it again for every chunk it pulls (each dispatch ring slot is
+ * published with the row size it was staged at), which covers cached dispatches too.
  * mode 0: one kernel, num_producers blocks stage and the rest pull; 1: every block stages
  * (out_rows unused); 2: every block pulls; | 4: rows [R, row_cap) are not zeroed;
  * 0 | 8: mok_dispatch_stage_copy staged x earlier on the stream, every block pulls

@@ -74,7 +74,7 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
       }
     }
     __syncthreads();
-    if (threadIdx.x == 0) ring_slot_publish(mine, slot, g, readers);
+    if (threadIdx.x == 0) ring_slot_publish(mine, slot, g, readers, dispatch_ready(g, sh.vec_per_row));
   }
 }
 
@@ -155,8 +155,15 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       src = x + static_cast<size_t>(t) * sh.vec_per_row;  // my own tokens: no staging
     } else {
       if (!seen.has(s, g)) {
-        if (!wait_geq(c, theirs.ready + slot, g + 1, s, kWaitDispatchReady, static_cast<int64_t>(g)))
+        uint64_t ready;
+        if (!wait_geq(c, theirs.ready + slot, dispatch_ready_min(g), s, kWaitDispatchReady,
+                      static_cast<int64_t>(g), &ready))
           return;
+        // The source staged this chunk's rows at its own row size (ring.h, dispatch_ready).
+        if (dispatch_ready_vecs(ready) != sh.vec_per_row) {
+          report_error(c, kConfigMismatch, s, kMismatchRowBytes, 16ll * dispatch_ready_vecs(ready));
+          return;
+        }
         seen.set(s, g);
       }
       // Diagnostic builds (MOK_DISPATCH_DIAG_LOCAL_SRC=1, WRONG DATA, timing only): read the
@@ -268,7 +275,7 @@ __device__ void publish_ce_staged(const CommContext& c, const HandleArrays& h, c
   RingView mine = RingView::dispatch(c.ws, c.local());
   const int n_chunks = (a.num_tokens + sh.C - 1) / sh.C;
   for (int j = threadIdx.x % kWarpSize; j < n_chunks; j += kWarpSize)
-    ring_slot_publish(mine, j, sh.gen(j), h.chunk_readers[j]);
+    ring_slot_publish(mine, j, sh.gen(j), h.chunk_readers[j], dispatch_ready(sh.gen(j), sh.vec_per_row));
 }
 
 // The grid's last warp, once every pull of this call is done, tells each source that my reads

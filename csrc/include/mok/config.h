@@ -28,6 +28,9 @@ constexpr int kWarpSize = 32;
 constexpr int kCopyUnroll = MOK_COPY_UNROLL;
 // Elements per lane per step in the combine loops: one 16-byte bf16 vector.
 constexpr int kCombineVec = 8;
+// Bits of a dispatch ring slot's ready value that carry the staged rows' size in 16-byte
+// vectors (ring.h, dispatch_ready): a token row is under 16 << kRowTagBits bytes (16 MiB).
+constexpr int kRowTagBits = 20;
 // 8-element groups per lane in flight in the combine loops (one step of a task or token).
 constexpr int kCombineUnroll = 2;
 // The same for the combine's consume loop alone (a piece of its shared-memory row stream).

@@ -213,10 +213,14 @@ __device__ inline bool aborted(const CommContext& c) {
 }
 
 // Spin until *flag >= target (acquire, system scope). False on timeout or abort: the caller
-// must stop its work and return.
+// must stop its work and return. `seen` (optional): the value that satisfied the wait.
 __device__ inline bool wait_geq(const CommContext& c, const uint64_t* flag, uint64_t target,
-                                int32_t peer, int32_t what, int64_t detail) {
-  if (ld_acquire_sys(flag) >= target) return true;
+                                int32_t peer, int32_t what, int64_t detail, uint64_t* seen = nullptr) {
+  uint64_t v = ld_acquire_sys(flag);
+  if (v >= target) {
+    if (seen != nullptr) *seen = v;
+    return true;
+  }
   const uint64_t start = globaltimer_ns();
   // Back off between polls: hundreds of warps spinning on a peer's flag would otherwise flood
   // NVLink with small reads and slow down the very transfer they wait for.
@@ -224,7 +228,11 @@ __device__ inline bool wait_geq(const CommContext& c, const uint64_t* flag, uint
   for (int polls = 1;; ++polls) {
     __nanosleep(sleep_ns);
     sleep_ns = min(sleep_ns * 2, kPollSleepMaxNs);
-    if (ld_acquire_sys(flag) >= target) return true;
+    v = ld_acquire_sys(flag);
+    if (v >= target) {
+      if (seen != nullptr) *seen = v;
+      return true;
+    }
     if (polls % kPollsPerClockRead == 0) {
       if (aborted(c)) {
         note_abandoned(c.error(), peer, what, detail);

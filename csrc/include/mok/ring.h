@@ -72,12 +72,33 @@ __device__ inline bool begin_call_release(const CommContext& c) {
 }
 
 // One thread, after the block's writes to the slot (and a __syncthreads): record generation g
-// and its readers (for the next reuse check), then publish the slot with one release store.
-__device__ inline void ring_slot_publish(const RingView& r, int64_t slot, uint64_t g, uint64_t readers) {
+// and its readers (for the next reuse check), then publish the slot with one release store of
+// `ready` (g + 1 on the combine ring; dispatch_ready(g, ...) on the dispatch ring).
+__device__ inline void ring_slot_publish(const RingView& r, int64_t slot, uint64_t g, uint64_t readers,
+                                         uint64_t ready) {
   r.gen[slot] = g + 1;
   r.readers[slot] = readers;
   __threadfence_system();
-  st_release_sys(r.ready + slot, g + 1);
+  st_release_sys(r.ready + slot, ready);
 }
+__device__ inline void ring_slot_publish(const RingView& r, int64_t slot, uint64_t g, uint64_t readers) {
+  ring_slot_publish(r, slot, g, readers, g + 1);
+}
+
+// A dispatch ring slot's `ready` value carries, beside its generation, the row size of the call
+// that staged it: (g + 1) << kRowTagBits | row_bytes / 16. A consumer waits for
+// dispatch_ready_min(g) and compares the tag with its own row size, so a rank whose peer staged
+// rows of another size (an FP8 pair against tokens, also in a cached dispatch, which runs no
+// layout to compare them) reports a configuration mismatch instead of reading rows at the wrong
+// pitch. The value that ends a wait is exactly generation g's (a slot is not staged again
+// before its readers release it), so the check costs no load. Rows are under 16 MiB
+// (mok_create checks hidden x elem_bytes against kRowTagBits, config.h).
+constexpr uint64_t kRowTagMask = (1ull << kRowTagBits) - 1;
+__device__ inline uint64_t dispatch_ready(uint64_t g, int vec_per_row) {
+  return ((g + 1) << kRowTagBits) | static_cast<uint64_t>(vec_per_row);
+}
+__device__ inline uint64_t dispatch_ready_min(uint64_t g) { return (g + 1) << kRowTagBits; }
+// The rows' size staged with a dispatch slot whose wait ended on `ready` (16-byte vectors).
+__device__ inline int dispatch_ready_vecs(uint64_t ready) { return static_cast<int>(ready & kRowTagMask); }
 
 }  // namespace mok
