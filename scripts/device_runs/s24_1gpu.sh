@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Session 24 on one H200 (benchmarks/results/README.md, "Session 24"):
+#
+#   bash scripts/device_runs/s24_1gpu.sh COMMIT first    # s24-1
+#
+# first: (a) branch wip/cached-row-check (NOTES item 23 after session 23): the row size carried
+# in each dispatch ring slot's ready value. Carry megatron_mok/_lib (the branch's build) and
+# .base_lib/ (main's build: `make -C csrc -s OUT=../.base_lib` on a checkout of main): the FP8
+# tests with the one-rank-only tests (routed and cached, loopback and W = 2 processes sharing the
+# GPU), the CUDA regression sample, then loopback W = 2 dispatches at 4096 tokens with main's
+# library and the branch's alternating twice (prediction: no measurable cost).
+# (b) NOTES item 18: bf16 and FP8 small calls alternating in one process (--fp8-ab).
+# (c) NOTES item 22: the prob-gradient-only combine under MOK_COMBINE_STREAM_OWN=0 and
+# MOK_COMBINE_TOKEN_RUNS=0 beside the default (prediction: STREAM_OWN=0 84 -> 45-60 us).
+C=${1:?commit}; PART=${2:?first}
+. "$(dirname "$0")/common.sh"
+if [ "$PART" = first ]; then
+  BASE_LIB=$PWD/.base_lib/libmok_cuda.so
+  timeout -k 5 150 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
+    tests/test_fp8_dispatch.py tests/test_cuda_library_abi.py > $R/fp8_tests.log 2>&1
+  echo "[fp8 GPU tests] rc=$?"; grep -cE " PASSED" $R/fp8_tests.log; grep -E " FAILED| ERROR" $R/fp8_tests.log | head -20
+  grep -E "one_rank_only" $R/fp8_tests.log | head; grep -E "^E " $R/fp8_tests.log | head -20; tail -2 $R/fp8_tests.log
+  MOK_TEST_SHARED_GPU=1 timeout -k 5 80 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
+    tests/test_fp8_dispatch.py -k "test_cuda_fp8 and not world_size_1" > $R/fp8_shared.log 2>&1
+  echo "[fp8 W=2 shared GPU] rc=$?"; grep -E " PASSED| FAILED| ERROR|SKIPPED \[" $R/fp8_shared.log | head; grep -E "^E " $R/fp8_shared.log | head
+  timeout -k 5 90 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
+    tests/test_cuda_backend.py tests/test_cuda_loopback.py \
+    -k "world_size_1 or (loopback_matches_reference and 3]) or loopback_static_shape or loopback_cached or loopback_graph or (loopback_ring_wraps and 3-) or loopback_expert_alignment or loopback_rows_per_expert" \
+    > $R/cuda_regression.log 2>&1
+  echo "[CUDA regression sample] rc=$?"; grep -cE " PASSED" $R/cuda_regression.log; grep -E " FAILED| ERROR" $R/cuda_regression.log | head -20; tail -2 $R/cuda_regression.log
+  for i in 1 2; do
+    for v in base new; do
+      with_lib $v timeout -k 5 45 python3 benchmarks/bench_small_batch.py --out $R/small_${v}_$i --tokens 4096 \
+        --worlds 2 --iters 50 --warmup 10 > $R/small_${v}_$i.log 2>&1
+      echo "[small batch W=2 loopback 4096, $v lib, round $i] rc=$?"; grep -E "^\| 2 " $R/small_${v}_$i.log
+    done
+  done
+  timeout -k 5 100 python3 benchmarks/bench_small_batch.py --fp8-ab --out $R/fp8_ab --tokens 128,512 \
+    --worlds 1,2 --iters 50 --warmup 10 > $R/fp8_ab.log 2>&1
+  echo "[small batch --fp8-ab] rc=$?"; grep -E "^\| |^#" $R/fp8_ab.log | head -40; tail -3 $R/fp8_ab.log
+  for env in "" MOK_COMBINE_STREAM_OWN=0 MOK_COMBINE_TOKEN_RUNS=0 "MOK_COMBINE_STREAM_OWN=0 MOK_COMBINE_TOKEN_RUNS=0"; do
+    tag=$(echo "${env:-default}" | tr ' =' '__')
+    env $env timeout -k 5 40 python3 scripts/profile_kernels_1gpu.py --fp8 --tokens 4096 > $R/narrow_$tag.log 2>&1
+    echo "[fp8 kernels 4096, $env] rc=$?"; grep -E "^T=|^  " $R/narrow_$tag.log | head -24
+  done
+fi
+cd $OUT && tar czf r.tgz r && rm -rf r
