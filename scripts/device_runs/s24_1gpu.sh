@@ -2,6 +2,7 @@
 # Session 24 on one H200 (benchmarks/results/README.md, "Session 24"):
 #
 #   bash scripts/device_runs/s24_1gpu.sh COMMIT first    # s24-1
+#   bash scripts/device_runs/s24_1gpu.sh COMMIT host     # s24-2
 #
 # first: (a) branch wip/cached-row-check (NOTES item 23 after session 23): the row size carried
 # in each dispatch ring slot's ready value. Carry megatron_mok/_lib (the branch's build) and
@@ -12,7 +13,9 @@
 # (b) NOTES item 18: bf16 and FP8 small calls alternating in one process (--fp8-ab).
 # (c) NOTES item 22: the prob-gradient-only combine under MOK_COMBINE_STREAM_OWN=0 and
 # MOK_COMBINE_TOKEN_RUNS=0 beside the default (prediction: STREAM_OWN=0 84 -> 45-60 us).
-C=${1:?commit}; PART=${2:?first}
+# host: where a small FP8 (and bf16) static dispatch's host time goes (scripts/profile_fp8_host.py:
+# each part timed alone in alternating blocks, then cProfile), W = 1, 128 and 512 tokens.
+C=${1:?commit}; PART=${2:?first or host}
 . "$(dirname "$0")/common.sh"
 if [ "$PART" = first ]; then
   BASE_LIB=$PWD/.base_lib/libmok_cuda.so
@@ -43,5 +46,9 @@ if [ "$PART" = first ]; then
     env $env timeout -k 5 40 python3 scripts/profile_kernels_1gpu.py --fp8 --tokens 4096 > $R/narrow_$tag.log 2>&1
     echo "[fp8 kernels 4096, $env] rc=$?"; grep -E "^T=|^  " $R/narrow_$tag.log | head -24
   done
+elif [ "$PART" = host ]; then
+  timeout -k 5 240 python3 scripts/profile_fp8_host.py --out $R/fp8_host --tokens 128,512 --commit $C \
+    > $R/fp8_host.log 2>&1
+  echo "[fp8 host profile] rc=$?"; cat $R/fp8_host.log | cut -c1-150 | head -150
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r
