@@ -13,7 +13,10 @@ synchronised after each call and outside the timed part:
 - ``check_fp8_pair``, ``check_dispatch_inputs_bf16`` / ``_fp8``: the input checks alone;
 - ``pack``: ``fp8.pack`` (its allocation and kernel launch); ``unpack``: the two views;
 - ``apply_bf16`` / ``apply_packed``: ``DispatchFunction.apply`` on the backend, bf16 tokens /
-  the packed byte rows (what the Buffer calls after its checks).
+  the packed byte rows (what the Buffer calls after its checks);
+- ``chain_*``: the FP8 call's steps chained one more at a time (pack then apply; the same with
+  the pack as two torch copies; the checks before; the views after), to find where the parts'
+  sum and the whole call differ (s24-2: by ~30 us).
 
 Then ``cProfile`` of ``--profile-calls`` calls of each dispatch, the top functions by own time
 (cProfile slows Python, so its times only rank the parts). Writes ``fp8_host.json``.
@@ -61,6 +64,7 @@ def main(argv=None):
            "blocks": a.blocks, "per_block": a.per_block, "cases": []}
     for T in [int(t) for t in a.tokens.split(",")]:
         x, idx, w, kw = call_inputs(common, dev, T)
+        H = x.shape[1]
         pair = fp8.quantize(x, 128)
         probe = mok.Buffer(None, **kw)
         rows = probe.dispatch(x, idx, w).src_rank.shape[0]
@@ -68,6 +72,14 @@ def main(argv=None):
         buf = mok.Buffer(None, max_recv_tokens=rows + 8, **kw)
         backend = buf._backend_for(x)
         packed = fp8.pack(*pair)
+
+        def torch_pack(x_fp8, scales):
+            """fp8.pack's torch-copy fallback (no library launch), for the chain variants."""
+            sb = scales.view(torch.uint8)
+            o = torch.empty_like(packed)
+            o[:, :H].copy_(x_fp8.view(torch.uint8))
+            o[:, H:H + sb.shape[1]].copy_(sb)
+            return o
         got = buf.dispatch(pair, idx, w)
         received = got.tokens[0].as_strided((got.tokens[0].shape[0], packed.shape[1]),
                                             (packed.shape[1], 1)).view(torch.uint8)
@@ -84,6 +96,16 @@ def main(argv=None):
             "unpack": lambda: buf._fp8_rows(received, pair),
             "apply_bf16": lambda: DispatchFunction.apply(backend, [], x, w, idx, None),
             "apply_packed": lambda: DispatchFunction.apply(backend, [], packed, w, idx, None),
+            # The FP8 call's steps chained, one more each: where the parts' sum and the whole differ.
+            "chain_pack_apply": lambda: DispatchFunction.apply(backend, [], fp8.pack(*pair), w, idx, None),
+            "chain_torch_pack_apply": lambda: DispatchFunction.apply(
+                backend, [], torch_pack(*pair), w, idx, None),
+            "chain_checks_pack_apply": lambda: (
+                validation.check_fp8_pair(buf, pair),
+                validation.check_dispatch_inputs(buf, pair[0], idx, w, check_values=False, fp8=True),
+                DispatchFunction.apply(backend, [], fp8.pack(*pair), w, idx, None)),
+            "chain_all_but_buffer": lambda: buf._fp8_rows(DispatchFunction.apply(
+                backend, [], fp8.pack(*validation.check_fp8_pair(buf, pair)), w, idx, None)[0], pair),
         }
         for fn in variants.values():
             for _ in range(a.warmup):
