@@ -164,7 +164,7 @@ class Buffer:
                 x = validation.check_cached_fp8_inputs(self, x, handle)
             else:
                 validation.check_cached_dispatch_inputs(self, x, handle)
-            tokens = CachedDispatchFunction.apply(backend, handle, fp8.pack(*x) if pair else x)
+            tokens = CachedDispatchFunction.apply(backend, handle, fp8.dispatch_rows(*x) if pair else x)
             return DispatchResult(tokens=self._fp8_rows(tokens, x) if pair else tokens, probs=None,
                                   tokens_per_expert=handle.tokens_per_expert,
                                   src_rank=handle.src_rank, src_token=handle.src_token, handle=handle)
@@ -176,7 +176,7 @@ class Buffer:
                                          check_values=backend.name == "reference", fp8=pair)
         validation.check_rows_per_expert(self, rows_per_expert)
         out_handle = []
-        tokens, probs = DispatchFunction.apply(backend, out_handle, fp8.pack(*x) if pair else x,
+        tokens, probs = DispatchFunction.apply(backend, out_handle, fp8.dispatch_rows(*x) if pair else x,
                                                topk_weights, topk_idx, rows_per_expert)
         h = out_handle[0]
         return DispatchResult(tokens=self._fp8_rows(tokens, x) if pair else tokens, probs=probs,

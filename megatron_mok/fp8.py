@@ -11,10 +11,13 @@ and returns ``tokens = (rows_fp8 [R, H], row_scales [R, S])`` in the same expert
 padding and layout as a bf16 dispatch of the same routing. Everything else (``probs``, counts,
 handle, ``combine`` in the Buffer's dtype) is unchanged.
 
-How: a dispatch moves rows as bytes. The pair is packed into one byte row per token, ``[FP8
-token | scales | zero padding to 16 bytes]`` (:func:`pack`), dispatched like any row, and the
-received rows are handed back as two views of the packed rows (:func:`unpack`): no copy on the
-receiving side, so ``rows_fp8`` has row stride ``P`` (the packed row's bytes), not ``H``. Call
+How: a dispatch moves rows as bytes, one byte row per token, ``[FP8 token | scales | zero
+padding to 16 bytes]``. When the token row and the scale row are multiples of 16 bytes (DeepEP's
+1x128 float32 scales for any ``H`` that is a multiple of 512), the dispatch reads the two in place
+(:class:`PairRows`: the CUDA kernels and copy engine take each 16-byte vector from the source it
+lies in; no pack); otherwise the pair is packed first (:func:`pack`). The received rows are
+handed back as two views of the ``[R, P]`` byte rows (:func:`unpack`): no copy on the receiving
+side, so ``rows_fp8`` has row stride ``P`` (the row's bytes), not ``H``. Call
 ``.contiguous()`` where a kernel needs dense rows. The packed row must fit the Buffer's token row
 (``P <= H x`` the Buffer's element size): always true for a bf16 Buffer with 128-column float32
 scales (``P = 1.03 H``).
@@ -28,6 +31,7 @@ usual FP8 training step dispatches FP8 forward and computes the gradient of the 
 
 from __future__ import annotations
 
+import os
 from typing import Tuple
 
 import torch
@@ -90,7 +94,7 @@ def pack(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     the widths. Not ``torch.cat``: its CUDA path cost ~160-210 us of host time per call
     (run s22-5); the two torch copies ~20 us each at 128 tokens (s22-6), the kernel one launch."""
     T, H = x_fp8.shape
-    scale_bytes = scales.contiguous().view(torch.uint8)  # [T, S x scale bytes]
+    scale_bytes = _bytes_of(scales.contiguous())  # [T, S x scale bytes]
     sb = scale_bytes.shape[1]
     P = packed_row_bytes(H, scales.shape[1], scales.dtype)
     out = torch.empty(T, P, dtype=torch.uint8, device=x_fp8.device)
@@ -102,6 +106,65 @@ def pack(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if P > H + sb:
         out[:, H + sb:].zero_()
     return out
+
+
+class PairRows:
+    """An FP8 pair handed to a backend as the ``[T, P]`` byte rows it stands for, not packed:
+    row ``t`` is ``fp8``'s row ``t`` (``H`` bytes) then ``scales``' row ``t`` (``P - H`` bytes).
+
+    It answers what a backend asks of packed rows (``shape``, ``dtype`` uint8, ``device``,
+    ``element_size()``, ``numel()``, ``data_ptr()``: the FP8 rows'), so sizes and allocations are
+    unchanged. The CUDA backend gives the library both pointers and it reads the two sources in
+    place (C ABI 15, NOTES #57): no pack kernel, no packed copy. The reference backend packs
+    (:meth:`packed`). Built by :func:`dispatch_rows` only when both widths are multiples of 16
+    bytes, which depends on the shapes alone, so every rank of a call makes the same choice."""
+
+    __slots__ = ("fp8", "scales", "shape", "device")
+    dtype = torch.uint8
+
+    def __init__(self, fp8_bytes: torch.Tensor, scale_bytes: torch.Tensor):
+        self.fp8, self.scales = fp8_bytes, scale_bytes
+        self.shape = torch.Size((fp8_bytes.shape[0], fp8_bytes.shape[1] + scale_bytes.shape[1]))
+        self.device = fp8_bytes.device
+
+    def element_size(self) -> int:
+        return 1
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def data_ptr(self) -> int:
+        return self.fp8.data_ptr()
+
+    def second_ptr(self) -> int:
+        return self.scales.data_ptr()
+
+    def tensors(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.fp8, self.scales
+
+    def packed(self) -> torch.Tensor:
+        """The ``[T, P]`` uint8 rows themselves (a copy)."""
+        return torch.cat((self.fp8, self.scales), dim=1)
+
+
+def dispatch_rows(x_fp8: torch.Tensor, scales: torch.Tensor):
+    """What a dispatch moves for the pair: :class:`PairRows` (read in place) when the FP8 row and
+    the scale row are multiples of 16 bytes (DeepEP's 1x128 float32 scales whenever ``H`` is a
+    multiple of 512; MXFP8's one-byte scales whenever ``H`` is a multiple of 512), else the
+    packed rows (:func:`pack`). A source that is not 16-byte aligned (a view at an odd offset) is
+    copied first, so the choice stays a function of the shapes only. ``MOK_FP8_PACK=1`` packs
+    always (the A/B of NOTES #57; every rank must set the same, else the rows' layouts differ
+    and the dispatch raises a configuration mismatch)."""
+    H = x_fp8.shape[1]
+    scale_bytes = _bytes_of(scales)   # [T, S x scale bytes]
+    if H % ROW_ALIGN or scale_bytes.shape[1] % ROW_ALIGN or os.environ.get("MOK_FP8_PACK") == "1":
+        return pack(x_fp8, scales)
+    a, b = _bytes_of(x_fp8), scale_bytes
+    if a.data_ptr() % ROW_ALIGN:
+        a = a.clone()
+    if b.data_ptr() % ROW_ALIGN:
+        b = b.clone()
+    return PairRows(a, b)
 
 
 def _pack_on_device(out, x_fp8, scale_bytes, H: int, sb: int, P: int) -> bool:
@@ -124,6 +187,15 @@ def _pack_on_device(out, x_fp8, scale_bytes, H: int, sb: int, P: int) -> bool:
     if rc != 0:
         raise RuntimeError(f"megatron_mok: FP8 pack failed: {lib.mok_last_error().decode()}")
     return True
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """``[T, C]`` contiguous rows as ``[T, C x element size]`` uint8 (a view). An empty tensor
+    may carry any strides (``quantize`` of 0 tokens with one scale column gives (1, 0)), which
+    ``view`` refuses: it gets a fresh empty byte tensor instead (there is nothing to view)."""
+    if t.shape[0] == 0:
+        return torch.empty(0, t.shape[1] * t.element_size(), dtype=torch.uint8, device=t.device)
+    return t.view(torch.uint8)
 
 
 def _copy_dtype(*widths: int) -> torch.dtype:

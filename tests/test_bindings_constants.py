@@ -70,5 +70,18 @@ def test_config_mismatch_subjects_match_the_kernels_enum():
                           ("kMismatchRowBytes", errors.MISMATCH_ROW_BYTES)):
         m = re.search(rf"\b{c_name} = (\d+)", config)
         assert m and int(m.group(1)) == value, c_name
-    assert "dispatched rows of different sizes" in errors.describe([5, 0, 1, 1, 7392, 0, 0, 0], 60, None)
+    # The detail is the peer's row format: 16-byte vectors, | 1 << 19 for an FP8 pair's two sources.
+    one = errors.describe([5, 0, 1, 1, 7392 // 16, 0, 0, 0], 60, None)
+    assert "dispatched rows of different sizes" in one and "7392 bytes, from one tensor" in one
+    two = errors.describe([5, 0, 1, 1, 7392 // 16 | 1 << 19, 0, 0, 0], 60, None)
+    assert "7392 bytes, from an FP8 pair read in place" in two
     assert "speculative" in errors.describe([5, 0, 1, 0, -1, -1, 0, 0], 60, None)
+
+
+def test_row_format_bit_matches_the_kernels():
+    from megatron_mok.cuda import errors
+
+    config = _read("include/mok/config.h")
+    bits = re.search(r"constexpr int kRowTagBits = (\d+);", config)
+    two = re.search(r"kRowTwoSources = 1 << \(kRowTagBits - 1\);", config)
+    assert bits and two and int(bits.group(1)) - 1 == errors.ROW_TWO_SOURCES_BIT

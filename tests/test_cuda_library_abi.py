@@ -54,8 +54,8 @@ def test_layout_grows_with_t_max_and_zero_t_max_is_valid():
 
 @pytest.mark.parametrize("over, message", [
     (dict(hidden=100), "hidden must be a positive multiple of 8"),
-    (dict(hidden=1 << 22, elem=4), "must be under 16 MiB"),    # the dispatch ring's row tag
-    (dict(elem=0), "must be under 16 MiB"),
+    (dict(hidden=1 << 21, elem=4), "must be under 8 MiB"),     # the dispatch ring's row tag
+    (dict(elem=0), "must be under 8 MiB"),
     (dict(topk=33), "topk must be in"),
     (dict(world=65), "world size"),
     (dict(rank=2), "rank outside"),
@@ -117,7 +117,7 @@ def test_dispatch_transfer_refuses_bad_roles_before_launching(blocks, producers,
     try:
         peers = (ctypes.c_uint64 * 2)(1 << 40, 2 << 40)
         assert lib.mok_set_peers(ctx, peers, 2, 1.0) == 0
-        rc = lib.mok_dispatch_transfer(ctx, None, None, None, 0, None, 0, blocks, producers, mode, 0)
+        rc = lib.mok_dispatch_transfer(ctx, None, None, None, None, 0, None, 0, blocks, producers, mode, 0, 0)
         assert rc != 0
         assert message in lib.mok_last_error().decode()
     finally:
@@ -140,11 +140,11 @@ def test_copy_engine_staging_needs_a_ring_that_holds_a_call():
         assert lib.mok_dispatch_ce_stage_supported(fits) == 1
         assert lib.mok_dispatch_ce_stage_supported(short) == 0
         assert lib.mok_dispatch_ce_stage_supported(None) == 0
-        assert lib.mok_dispatch_stage_copy(short, None, None, 128, 0) != 0
+        assert lib.mok_dispatch_stage_copy(short, None, None, None, 128, 0, 0) != 0
         assert "holds a whole call" in lib.mok_last_error().decode()
-        assert lib.mok_dispatch_transfer(short, None, None, None, 0, None, 0, 24, 0, 8, 0) != 0
+        assert lib.mok_dispatch_transfer(short, None, None, None, None, 0, None, 0, 24, 0, 8, 0, 0) != 0
         assert "holds a whole call" in lib.mok_last_error().decode()
-        assert lib.mok_dispatch_stage_copy(fits, None, None, 4097, 0) != 0
+        assert lib.mok_dispatch_stage_copy(fits, None, None, None, 4097, 0, 0) != 0
         assert "num_tokens outside" in lib.mok_last_error().decode()
     finally:
         lib.mok_destroy(fits)
@@ -219,11 +219,11 @@ def test_a_library_of_another_abi_version_is_refused(monkeypatch):
 
 
 def _launch(lib, ctx, steps, num_tokens=0, blocks=24, producers=4, mode=0, rows_per_expert=-1,
-            row_bytes=0):
-    """mok_dispatch_launch with null tensors (every case below fails in its checks)."""
+            row_bytes=0, x=None, x2=None, two_sources=0):
+    """mok_dispatch_launch with null (or fake) tensors (every case below fails in its checks)."""
     return lib.mok_dispatch_launch(ctx, None, steps, None, None, 0, None, num_tokens, 256, None,
-                                   None, None, None, 1, None, None, 0, blocks, producers, mode,
-                                   rows_per_expert, row_bytes)
+                                   None, None, None, 1, x, x2, None, 0, blocks, producers, mode,
+                                   rows_per_expert, row_bytes, two_sources)
 
 
 @pytest.mark.parametrize("dst_bytes,a_bytes,b_bytes,a_ptr,message", [
@@ -250,11 +250,52 @@ def test_dispatch_refuses_a_bad_row_size_before_launching(row_bytes):
     lib = library.get()
     ctx = _with_fake_peers(lib, disp_chunks=64)
     try:
-        for rc in (lib.mok_dispatch_transfer(ctx, None, None, None, 0, None, 0, 24, 4, 0, row_bytes),
-                   lib.mok_dispatch_stage_copy(ctx, None, None, 0, row_bytes),
+        for rc in (lib.mok_dispatch_transfer(ctx, None, None, None, None, 0, None, 0, 24, 4, 0, row_bytes, 0),
+                   lib.mok_dispatch_stage_copy(ctx, None, None, None, 0, row_bytes, 0),
                    _launch(lib, ctx, 4 | 8, row_bytes=row_bytes, mode=8)):
             assert rc != 0
             assert "row_bytes must be 0" in lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(ctx)
+
+
+# An FP8 pair read from two sources (C ABI 15, NOTES #57): x holds hidden bytes per row (7168),
+# x2 the rest of row_bytes; the choice is explicit (a rank without tokens has no pointers), and
+# pointers of a call with tokens must be non-null and 16-byte aligned. Fake pointers: every case
+# fails in the checks, before any launch (no GPU needed).
+BASE = 1 << 40
+
+
+@pytest.mark.parametrize("row_bytes,x,x2,two,tokens,message", [
+    (7392, BASE, BASE, 2, 4, "two_sources must be 0 or 1"),
+    (7168, BASE, BASE, 1, 4, "row_bytes > hidden"),          # nothing left for x2
+    (7392, BASE + 8, BASE, 1, 4, "16-byte aligned"),         # misaligned FP8 rows
+    (7392, BASE, BASE + 4, 1, 4, "16-byte aligned"),         # misaligned scale rows
+    (7392, BASE, None, 1, 4, "non-null"),                    # tokens but no scale rows
+    (7392, None, BASE, 1, 4, "non-null"),
+    (7392, BASE + 8, None, 0, 4, "16-byte aligned"),         # one source: x checked too
+])
+def test_dispatch_refuses_bad_sources_before_launching(row_bytes, x, x2, two, tokens, message):
+    lib = library.get()
+    ctx = _with_fake_peers(lib, disp_chunks=64)
+    try:
+        for rc in (lib.mok_dispatch_transfer(ctx, None, None, x, x2, tokens, None, 0, 24, 4, 0, row_bytes, two),
+                   lib.mok_dispatch_stage_copy(ctx, None, x, x2, tokens, row_bytes, two),
+                   _launch(lib, ctx, 4 | 8, num_tokens=tokens, row_bytes=row_bytes, mode=8, x=x, x2=x2,
+                           two_sources=two)):
+            assert rc != 0
+            assert message in lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(ctx)
+
+
+def test_dispatch_from_two_sources_needs_hidden_a_multiple_of_16():
+    lib = library.get()
+    ctx = _with_fake_peers(lib, hidden=7176, disp_chunks=64)   # a multiple of 8, not of 16
+    try:
+        assert lib.mok_dispatch_layout(ctx, None, None, None, 0, None, 0, 256, None, 0, -1, 0, -1,
+                                       7392, 1) != 0
+        assert "hidden a multiple of 16" in lib.mok_last_error().decode()
     finally:
         lib.mok_destroy(ctx)
 

@@ -473,8 +473,8 @@ def _failed_launch_launches_nothing(rank, world_size):
     lib = library.get()
     rc = lib.mok_dispatch_launch(impl.ctx, impl._stream(), steps, scratch.data_ptr(), idx.data_ptr(), 1,
                                  w.data_ptr(), T, E, tpe.data_ptr(), src[0].data_ptr(),
-                                 src[1].data_ptr(), probs.data_ptr(), 1, x.data_ptr(), out.data_ptr(),
-                                 rows, 24, 24, 0, bindings.NO_ROWS_PER_EXPERT, 0)
+                                 src[1].data_ptr(), probs.data_ptr(), 1, x.data_ptr(), None, out.data_ptr(),
+                                 rows, 24, 24, 0, bindings.NO_ROWS_PER_EXPERT, 0, 0)
     assert rc != 0 and "num_producers" in lib.mok_last_error().decode()
     torch.cuda.synchronize()
     assert (tpe == -7).all() and (probs == -7).all() and (src == -7).all(), "a step was launched"

@@ -29,10 +29,11 @@ FP8_CASES = ("random", "t0_on_rank0", "unrouted_slots", "all_to_one_expert", "ex
              "odd_t", "k16_duplicates")
 SCALE_DTYPES = [pytest.param(torch.float32, id="f32_scales"),
                 pytest.param(torch.uint8, id="byte_scales")]
-# (scale dtype, block): the GPU tests pack 16-byte scale rows with mok_pack_rows (f32, block 8)
-# and the others with torch copies.
+# (scale dtype, block): scale rows of 16-byte multiples (f32, block 8 at H = 32 and 64; block 16
+# at H = 64) are read in place from two sources (fp8.PairRows, NOTES #57); the others are packed
+# first (torch copies).
 GPU_SCALES = [pytest.param(torch.float32, BLOCK, id="f32_scales"),
-              pytest.param(torch.float32, 8, id="f32_scales_kernel_pack"),
+              pytest.param(torch.float32, 8, id="f32_scales_two_sources"),
               pytest.param(torch.uint8, BLOCK, id="byte_scales")]
 
 
@@ -40,8 +41,8 @@ def fp8_pairs(inputs, seed, scale_dtype, block=BLOCK):
     """Every rank's ``(x_fp8, scales)``: :func:`fp8.quantize` of its tokens (float32 scales,
     one per ``block`` columns), or its tokens cast to FP8 with random one-byte scales (MXFP8's
     E8M0 exponents are bytes: every byte value must arrive, NaN patterns included). With
-    ``block`` 8 the float32 scale rows of H = 32 or 64 are 16-byte multiples, which the GPU
-    packs with one kernel (``mok_pack_rows``); the other widths take the torch copies."""
+    ``block`` 8 the float32 scale rows of H = 32 or 64 are 16-byte multiples: the dispatch reads
+    token and scale rows in place (``fp8.dispatch_rows``); the other widths are packed first."""
     out = []
     for s, (x, _idx, _w) in enumerate(inputs):
         settle(x.device)     # loopback ranks: no host-synchronising copy behind communication
@@ -321,6 +322,61 @@ def test_unpack_views_of_offset_rows():
     assert x2.stride() == (packed.shape[1], 1) and s2.stride() == (packed.shape[1] // 4, 1)
 
 
+@pytest.mark.parametrize("H,S,scale_dtype,two", [
+    (256, 16, torch.float32, True),      # 64-byte scale rows: read in place
+    (64, 4, torch.float32, True),
+    (32, 2, torch.float32, False),       # 8-byte scale rows: packed
+    (512, 16, torch.uint8, True),        # MXFP8 at H = 512: 16 one-byte scales
+    (64, 2, torch.uint8, False),
+    (40, 4, torch.float32, False),       # FP8 rows of 40 bytes
+])
+def test_dispatch_rows_reads_in_place_exactly_when_the_widths_allow(H, S, scale_dtype, two):
+    g = torch.Generator().manual_seed(H + S)
+    q = torch.randint(0, 256, (5, H), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    sc = torch.randint(0, 256, (5, S * scale_dtype.itemsize), generator=g, dtype=torch.uint8).view(scale_dtype)
+    rows = fp8.dispatch_rows(q, sc)
+    assert isinstance(rows, fp8.PairRows) == two
+    want = fp8.pack(q, sc)
+    assert tuple(rows.shape) == tuple(want.shape) and rows.dtype == torch.uint8
+    got = rows.packed() if two else rows
+    assert torch.equal(got, want)
+    if two:   # no copy: the pair's own storage, both pointers handed to the library
+        assert rows.data_ptr() == q.data_ptr() and rows.second_ptr() == sc.data_ptr()
+        assert rows.numel() == want.numel() and rows.element_size() == 1
+
+
+def test_dispatch_rows_copies_a_misaligned_source_and_keeps_reading_in_place():
+    """A pair whose views start 8 bytes into their storage: the library needs 16-byte aligned
+    rows, and falling back to the pack on one rank only would give its peers another row layout
+    (a mismatch error), so the misaligned source is copied and the pair still read in place."""
+    q, s = fp8.quantize(torch.randn(4, 256), 16)        # 16 float32 scales: 64-byte rows
+    qs = torch.zeros(4 * 256 + 8, dtype=torch.uint8)
+    qs[8:].copy_(q.view(torch.uint8).flatten())
+    q_off = qs[8:].view(4, 256).view(torch.float8_e4m3fn)
+    ss = torch.zeros(4 * 16 + 2, dtype=torch.float32)
+    ss[2:].copy_(s.flatten())
+    s_off = ss[2:].view(4, 16)
+    assert q_off.data_ptr() % 16 == 8 and s_off.data_ptr() % 16 == 8
+    rows = fp8.dispatch_rows(q_off, s_off)
+    assert isinstance(rows, fp8.PairRows)
+    assert rows.data_ptr() % 16 == 0 and rows.second_ptr() % 16 == 0
+    assert torch.equal(rows.packed(), fp8.pack(q, s))
+
+
+@pytest.mark.parametrize("H", (128, 512))
+def test_fp8_dispatch_of_no_tokens_with_one_scale_column(H):
+    """quantize of 0 tokens with block = H gives scales [0, 1] with strides (1, 0), which a byte
+    view refuses: the dispatch (a 4-byte scale row: packed) must take it (found by
+    scripts/fuzz_dispatch.py)."""
+    import megatron_mok as mok
+    buf = mok.Buffer(None, num_experts=4, hidden=H, topk=2, max_tokens_per_rank=8, backend="reference")
+    q, s = fp8.quantize(torch.zeros(0, H, dtype=torch.bfloat16), H)
+    assert tuple(s.shape) == (0, 1)
+    res = buf.dispatch((q, s), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2))
+    assert res.tokens[0].shape == (0, H) and res.tokens[1].shape == (0, 1)
+    assert fp8.pack(q, s).shape == (0, fp8.packed_row_bytes(H, 1, torch.float32))
+
+
 def test_fp8_cached_dispatch_errors():
     buf = _fp8_buffer()
     q, s = _ok_pair()
@@ -423,9 +479,10 @@ def fp8_graph(rank, world_size, block):
 
 @gpu
 @pytest.mark.parametrize("world_size", (1, 2, 3))
-@pytest.mark.parametrize("block", (32, BLOCK), ids=("torch_copies_pack", "kernel_pack"))
+@pytest.mark.parametrize("block", (32, BLOCK), ids=("torch_copies_pack", "two_sources"))
 def test_loopback_fp8_static_dispatch_in_a_cuda_graph(world_size, block):
-    # H = 64: 1x32 blocks give 8-byte scale rows (torch copies), 1x16 blocks 16-byte ones (kernel)
+    # H = 64: 1x32 blocks give 8-byte scale rows (packed by torch copies), 1x16 blocks 16-byte
+    # ones (read in place: the captured graph holds the pair's own pointers)
     assert run_loopback(fp8_graph, world_size, block, timeout=300) == [True] * world_size
 
 
@@ -574,6 +631,83 @@ def test_loopback_fp8_cached_on_one_rank_only_is_an_error(world_size, env, monke
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert run_loopback(fp8_cached_on_one_rank_only, world_size, timeout=120) == [True] * world_size
+
+
+def fp8_sources_differ(rank, world_size, cached):
+    """Every rank dispatches the same kind of FP8 pair with the same row size, but rank 0 hands
+    its rows over packed (one source) while its peers' are read in place (two sources): the ring
+    rows then lie in different layouts (packed rows against two planes per slot). The layout's
+    published row format (routed) and each ring slot's tag (cached) carry the choice: every rank
+    must raise, none hang. (The Buffer makes the same choice on every rank; this calls the
+    autograd functions directly to break that.)"""
+    from megatron_mok.autograd.functions import CachedDispatchFunction, DispatchFunction
+    from test_cuda_backend import mok_buffer
+
+    dev = rank_device(rank)
+    E = 2 * world_size
+    buf = mok_buffer(E, 64, 2, 16, torch.bfloat16, "cuda", dev, timeout_s=10)
+    x, idx, w = make_inputs(4, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
+    q, s = fp8.quantize(x, BLOCK)                       # 64 + 16 bytes: two sources allowed
+    rows = fp8.pack(q, s) if rank == 0 else fp8.dispatch_rows(q, s)
+    assert isinstance(rows, fp8.PairRows) == (rank != 0)
+    backend = buf._backend_for(x)
+    with pytest.raises(RuntimeError, match="rows of different sizes or layouts"):
+        if cached:
+            res = buf.dispatch(x, idx, w)
+            CachedDispatchFunction.apply(backend, res.handle, rows)
+        else:
+            DispatchFunction.apply(backend, [], rows, w, idx, None)
+        buf.check_errors()
+    return True
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("cached", (False, True), ids=("routed", "cached"))
+def test_loopback_fp8_packed_on_one_rank_in_place_on_the_others_is_an_error(world_size, cached):
+    assert run_loopback(fp8_sources_differ, world_size, cached, timeout=120) == [True] * world_size
+
+
+def fp8_in_place_equals_packed(rank, world_size):
+    """The same pairs dispatched read in place (two sources) and packed first (one source), on
+    one Buffer, eager, static and cached: the received rows are bitwise the same. Ranks with no
+    tokens and unrouted slots included (the case mix below)."""
+    from test_cuda_backend import mok_buffer
+
+    dev = rank_device(rank)
+    E, H, K = 3 * world_size, 256, 4
+    T_all = [0, 37, 61, 1][:world_size] if world_size > 1 else [37]
+    bufs = [mok_buffer(E, H, K, 64, torch.bfloat16, "cuda", dev, timeout_s=30, **kw)
+            for kw in ({}, {"max_recv_tokens": 64 * K * world_size})]
+    for it, case in enumerate(("random", "mixed", "one_expert")):
+        inputs = make_inputs(900 + it, world_size, T_all, E, H, K, torch.bfloat16, case=case, device=dev)
+        x, idx, w = inputs[rank]
+        q, s = fp8.quantize(x, 16)
+        assert isinstance(fp8.dispatch_rows(q, s), fp8.PairRows)
+        for buf in bufs:
+            backend = buf._backend_for(x)
+            from megatron_mok.autograd.functions import CachedDispatchFunction, DispatchFunction
+            h1, h2 = [], []
+            a, _ = DispatchFunction.apply(backend, h1, fp8.dispatch_rows(q, s), w, idx, None)
+            b, _ = DispatchFunction.apply(backend, h2, fp8.pack(q, s), w, idx, None)
+            c = CachedDispatchFunction.apply(backend, h1[0], fp8.dispatch_rows(q, s))
+            settle(dev)
+            assert_bitwise(a, b, f"in place vs packed, {case}, rank {rank}")
+            assert_bitwise(c, b, f"cached in place vs packed, {case}, rank {rank}")
+            buf.check_errors()
+    for buf in bufs:
+        buf.destroy()
+    return True
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (1, 2, 4))
+@pytest.mark.parametrize("env", [pytest.param({}, id="default"),
+                                 pytest.param({"MOK_DISPATCH_CE_STAGE": "0"}, id="dispatch_sm_staging")])
+def test_loopback_fp8_in_place_equals_packed(world_size, env, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert run_loopback(fp8_in_place_equals_packed, world_size, timeout=300) == [True] * world_size
 
 
 @pytest.mark.parametrize("world_size", [

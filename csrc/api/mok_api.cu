@@ -89,6 +89,31 @@ int resolve_row_bytes(const MokContext* ctx, int* row_bytes) {
   return 0;
 }
 
+// Where a dispatch reads its rows (launch.h, DispatchSource): x, or (two_sources) an FP8 pair
+// read in place, x (hidden bytes per row: the FP8 token) and x2 (row_bytes - hidden: its
+// scales). row_bytes is resolved first. The choice is explicit, not x2 != NULL: a rank without
+// tokens has no pointers, and its choice must still match its peers' (the layout compares it).
+// Pointers of a call with tokens are non-null and 16-byte aligned (the copies move 16-byte
+// vectors; a misaligned load would end the CUDA context).
+int resolve_source(const MokContext* ctx, const void* x, const void* x2, int two_sources, int num_tokens,
+                   int row_bytes, DispatchSource* out) {
+  const int hidden = ctx->comm.ws.cfg.hidden;
+  *out = DispatchSource{x, nullptr, row_bytes, row_bytes};
+  if (two_sources != 0 && two_sources != 1) return fail("two_sources must be 0 or 1");
+  if (two_sources) {
+    if (hidden % 16 != 0 || row_bytes <= hidden)
+      return fail("a dispatch from two sources needs hidden a multiple of 16 and row_bytes > hidden "
+                  "(x: rows of hidden bytes, x2: rows of row_bytes - hidden bytes)");
+    out->x2 = x2;
+    out->x_bytes = hidden;
+  }
+  if (num_tokens == 0) return 0;
+  const uintptr_t p = reinterpret_cast<uintptr_t>(x), p2 = reinterpret_cast<uintptr_t>(out->x2);
+  if (p == 0 || (two_sources && p2 == 0) || (p | p2) % 16 != 0)
+    return fail("the dispatch's x (and x2 with two sources) must be non-null and 16-byte aligned");
+  return 0;
+}
+
 int check_layout(const MokContext* ctx, int num_tokens, int write_report) {
   if (int e = check_tokens(ctx, num_tokens)) return e;
   if (write_report && ctx->host_report_dev == nullptr)
@@ -134,9 +159,11 @@ int check_rows_per_expert(const MokContext* ctx, int64_t rows_per_expert, int64_
 
 int layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx, int idx_is_64,
            const float* topk_weights, int num_tokens, int num_experts, int64_t* tokens_per_expert,
-           int64_t row_cap, int64_t spec_cap, int write_report, int64_t rows_per_expert, int row_bytes) {
+           int64_t row_cap, int64_t spec_cap, int write_report, int64_t rows_per_expert, int row_bytes,
+           bool two_sources) {
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
-  RoutingArgs r{topk_idx, idx_is_64, topk_weights, num_tokens, num_experts, spec_cap, row_bytes};
+  RoutingArgs r{topk_idx, idx_is_64, topk_weights, num_tokens, num_experts, spec_cap,
+                row_format(row_bytes, two_sources)};
   RowOutputs out{nullptr, nullptr, nullptr, tokens_per_expert, row_cap, 0,
                  write_report ? ctx->host_report_dev : nullptr, static_cast<int32_t>(rows_per_expert)};
   return check_launch(launch_dispatch_layout(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
@@ -152,20 +179,17 @@ int fill(MokContext* ctx, void* stream, void* scratch, int64_t* src_rank, int64_
                       "dispatch fill launch");
 }
 
-int stage_copy(MokContext* ctx, void* stream, const void* x, int num_tokens, int row_bytes) {
-  return check_launch(launch_dispatch_stage_copy(ctx->comm, x, num_tokens, row_bytes,
-                                                 static_cast<cudaStream_t>(stream)),
+int stage_copy(MokContext* ctx, void* stream, const DispatchSource& x, int num_tokens) {
+  return check_launch(launch_dispatch_stage_copy(ctx->comm, x, num_tokens, static_cast<cudaStream_t>(stream)),
                       "dispatch stage copy");
 }
 
-int transfer(MokContext* ctx, void* stream, void* scratch, const void* x, int num_tokens,
-             void* out_rows, int64_t row_cap, int num_blocks, int num_producers, int mode,
-             int row_bytes) {
+int transfer(MokContext* ctx, void* stream, void* scratch, const DispatchSource& x, int num_tokens,
+             void* out_rows, int64_t row_cap, int num_blocks, int num_producers, int mode) {
   if ((mode & kTransferCeStaged) != 0) num_producers = 0;
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
   TransferArgs t{num_tokens, num_blocks, num_producers, row_cap, mode};
-  return check_launch(launch_dispatch_transfer(ctx->comm, h, t, x, out_rows, row_bytes,
-                                               static_cast<cudaStream_t>(stream)),
+  return check_launch(launch_dispatch_transfer(ctx->comm, h, t, x, out_rows, static_cast<cudaStream_t>(stream)),
                       "dispatch transfer launch");
 }
 
@@ -180,8 +204,8 @@ MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int part
   if (rank < 0 || rank >= world) { fail("rank outside [0, world)"); return nullptr; }
   if (topk < 1 || topk > kMaxTopk) { fail("topk must be in [1, 32]"); return nullptr; }
   if (hidden <= 0 || hidden % kCombineVec != 0) { fail("hidden must be a positive multiple of 8"); return nullptr; }
-  if (elem_bytes < 1 || static_cast<int64_t>(hidden) * elem_bytes >= (16ll << kRowTagBits)) {
-    fail("a token row (hidden x elem_bytes) must be under 16 MiB");
+  if (elem_bytes < 1 || static_cast<int64_t>(hidden) * elem_bytes >= kMaxRowBytes) {
+    fail("a token row (hidden x elem_bytes) must be under 8 MiB");
     return nullptr;
   }
   if (chunk_tokens < 1 || meta_slots < 1 || disp_ring_chunks < 1 || comb_ring_chunks < 1) {
@@ -264,13 +288,16 @@ int mok_set_peers(MokContext* ctx, const uint64_t* peer_bases, int n, double tim
 int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
                         int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
                         int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap,
-                        int write_report, int64_t rows_per_expert, int row_bytes) {
+                        int write_report, int64_t rows_per_expert, int row_bytes, int two_sources) {
   if (int e = check_ready(ctx)) return e;
   if (int e = check_layout(ctx, num_tokens, write_report)) return e;
   if (int e = check_rows_per_expert(ctx, rows_per_expert, spec_cap)) return e;
   if (int e = resolve_row_bytes(ctx, &row_bytes)) return e;
+  DispatchSource src;  // the choice and the widths only: the layout reads no rows
+  if (int e = resolve_source(ctx, nullptr, nullptr, two_sources, 0, row_bytes, &src)) return e;
   return layout(ctx, stream, scratch, topk_idx, idx_is_64, topk_weights, num_tokens, num_experts,
-                tokens_per_expert, row_cap, spec_cap, write_report, rows_per_expert, row_bytes);
+                tokens_per_expert, row_cap, spec_cap, write_report, rows_per_expert, row_bytes,
+                two_sources != 0);
 }
 
 int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
@@ -280,30 +307,34 @@ int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
   return fill(ctx, stream, scratch, src_rank, src_token, probs, row_cap, pad);
 }
 
-int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const void* x,
+int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const void* x, const void* x2,
                           int num_tokens, void* out_rows, int64_t row_cap,
-                          int num_blocks, int num_producers, int mode, int row_bytes) {
+                          int num_blocks, int num_producers, int mode, int row_bytes, int two_sources) {
   if (int e = check_ready(ctx)) return e;
   if (int e = check_transfer(ctx, num_blocks, num_producers, mode)) return e;
   if (int e = resolve_row_bytes(ctx, &row_bytes)) return e;
-  return transfer(ctx, stream, scratch, x, num_tokens, out_rows, row_cap, num_blocks, num_producers, mode,
-                  row_bytes);
+  DispatchSource src;
+  if (int e = resolve_source(ctx, x, x2, two_sources, num_tokens, row_bytes, &src)) return e;
+  return transfer(ctx, stream, scratch, src, num_tokens, out_rows, row_cap, num_blocks, num_producers, mode);
 }
 
-int mok_dispatch_stage_copy(MokContext* ctx, void* stream, const void* x, int num_tokens, int row_bytes) {
+int mok_dispatch_stage_copy(MokContext* ctx, void* stream, const void* x, const void* x2, int num_tokens,
+                            int row_bytes, int two_sources) {
   if (int e = check_ready(ctx)) return e;
   if (int e = check_stage_copy(ctx, num_tokens)) return e;
   if (int e = resolve_row_bytes(ctx, &row_bytes)) return e;
-  return stage_copy(ctx, stream, x, num_tokens, row_bytes);
+  DispatchSource src;
+  if (int e = resolve_source(ctx, x, x2, two_sources, num_tokens, row_bytes, &src)) return e;
+  return stage_copy(ctx, stream, src, num_tokens);
 }
 
 int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
                         const void* topk_idx, int idx_is_64, const float* topk_weights,
                         int num_tokens, int num_experts, int64_t* tokens_per_expert,
                         int64_t* src_rank, int64_t* src_token, float* probs, int pad,
-                        const void* x, void* out_rows, int64_t row_cap,
+                        const void* x, const void* x2, void* out_rows, int64_t row_cap,
                         int num_blocks, int num_producers, int transfer_mode,
-                        int64_t rows_per_expert, int row_bytes) {
+                        int64_t rows_per_expert, int row_bytes, int two_sources) {
   if (int e = check_ready(ctx)) return e;
   if (steps <= 0 || (steps & ~(MOK_STEP_LAYOUT | MOK_STEP_FILL | MOK_STEP_STAGE_COPY | MOK_STEP_TRANSFER)) != 0)
     return fail("mok_dispatch_launch: steps must be a non-empty or of MOK_STEP_* flags");
@@ -318,18 +349,22 @@ int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
   if (steps & MOK_STEP_TRANSFER)
     if (int e = check_transfer(ctx, num_blocks, num_producers, transfer_mode)) return e;
   if (int e = resolve_row_bytes(ctx, &row_bytes)) return e;
+  // The rows' pointers matter only to the steps that read them.
+  const bool reads_rows = (steps & (MOK_STEP_STAGE_COPY | MOK_STEP_TRANSFER)) != 0;
+  DispatchSource src;
+  if (int e = resolve_source(ctx, x, x2, two_sources, reads_rows ? num_tokens : 0, row_bytes, &src)) return e;
   if (steps & MOK_STEP_LAYOUT)
     if (int e = layout(ctx, stream, scratch, topk_idx, idx_is_64, topk_weights, num_tokens, num_experts,
-                       tokens_per_expert, row_cap, -1, 0, rows_per_expert, row_bytes))
+                       tokens_per_expert, row_cap, -1, 0, rows_per_expert, row_bytes, two_sources != 0))
       return e;
   if (steps & MOK_STEP_FILL)
     if (int e = fill(ctx, stream, scratch, src_rank, src_token, probs, row_cap, pad)) return e;
   // A world of one rank has no readers of its ring: nothing to copy (every block still pulls).
   if ((steps & MOK_STEP_STAGE_COPY) && ctx->comm.world > 1)
-    if (int e = stage_copy(ctx, stream, x, num_tokens, row_bytes)) return e;
+    if (int e = stage_copy(ctx, stream, src, num_tokens)) return e;
   if (steps & MOK_STEP_TRANSFER)
-    return transfer(ctx, stream, scratch, x, num_tokens, out_rows, row_cap, num_blocks, num_producers,
-                    transfer_mode, row_bytes);
+    return transfer(ctx, stream, scratch, src, num_tokens, out_rows, row_cap, num_blocks, num_producers,
+                    transfer_mode);
   return 0;
 }
 

@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 14
+#define MOK_ABI_VERSION 15
 int mok_abi_version(void);
 
 /* expert_alignment >= 1: each local expert's rows are followed by zero rows (no source, prob 0)
@@ -47,34 +47,43 @@ int mok_set_host_report(MokContext* ctx, void* host_report);
 int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
                         int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
                         int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap,
-                        int write_report, int64_t rows_per_expert, int row_bytes);
+                        int write_report, int64_t rows_per_expert, int row_bytes, int two_sources);
 /* Per-row outputs [row_cap]. pad 1: rows [R, row_cap) are written as "no source" (static
  * shape); pad 0: only rows < R are written (an eager dispatch passes a bound on R, so that
  * the fill can run before the host has read R). */
 int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
                       int64_t* src_rank, int64_t* src_token, float* probs, int64_t row_cap,
                       int pad);
-/* row_bytes (layout, transfer, stage copy, launch): bytes of one row of x and of out_rows; 0 = the
+/* row_bytes (layout, transfer, stage copy, launch): bytes of one row of out_rows; 0 = the
  * Buffer's token row (hidden x elem_bytes), else a multiple of 16 no larger (the FP8 dispatch's
- * packed rows: the FP8 token, its scales, padding; megatron_mok/fp8.py). Every rank of a group
- * passes the same row_bytes in a call (a peer's ring rows are read at this pitch): the layout
- * publishes it with the routing and a rank whose peer's differs reports a configuration mismatch
- * (error 5); the transfer checks it again for every chunk it pulls (each dispatch ring slot is
- * published with the row size it was staged at), which covers cached dispatches too.
+ * rows: the FP8 token, its scales, padding; megatron_mok/fp8.py).
+ * two_sources (layout, transfer, stage copy, launch): 0, the rows are x's (rows of row_bytes; x2
+ * unused); 1, an FP8 pair read in place, no pack: row t is x's row t (hidden bytes, the FP8
+ * token) then x2's row t (row_bytes - hidden bytes, its scales); hidden a multiple of 16,
+ * row_bytes > hidden. A rank without tokens passes the same choice as its peers (its pointers
+ * may be NULL). With num_tokens > 0, x (and x2) are non-null and 16-byte aligned (else an
+ * error, nothing launched).
+ * Every rank of a group passes the same row_bytes and the same choice of one source or two in a
+ * call (a peer's ring rows are read at this pitch and layout): the layout publishes both with the
+ * routing and a rank whose peer's differ reports a configuration mismatch (error 5, detail the
+ * peer's row format: size / 16, | 1 << 19 for two sources); the transfer checks them again for
+ * every chunk it pulls (each dispatch ring slot is published with the format it was staged in),
+ * which covers cached dispatches too.
  * mode 0: one kernel, num_producers blocks stage and the rest pull; 1: every block stages
  * (out_rows unused); 2: every block pulls; | 4: rows [R, row_cap) are not zeroed;
  * 0 | 8: mok_dispatch_stage_copy staged x earlier on the stream, every block pulls
  * (num_producers is ignored). With MOK_EAGER_STAGE_FIRST=1 an eager dispatch
  * launches 1 on a side stream before reading R, then 2 once the rows are allocated
  * (megatron_mok/cuda/backend.py); otherwise every dispatch uses 0. */
-int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const void* x,
+int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const void* x, const void* x2,
                           int num_tokens, void* out_rows, int64_t row_cap,
-                          int num_blocks, int num_producers, int mode, int row_bytes);
+                          int num_blocks, int num_producers, int mode, int row_bytes, int two_sources);
 /* Copy-engine staging (mode 8 above): a one-block kernel waits for the readers of my dispatch
  * ring slots [0, ceil(num_tokens / chunk_tokens)) to release them, then the copy engine copies
  * x there. Only for a ring that holds a whole call (mok_dispatch_ce_stage_supported). Every
  * rank of a group must use it for every dispatch or for none (the slots are fixed with it). */
-int mok_dispatch_stage_copy(MokContext* ctx, void* stream, const void* x, int num_tokens, int row_bytes);
+int mok_dispatch_stage_copy(MokContext* ctx, void* stream, const void* x, const void* x2, int num_tokens,
+                            int row_bytes, int two_sources);
 int mok_dispatch_ce_stage_supported(const MokContext* ctx);
 /* Several steps of one dispatch queued by one call (benchmarks/NOTES.md #51): the steps or'ed
  * in `steps` run in the order layout, fill, copy-engine staging, transfer, each exactly as the
@@ -93,9 +102,9 @@ int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
                         const void* topk_idx, int idx_is_64, const float* topk_weights,
                         int num_tokens, int num_experts, int64_t* tokens_per_expert,
                         int64_t* src_rank, int64_t* src_token, float* probs, int pad,
-                        const void* x, void* out_rows, int64_t row_cap,
+                        const void* x, const void* x2, void* out_rows, int64_t row_cap,
                         int num_blocks, int num_producers, int transfer_mode,
-                        int64_t rows_per_expert, int row_bytes);
+                        int64_t rows_per_expert, int row_bytes, int two_sources);
 /* 1 when mok_dispatch_layout runs publish, count and scan as one kernel (small layouts: at most
  * MOK_LAYOUT_FUSED_MAX_GROUPS, default 8192, (local expert, source, chunk) groups; not for
  * speculative calls, spec_cap >= 0; never with MOK_LAYOUT_FUSED=0), 0 when as three. Reads the
@@ -115,7 +124,8 @@ int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert
                 int64_t row_cap, int dtype_code, int partial_code, int num_blocks,
                 int num_producers, int hidden);
 
-/* The FP8 dispatch's pack (megatron_mok/fp8.py): row r of dst (dst_bytes) = row r of a (a_bytes),
+/* The FP8 dispatch's pack (megatron_mok/fp8.py), for pairs whose widths do not allow two sources
+ * (x2 above): row r of dst (dst_bytes) = row r of a (a_bytes),
  * then row r of b (b_bytes), then zeros; rows rows, one kernel on `stream`. Every width a
  * multiple of 16, a_bytes + b_bytes <= dst_bytes, every pointer 16-byte aligned (else an error,
  * nothing launched). Needs no context. */

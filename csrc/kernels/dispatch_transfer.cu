@@ -16,6 +16,10 @@
 // my tokens into slots [0, chunks) before the kernel (launch_dispatch_stage_copy), so no SM
 // spends time on the staging's ~117 MB of reads and writes at the standard shape; every block
 // pulls and block 0's first warp only publishes the slots (NOTES #31).
+//
+// An FP8 pair is read in place from its two sources (launch.h, DispatchSource; NOTES #57): a
+// row's first a_vecs vectors come from the token rows, the rest from the scale rows, and a ring
+// slot holds the chunk's token rows, then its scale rows (two planes: each a contiguous copy).
 #include "mok/launch.h"
 
 namespace mok {
@@ -24,6 +28,8 @@ namespace {
 struct DispatchShape {
   uint64_t seq;     // this call's number on the dispatch ring (read at kernel start)
   int vec_per_row;  // 16-byte vectors per token row
+  int a_vecs;       // of them, from the first source (== vec_per_row with one source)
+  int32_t row_format;  // published with each staged slot (config.h, row_format)
   int cpc;          // chunks per call
   int C;            // rows per chunk
   int K;
@@ -44,8 +50,25 @@ struct DispatchShape {
   }
 };
 
+// Block-wide: n 16-byte vectors from src to dst, kCopyUnroll loads in flight per thread.
+__device__ __forceinline__ void copy_vectors(const int4* src, int4* dst, int n) {
+  for (int base = threadIdx.x; base < n; base += blockDim.x * kCopyUnroll) {
+    int4 v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int i = base + u * blockDim.x;
+      if (i < n) v[u] = src[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int i = base + u * blockDim.x;
+      if (i < n) dst[i] = v[u];
+    }
+  }
+}
+
 __device__ void produce(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
-                        const DispatchShape& sh, const Role& role, const int4* x) {
+                        const DispatchShape& sh, const Role& role, const int4* x, const int4* x2) {
   RingView mine = RingView::dispatch(c.ws, c.local());
   const int n_chunks = (a.num_tokens + sh.C - 1) / sh.C;
   for (int j = 0; j < n_chunks; ++j) {
@@ -57,24 +80,16 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
     if (readers == 0) continue;  // nobody else needs this chunk: skip the copy
     if (!ring_slot_acquire(c, mine, slot, g, kWaitDispatchReleased)) return;
     const int rows = min(sh.C, a.num_tokens - j * sh.C);
-    const int4* src = x + static_cast<size_t>(j) * sh.C * sh.vec_per_row;
     int4* dst = reinterpret_cast<int4*>(mine.ring + slot * mine.chunk_bytes);
-    const int total = rows * sh.vec_per_row;
-    for (int base = threadIdx.x; base < total; base += blockDim.x * kCopyUnroll) {
-      int4 v[kCopyUnroll];
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        const int i = base + u * blockDim.x;
-        if (i < total) v[u] = src[i];
-      }
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        const int i = base + u * blockDim.x;
-        if (i < total) dst[i] = v[u];
-      }
-    }
+    // The chunk's rows of the first source (its token rows), then, for a pair, of the second
+    // (its scale rows) after the slot's C first-source rows: two contiguous copies.
+    copy_vectors(x + static_cast<size_t>(j) * sh.C * sh.a_vecs, dst, rows * sh.a_vecs);
+    const int b_vecs = sh.vec_per_row - sh.a_vecs;
+    if (b_vecs > 0)
+      copy_vectors(x2 + static_cast<size_t>(j) * sh.C * b_vecs, dst + static_cast<size_t>(sh.C) * sh.a_vecs,
+                   rows * b_vecs);
     __syncthreads();
-    if (threadIdx.x == 0) ring_slot_publish(mine, slot, g, readers, dispatch_ready(g, sh.vec_per_row));
+    if (threadIdx.x == 0) ring_slot_publish(mine, slot, g, readers, dispatch_ready(g, sh.row_format));
   }
 }
 
@@ -82,8 +97,8 @@ __device__ void produce(const CommContext& c, const HandleArrays& h, const Trans
 // a separate instance, so that the usual path (at least one task per warp) keeps its registers.
 template <bool kSplit>
 __device__ void consume(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
-                        const DispatchShape& sh, const Role& role, const int4* x, int4* out,
-                        int n_virtual, int parts) {
+                        const DispatchShape& sh, const Role& role, const int4* x, const int4* x2,
+                        int4* out, int n_virtual, int parts) {
   const int lane = threadIdx.x % kWarpSize;
   const int warps_per_block = blockDim.x / kWarpSize;
   const int n_warps = role.count * warps_per_block;
@@ -150,18 +165,22 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
     const uint64_t g = sh.gen(j);
     const int64_t slot = sh.slot(j);
     RingView theirs = RingView::dispatch(c.ws, c.peers.base[s]);
+    // The row's vectors [0, a_vecs) are src[v], the rest src2[v - a_vecs] (one source: all src).
     const int4* src;
-    if (s == c.rank) {
-      src = x + static_cast<size_t>(t) * sh.vec_per_row;  // my own tokens: no staging
+    const int4* src2;
+    const int b_vecs = sh.vec_per_row - sh.a_vecs;
+    if (s == c.rank) {  // my own tokens: no staging
+      src = x + static_cast<size_t>(t) * sh.a_vecs;
+      src2 = b_vecs > 0 ? x2 + static_cast<size_t>(t) * b_vecs : src;
     } else {
       if (!seen.has(s, g)) {
         uint64_t ready;
         if (!wait_geq(c, theirs.ready + slot, dispatch_ready_min(g), s, kWaitDispatchReady,
                       static_cast<int64_t>(g), &ready))
           return;
-        // The source staged this chunk's rows at its own row size (ring.h, dispatch_ready).
-        if (dispatch_ready_vecs(ready) != sh.vec_per_row) {
-          report_error(c, kConfigMismatch, s, kMismatchRowBytes, 16ll * dispatch_ready_vecs(ready));
+        // The source staged this chunk's rows in its own row format (ring.h, dispatch_ready).
+        if (dispatch_ready_format(ready) != sh.row_format) {
+          report_error(c, kConfigMismatch, s, kMismatchRowBytes, dispatch_ready_format(ready));
           return;
         }
         seen.set(s, g);
@@ -170,8 +189,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       // same slot of MY ring instead of the source's, so every load is local and the flags,
       // waits and releases are unchanged: how much of the pull is NVLink's.
       const char* ring = kDispatchDiagLocalSrc ? mine.ring : theirs.ring;
-      src = reinterpret_cast<const int4*>(ring + slot * theirs.chunk_bytes) +
-            static_cast<size_t>(t % sh.C) * sh.vec_per_row;
+      const int4* chunk = reinterpret_cast<const int4*>(ring + slot * theirs.chunk_bytes);
+      src = chunk + static_cast<size_t>(t % sh.C) * sh.a_vecs;
+      src2 = b_vecs > 0 ? chunk + static_cast<size_t>(sh.C) * sh.a_vecs + static_cast<size_t>(t % sh.C) * b_vecs
+                        : src;
     }
     // Lane k holds the task's row k (K <= 32), read once per task: the copy loop takes each
     // row id by a shuffle instead of re-reading it from global memory for every group of
@@ -190,7 +211,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u) {
         const int vi = base + u * kWarpSize;
-        if (vi < vec_hi) v[u] = ld_stream_16(src + vi);
+        if (vi < vec_hi) v[u] = ld_stream_16(vi < sh.a_vecs ? src + vi : src2 + (vi - sh.a_vecs));
       }
       if constexpr (kDispatchClocks) {  // the loads have landed once a register of each is read
         int sink = 0;
@@ -254,7 +275,8 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
 // The pulling role: counts the call's virtual tasks and picks the instance (split when the
 // call has fewer tasks than the role has warps, as the combine does: NOTES #47).
 __device__ void consume_any(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
-                            const DispatchShape& sh, const Role& role, const int4* x, int4* out) {
+                            const DispatchShape& sh, const Role& role, const int4* x, const int4* x2,
+                            int4* out) {
   int max_per_source = 0;
   for (int s = 0; s < c.world; ++s) max_per_source = max(max_per_source, h.task_off[s + 1] - h.task_off[s]);
   const int n_virtual = max_per_source * c.world;
@@ -262,9 +284,9 @@ __device__ void consume_any(const CommContext& c, const HandleArrays& h, const T
   const int max_parts = (sh.vec_per_row + kWarpSize - 1) / kWarpSize;  // >= 1 vector per lane
   const int parts = sh.split && n_virtual > 0 ? min(max_parts, n_warps / n_virtual) : 1;
   if (parts > 1)
-    consume<true>(c, h, a, sh, role, x, out, n_virtual, parts);
+    consume<true>(c, h, a, sh, role, x, x2, out, n_virtual, parts);
   else
-    consume<false>(c, h, a, sh, role, x, out, n_virtual, 1);
+    consume<false>(c, h, a, sh, role, x, x2, out, n_virtual, 1);
 }
 
 // One warp (copy-engine staging): my chunks are in slots [0, chunks) already (the copy came
@@ -275,7 +297,7 @@ __device__ void publish_ce_staged(const CommContext& c, const HandleArrays& h, c
   RingView mine = RingView::dispatch(c.ws, c.local());
   const int n_chunks = (a.num_tokens + sh.C - 1) / sh.C;
   for (int j = threadIdx.x % kWarpSize; j < n_chunks; j += kWarpSize)
-    ring_slot_publish(mine, j, sh.gen(j), h.chunk_readers[j], dispatch_ready(sh.gen(j), sh.vec_per_row));
+    ring_slot_publish(mine, j, sh.gen(j), h.chunk_readers[j], dispatch_ready(sh.gen(j), sh.row_format));
 }
 
 // The grid's last warp, once every pull of this call is done, tells each source that my reads
@@ -295,7 +317,7 @@ __device__ void release_call_chunks(const CommContext& c, const HandleArrays& h,
 
 __global__ void __launch_bounds__(kDispatchThreads, 1)
     dispatch_transfer_kernel(CommContext c, HandleArrays h, TransferArgs a, DispatchShape sh,
-                             const int4* x, int4* out) {
+                             const int4* x, const int4* x2, int4* out) {
   // After a protocol error the layout arrays may be unfilled (the fill kernel stopped): touch
   // nothing. The Buffer is unusable from here on (the host raises at its next read).
   pdl_wait_then_release_dependents();
@@ -306,14 +328,14 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   const int mode = a.mode & ~kTransferNoPad;
   if (mode == kTransferStage) {
     sh.start(n->disp_seq);
-    produce(c, h, a, sh, Role{0, G}, x);
+    produce(c, h, a, sh, Role{0, G}, x, x2);
     trace_warp(c, false);
     warp_done_advance(&n->disp_warps_done, &n->disp_seq);
     return;
   }
   if (mode == kTransferPull) {
     sh.start(n->disp_pull_seq);
-    consume_any(c, h, a, sh, Role{0, G}, x, out);
+    consume_any(c, h, a, sh, Role{0, G}, x, x2, out);
     trace_warp(c, false);
     if (warp_done_advance(&n->disp_pull_warps_done, &n->disp_pull_seq) && sh.release_at_end)
       release_call_chunks(c, h, sh);
@@ -322,11 +344,11 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
   sh.start(n->disp_seq);
   if (sh.ce_staged) {
     if (blockIdx.x == 0 && threadIdx.x < kWarpSize) publish_ce_staged(c, h, a, sh);
-    consume_any(c, h, a, sh, Role{0, G}, x, out);
+    consume_any(c, h, a, sh, Role{0, G}, x, x2, out);
   } else if (static_cast<int>(blockIdx.x) < a.num_producers)
-    produce(c, h, a, sh, Role{0, a.num_producers}, x);
+    produce(c, h, a, sh, Role{0, a.num_producers}, x, x2);
   else
-    consume_any(c, h, a, sh, Role{a.num_producers, G - a.num_producers}, x, out);
+    consume_any(c, h, a, sh, Role{a.num_producers, G - a.num_producers}, x, x2, out);
   trace_warp(c, false);
   if (warp_done_advance(&n->disp_warps_done, &n->disp_seq, &n->disp_pull_seq) && sh.release_at_end)
     release_call_chunks(c, h, sh);
@@ -335,10 +357,13 @@ __global__ void __launch_bounds__(kDispatchThreads, 1)
 }  // namespace
 
 cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h,
-                                     const TransferArgs& t, const void* x, void* out_rows,
-                                     int row_bytes, cudaStream_t s) {
+                                     const TransferArgs& t, const DispatchSource& x, void* out_rows,
+                                     cudaStream_t s) {
   DispatchShape sh;
-  sh.vec_per_row = row_bytes / 16;  // checked by the API: a multiple of 16, within the ring's row
+  // Checked by the API: multiples of 16, within the ring's row; x_bytes == row_bytes, or a pair.
+  sh.vec_per_row = x.row_bytes / 16;
+  sh.a_vecs = x.x2 != nullptr ? x.x_bytes / 16 : sh.vec_per_row;
+  sh.row_format = row_format(x.row_bytes, x.x2 != nullptr);
   sh.cpc = HandleArrays::chunks_per_call(c.ws.cfg);
   sh.C = c.ws.cfg.chunk_tokens;
   sh.K = c.ws.cfg.topk;
@@ -353,7 +378,8 @@ cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h
   sh.split = sh.release_at_end && !env_off("MOK_DISPATCH_SPLIT");
   if (sh.ce_staged && sh.cpc > sh.slots.N) return cudaErrorInvalidValue;  // checked by the API
   return launch_kernel(c, dispatch_transfer_kernel, t.num_blocks, kDispatchThreads, 0, s, c, h, t, sh,
-                       static_cast<const int4*>(x), static_cast<int4*>(out_rows));
+                       static_cast<const int4*>(x.x), static_cast<const int4*>(x.x2),
+                       static_cast<int4*>(out_rows));
 }
 
 bool dispatch_call_fits_ring(const Workspace& ws) {
@@ -374,8 +400,26 @@ __global__ void __launch_bounds__(kStageAcquireThreads) stage_acquire_kernel(Com
     if (!ring_slot_acquire_warp(c, mine, j, g0 + j, kWaitDispatchReleased)) return;
 }
 
-cudaError_t launch_dispatch_stage_copy(const CommContext& c, const void* x, int num_tokens,
-                                       int row_bytes, cudaStream_t s) {
+// Rows [0, num_tokens) of one source, `row` bytes each, into the slots from `dst` on (slot j's
+// rows at dst + j * slot bytes, pitch `row`): one copy when the slots are exactly C rows long,
+// else one pitched copy of the full chunks and one of the last, partial one.
+static cudaError_t copy_into_slots(char* dst, size_t slot_bytes, const char* src, size_t row, int C,
+                                   int num_tokens, cudaStream_t s) {
+  const size_t chunk = static_cast<size_t>(C) * row;
+  if (chunk == slot_bytes)
+    return cudaMemcpyAsync(dst, src, static_cast<size_t>(num_tokens) * row, cudaMemcpyDeviceToDevice, s);
+  const int full = num_tokens / C, tail = num_tokens - full * C;
+  if (full > 0) {
+    if (cudaError_t e = cudaMemcpy2DAsync(dst, slot_bytes, src, chunk, chunk, full, cudaMemcpyDeviceToDevice, s))
+      return e;
+  }
+  if (tail > 0)
+    return cudaMemcpyAsync(dst + full * slot_bytes, src + full * chunk, tail * row, cudaMemcpyDeviceToDevice, s);
+  return cudaSuccess;
+}
+
+cudaError_t launch_dispatch_stage_copy(const CommContext& c, const DispatchSource& x, int num_tokens,
+                                       cudaStream_t s) {
   const Workspace& ws = c.ws;
   if (!dispatch_call_fits_ring(ws)) return cudaErrorInvalidValue;
   const int C = ws.cfg.chunk_tokens;
@@ -385,24 +429,17 @@ cudaError_t launch_dispatch_stage_copy(const CommContext& c, const void* x, int 
                                     HandleArrays::chunks_per_call(ws.cfg)))
     return e;
   // A slot may be longer than its C rows (aligned to 256 B, or rows shorter than the ring's, as
-  // packed FP8 rows are): copy full chunks with a pitch, then the last, partial one. At the usual
-  // sizes (C * row bytes a multiple of 256, rows of the Buffer's dtype) it is one copy.
-  const size_t row = static_cast<size_t>(row_bytes);
-  const size_t chunk = static_cast<size_t>(C) * row;
+  // FP8 rows are). A pair's two sources go to the two planes of each slot (C token rows, then
+  // C scale rows): two copies of each kind.
   char* dst = c.local() + ws.disp_ring;
-  const char* src = static_cast<const char*>(x);
-  if (chunk == ws.disp_chunk_bytes)
-    return cudaMemcpyAsync(dst, src, static_cast<size_t>(num_tokens) * row, cudaMemcpyDeviceToDevice, s);
-  const int full = num_tokens / C, tail = num_tokens - full * C;
-  if (full > 0) {
-    if (cudaError_t e = cudaMemcpy2DAsync(dst, ws.disp_chunk_bytes, src, chunk, chunk, full,
-                                          cudaMemcpyDeviceToDevice, s))
-      return e;
-  }
-  if (tail > 0)
-    return cudaMemcpyAsync(dst + full * ws.disp_chunk_bytes, src + full * chunk, tail * row,
-                           cudaMemcpyDeviceToDevice, s);
-  return cudaSuccess;
+  const size_t a_row = static_cast<size_t>(x.x2 != nullptr ? x.x_bytes : x.row_bytes);
+  if (cudaError_t e = copy_into_slots(dst, ws.disp_chunk_bytes, static_cast<const char*>(x.x), a_row, C,
+                                      num_tokens, s))
+    return e;
+  if (x.x2 == nullptr) return cudaSuccess;
+  return copy_into_slots(dst + static_cast<size_t>(C) * a_row, ws.disp_chunk_bytes,
+                         static_cast<const char*>(x.x2), static_cast<size_t>(x.row_bytes) - a_row, C,
+                         num_tokens, s);
 }
 
 }  // namespace mok

@@ -136,7 +136,7 @@ __device__ void publish_block(const CommContext& c, const HandleArrays& h, const
   if (threadIdx.x == 0) {
     c.counters()->publish_blocks_done = 0;
     *ws.meta_count_at(me, slot) = T;
-    *ws.meta_row_bytes_at(me, slot) = r.row_bytes;
+    *ws.meta_row_format_at(me, slot) = r.row_format;
     *ws.meta_spec_cap_at(me, slot) = r.spec_cap;
     __threadfence_system();
     st_release_sys(ws.meta_ready_at(me) + slot, meta_seq + 1);
@@ -356,12 +356,12 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
     {
       const uint64_t meta_seq = c.counters()->meta_seq;
       const int slot = static_cast<int>(meta_seq % c.ws.cfg.meta_slots);
-      // Likewise the row size: a rank dispatching tokens while a peer dispatches packed FP8
-      // rows would read the peer's ring at the wrong pitch (wrong rows, no other error).
-      const int32_t mine = *reinterpret_cast<volatile int32_t*>(c.ws.meta_row_bytes_at(c.local(), slot));
+      // Likewise the row format: a rank dispatching tokens while a peer dispatches FP8 rows
+      // would read the peer's ring at the wrong pitch or layout (wrong rows, no other error).
+      const int32_t mine = *reinterpret_cast<volatile int32_t*>(c.ws.meta_row_format_at(c.local(), slot));
       for (int d = threadIdx.x; d < W; d += blockDim.x) {
         const int64_t cap_d = *reinterpret_cast<volatile int64_t*>(c.ws.meta_spec_cap_at(c.peers.base[d], slot));
-        const int32_t row_d = *reinterpret_cast<volatile int32_t*>(c.ws.meta_row_bytes_at(c.peers.base[d], slot));
+        const int32_t row_d = *reinterpret_cast<volatile int32_t*>(c.ws.meta_row_format_at(c.peers.base[d], slot));
         if (row_d != mine) {
           report_error(c, kConfigMismatch, d, kMismatchRowBytes, row_d);
           continue;

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ..comm import all_gather_exact, all_gather_ints
+from ..fp8 import PairRows
 from ..loopback import settle  # host-syncing ops below: wait for the stream first there
 from ..handle import DispatchHandle
 
@@ -106,6 +107,12 @@ def group_rows_by_task(row_s: torch.Tensor, row_t: torch.Tensor, t_max: int, top
     return task_key, task_rows
 
 
+def _byte_rows(x):
+    """A dispatch's rows as one tensor: an FP8 pair handed over unpacked (``fp8.PairRows``, the
+    CUDA backend reads its two sources in place) is packed here: the reference copies anyway."""
+    return x.packed() if isinstance(x, PairRows) else x
+
+
 class ReferenceBackend:
     name = "reference"
 
@@ -114,6 +121,7 @@ class ReferenceBackend:
 
     # ----------------------------------------------------------------------------- dispatch
     def dispatch(self, x, topk_idx, topk_weights, rows_per_expert=None):
+        x = _byte_rows(x)
         settle(x.device)
         b = self.buf
         W, t_max, K = b.world_size, b.max_tokens_per_rank, b.topk
@@ -163,6 +171,7 @@ class ReferenceBackend:
 
     def dispatch_cached(self, x, handle: DispatchHandle):
         """Rows of ``x`` (``[T, H]`` on every rank) in the layout of ``handle``."""
+        x = _byte_rows(x)
         settle(x.device)
         all_x = self._gather_tokens(x)
         R = handle.num_rows

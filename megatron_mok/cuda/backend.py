@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from ..comm import all_gather_ints
+from ..fp8 import PairRows
 from ..handle import DispatchHandle
 from . import bindings, library
 from .launch_policy import env_int, launch_policy
@@ -335,7 +336,7 @@ class CudaBackend:
             probs_all, src_all = self._row_outputs(b.max_recv_tokens, x.device)
         if ce_side:
             self._stage_copy_beside(x, T, main)
-        self._layout(stream, scratch, idx, w, T, tpe, layout_cap, -1, not static, fixed, self._row_bytes(x))
+        self._layout(stream, scratch, idx, w, T, tpe, layout_cap, -1, not static, fixed, x)
         staged = None
         fill_first = self.fill_first and not static
         if fill_first:
@@ -382,9 +383,9 @@ class CudaBackend:
                 self._transfer(x, T, scratch, tokens, cap, staged=ce_side or (self.ce_stage and not static))
             else:
                 self._check(self.lib.mok_dispatch_transfer(
-                    self.ctx, stream, self._ptr(scratch), self._ptr(x), T, self._ptr(tokens), cap,
-                    self.num_blocks - self.dispatch_producers, 0, bindings.TRANSFER_PULL,
-                    self._row_bytes(x)))
+                    self.ctx, stream, self._ptr(scratch), self._ptr(x), self._ptr2(x), T, self._ptr(tokens),
+                    cap, self.num_blocks - self.dispatch_producers, 0, bindings.TRANSFER_PULL,
+                    self._row_bytes(x), self._two(x)))
                 # Later work on this stream (an in-place update of x, the next call) comes after
                 # the staging.
                 main.wait_event(staged)
@@ -426,7 +427,7 @@ class CudaBackend:
         read = not torch.cuda.is_current_stream_capturing()
         tokens = self._rows_like(x, R)
         probs, src = self._row_outputs(R, x.device)
-        self._layout(stream, scratch, idx, w, T, tpe, R, -1, read, n, self._row_bytes(x))
+        self._layout(stream, scratch, idx, w, T, tpe, R, -1, read, n, x)
         if read:
             self._layout_read.record(torch.cuda.current_stream(self.device))
         steps = bindings.STEP_FILL | bindings.STEP_TRANSFER
@@ -438,16 +439,17 @@ class CudaBackend:
             self._raise_if_error(self.host_report[4:])
         return tokens, probs, self._handle(T, R, R, src[0], src[1], tpe, scratch)
 
-    def _layout(self, stream, scratch, idx, w, T, tpe, cap, spec_cap, report, fixed, row_bytes) -> None:
+    def _layout(self, stream, scratch, idx, w, T, tpe, cap, spec_cap, report, fixed, x) -> None:
         """``mok_dispatch_layout`` alone: counts, offsets and each row's source into ``scratch``
         and ``tpe`` for at most ``cap`` rows; ``spec_cap`` >= 0: the speculative verdict against
         that capacity; ``report``: the host report is written (for a read of R or errors);
-        ``fixed``: rows_per_expert; ``row_bytes``: the call's row size, published with the
-        routing (every rank checks its peers use the same: token rows vs packed FP8 rows)."""
+        ``fixed``: rows_per_expert; ``x``: the rows, whose size and sources (one tensor, or an
+        FP8 pair read in place) are published with the routing: every rank checks its peers'
+        are the same."""
         self._check(self.lib.mok_dispatch_layout(
             self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
             self._ptr(w), T, self.buf.num_experts, self._ptr(tpe), cap, spec_cap, int(report), fixed,
-            row_bytes))
+            self._row_bytes(x), self._two(x)))
 
     def _launch(self, steps, stream, scratch, x, T, idx, w, tpe, probs, src, out, cap, mode,
                 fixed=bindings.NO_ROWS_PER_EXPERT) -> None:
@@ -461,8 +463,8 @@ class CudaBackend:
         self._check(self.lib.mok_dispatch_launch(
             self.ctx, stream, steps, scratch.data_ptr(), ptr(idx),
             int(idx is not None and idx.dtype == torch.int64), ptr(w), T, self.buf.num_experts,
-            ptr(tpe), src_rank, src_token, ptr(probs), 1, ptr(x), ptr(out), cap, blocks, producers, mode,
-            fixed, self._row_bytes(x)))
+            ptr(tpe), src_rank, src_token, ptr(probs), 1, ptr(x), self._ptr2(x), ptr(out), cap, blocks,
+            producers, mode, fixed, self._row_bytes(x), self._two(x)))
 
     def _dispatch_speculative(self, x, T, idx, w, scratch, tpe, stream):
         """Eager dispatch in the issue's order: allocate, launch, then read R.
@@ -479,8 +481,7 @@ class CudaBackend:
         cap = self._spec_capacity()
         tokens = self._rows_like(x, cap)
         probs_all, src_all = self._row_outputs(self.rows_bound, x.device)
-        self._layout(stream, scratch, idx, w, T, tpe, 1 << 62, cap, True, bindings.NO_ROWS_PER_EXPERT,
-                     self._row_bytes(x))
+        self._layout(stream, scratch, idx, w, T, tpe, 1 << 62, cap, True, bindings.NO_ROWS_PER_EXPERT, x)
         main = torch.cuda.current_stream(self.device)
         self._layout_read.record(main)
         self._fill(stream, scratch, probs_all, src_all, self.rows_bound, pad=False)
@@ -530,6 +531,21 @@ class CudaBackend:
         """Bytes of one row of ``x`` (the library's ``row_bytes``)."""
         return x.shape[1] * x.element_size()
 
+    # A dispatch's rows ``x``: a tensor, or an FP8 pair read in place (``fp8.PairRows``: the
+    # library's two_sources, its second pointer the scale rows').
+    @staticmethod
+    def _two(x) -> int:
+        return int(isinstance(x, PairRows))
+
+    @staticmethod
+    def _ptr2(x) -> int:
+        return x.second_ptr() if isinstance(x, PairRows) and x.numel() else 0
+
+    @staticmethod
+    def _tensors(x):
+        """The tensors holding ``x``'s rows (to keep alive for a side stream)."""
+        return x.tensors() if isinstance(x, PairRows) else (x,)
+
     @staticmethod
     def _row_outputs(rows: int, device):
         """probs [rows] float32 and (src_rank, src_token) [2, rows] int64."""
@@ -552,8 +568,8 @@ class CudaBackend:
             self._stage_copy(x, T, stream)
         blocks, producers, _ = self._roles(T)
         self._check(self.lib.mok_dispatch_transfer(
-            self.ctx, stream, self._ptr(scratch), self._ptr(x), T,
-            self._ptr(out), cap, blocks, producers, mode, self._row_bytes(x)))
+            self.ctx, stream, self._ptr(scratch), self._ptr(x), self._ptr2(x), T,
+            self._ptr(out), cap, blocks, producers, mode, self._row_bytes(x), self._two(x)))
 
     def _roles(self, T: int):
         """(blocks, dispatch producers, combine producers) of a transfer kernel for a call
@@ -568,7 +584,8 @@ class CudaBackend:
         A world of one rank has no readers: nothing to copy (every block still pulls)."""
         if self.buf.world_size == 1:
             return
-        self._check(self.lib.mok_dispatch_stage_copy(self.ctx, stream, self._ptr(x), T, self._row_bytes(x)))
+        self._check(self.lib.mok_dispatch_stage_copy(self.ctx, stream, self._ptr(x), self._ptr2(x), T,
+                                                     self._row_bytes(x), self._two(x)))
 
     def _on_side_stream(self, main, fork, done, launch, *tensors) -> torch.cuda.Event:
         """Run ``launch()`` on the side stream after the work queued on ``main`` so far (event
@@ -591,17 +608,17 @@ class CudaBackend:
         starts, so the copy (and its slot check) runs beside the layout kernels; the transfer
         waits for ``_ce_done``."""
         self._on_side_stream(main, self._ce_fork, self._ce_done,
-                             lambda: self._stage_copy(x, T, self._side_raw), x)
+                             lambda: self._stage_copy(x, T, self._side_raw), *self._tensors(x))
 
     def _launch_staging(self, x, T, scratch, main) -> torch.cuda.Event:
         """The staging half of an eager dispatch on the side stream, after the layout kernels
         queued on ``main``; returns the event that marks its end. Its blocks and the pulling
         kernel's add up to ``num_sms``."""
         return self._on_side_stream(main, self._layout_done, self._staged, lambda: self._check(
-            self.lib.mok_dispatch_transfer(self.ctx, self._side_raw, self._ptr(scratch), self._ptr(x), T,
-                                           ctypes.c_void_p(0), 0, self.dispatch_producers, 0,
-                                           bindings.TRANSFER_STAGE, self._row_bytes(x))),
-            x, scratch)
+            self.lib.mok_dispatch_transfer(self.ctx, self._side_raw, self._ptr(scratch), self._ptr(x),
+                                           self._ptr2(x), T, ctypes.c_void_p(0), 0, self.dispatch_producers, 0,
+                                           bindings.TRANSFER_STAGE, self._row_bytes(x), self._two(x))),
+            *self._tensors(x), scratch)
 
     def dispatch_cached(self, x, handle: DispatchHandle):
         self._alive()

@@ -13,6 +13,9 @@ ERROR_CODES = {
 
 # A configuration mismatch's subject (csrc/include/mok/config.h ConfigMismatch), in `what`.
 MISMATCH_SPECULATIVE, MISMATCH_ROW_BYTES = 0, 1
+# A row-format mismatch's detail (config.h, row_format): 16-byte vectors per row, or'ed with this
+# bit when the rows came from two sources (an FP8 pair read in place, fp8.PairRows).
+ROW_TWO_SOURCES_BIT = 19
 
 WAIT_KINDS = {
     0: "nothing",
@@ -79,10 +82,13 @@ def describe(report, timeout_s: float, max_recv_tokens, abandoned=()) -> str:
                 f"{max_recv_tokens} (static-shape mode); rows past it were not written. Raise "
                 "max_recv_tokens.")
     if code == 5 and what == MISMATCH_ROW_BYTES:
-        return (f"megatron_mok: rank {rank} and rank {peer} dispatched rows of different sizes in "
-                f"the same call (rank {peer}'s rows are {detail} bytes): every rank must pass token "
-                "tensors, or every rank an FP8 pair (x_fp8, scales) with the same scale width and "
-                "dtype (docs/CONTRACT.md, \"FP8 dispatch\"). This Buffer can no longer be used.")
+        row = 16 * (detail & ((1 << ROW_TWO_SOURCES_BIT) - 1))
+        how = "an FP8 pair read in place" if (detail >> ROW_TWO_SOURCES_BIT) & 1 else "one tensor"
+        return (f"megatron_mok: rank {rank} and rank {peer} dispatched rows of different sizes or "
+                f"layouts in the same call (rank {peer}'s rows are {row} bytes, from {how}): every "
+                "rank must pass token tensors, or every rank an FP8 pair (x_fp8, scales) with the "
+                "same scale width and dtype (docs/CONTRACT.md, \"FP8 dispatch\"). This Buffer can "
+                "no longer be used.")
     if code == 5:
         return (f"megatron_mok: rank {rank} and rank {peer} disagree on the speculative eager "
                 "dispatch (one publishes a speculative capacity, the other does not). It is on "

@@ -28,9 +28,18 @@ constexpr int kWarpSize = 32;
 constexpr int kCopyUnroll = MOK_COPY_UNROLL;
 // Elements per lane per step in the combine loops: one 16-byte bf16 vector.
 constexpr int kCombineVec = 8;
-// Bits of a dispatch ring slot's ready value that carry the staged rows' size in 16-byte
-// vectors (ring.h, dispatch_ready): a token row is under 16 << kRowTagBits bytes (16 MiB).
+// Bits of a dispatch ring slot's ready value that carry the staged rows' format (ring.h,
+// dispatch_ready), the same value the layout publishes with the routing: the row's size in
+// 16-byte vectors, or'ed with kRowTwoSources when the rows come from two sources (an FP8 pair's
+// token rows and scale rows, staged as two planes). A token row is under 16 << (kRowTagBits - 1)
+// bytes (8 MiB).
 constexpr int kRowTagBits = 20;
+constexpr int32_t kRowTwoSources = 1 << (kRowTagBits - 1);
+constexpr int64_t kMaxRowBytes = 16ll << (kRowTagBits - 1);
+// A dispatch's row format (see kRowTagBits): every rank of a call must pass the same.
+__host__ __device__ constexpr int32_t row_format(int row_bytes, bool two_sources) {
+  return row_bytes / 16 | (two_sources ? kRowTwoSources : 0);
+}
 // 8-element groups per lane in flight in the combine loops (one step of a task or token).
 constexpr int kCombineUnroll = 2;
 // The same for the combine's consume loop alone (a piece of its shared-memory row stream).
@@ -114,7 +123,8 @@ enum ErrorCode : int32_t {
 // What a kConfigMismatch is about (the error report's `what`; mirrored in errors.py).
 enum ConfigMismatch : int32_t {
   kMismatchSpeculative = 0,  // MOK_EAGER_SPECULATIVE differs
-  kMismatchRowBytes = 1,     // the dispatch's row size differs (tokens vs packed FP8 rows)
+  kMismatchRowBytes = 1,     // the dispatch's row format differs (tokens vs FP8 rows: size, or
+                             // one source vs two; detail = the peer's row_format)
 };
 
 // What a spin-wait was waiting for (Workspace::error.what).

@@ -28,8 +28,9 @@ struct RoutingArgs {
   int32_t num_experts;        // E (global), for range checks
   int64_t spec_cap;           // speculative eager dispatch: rows allocated before the host
                               // read (published with the routing); -1: not speculative
-  int32_t row_bytes;          // the call's row size (token rows or packed FP8 rows), published
-                              // with the routing: every reader checks it is its own
+  int32_t row_format;         // the call's row format (config.h, row_format: token rows, packed
+                              // FP8 rows, or an FP8 pair's two sources), published with the
+                              // routing: every reader checks it is its own
 };
 
 // Outputs of a dispatch that the user sees.
@@ -81,18 +82,29 @@ enum TransferMode : int32_t {
   kTransferCeStaged = 8,
 };
 
-// Stage x into my dispatch ring and pull every task's token into its expert-major rows. A row
-// is row_bytes bytes (a multiple of 16, at most hidden x elem_bytes: the ring's row): the token
-// row in the Buffer's dtype, or a packed FP8 row with its scales (megatron_mok/fp8.py).
+// Where a dispatch reads its rows: x alone (rows of row_bytes: token rows in the Buffer's dtype,
+// or packed FP8 rows), or, with x2, an FP8 pair read in place (megatron_mok/fp8.py): row t is
+// row t of x (x_bytes: the FP8 token), then row t of x2 (row_bytes - x_bytes: its scales). Every
+// width a multiple of 16, pointers 16-byte aligned (checked by the API). Staged into a ring slot,
+// a pair's rows lie as two planes: the chunk's C token rows, then its C scale rows.
+struct DispatchSource {
+  const void* x;
+  const void* x2;  // null: one source
+  int row_bytes;
+  int x_bytes;     // == row_bytes with one source
+};
+
+// Stage the rows into my dispatch ring and pull every task's token into its expert-major rows
+// (out_rows: row_bytes each, the received rows in the order of the source's row).
 cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h,
-                                     const TransferArgs& t, const void* x, void* out_rows,
-                                     int row_bytes, cudaStream_t s);
+                                     const TransferArgs& t, const DispatchSource& x, void* out_rows,
+                                     cudaStream_t s);
 
 // Copy-engine staging of a dispatch (kTransferCeStaged): a one-block kernel waits until the
 // readers of slots [0, chunks) released their previous generation, then the copy engine copies
 // x into those slots (no SM moves these bytes). Only when a call fits in the ring.
-cudaError_t launch_dispatch_stage_copy(const CommContext& c, const void* x, int num_tokens,
-                                       int row_bytes, cudaStream_t s);
+cudaError_t launch_dispatch_stage_copy(const CommContext& c, const DispatchSource& x, int num_tokens,
+                                       cudaStream_t s);
 bool dispatch_call_fits_ring(const Workspace& ws);
 
 // rows x [a row | b row | zeros] into dst rows of dst_bytes (the FP8 dispatch's pack); every

@@ -85,20 +85,20 @@ __device__ inline void ring_slot_publish(const RingView& r, int64_t slot, uint64
   ring_slot_publish(r, slot, g, readers, g + 1);
 }
 
-// A dispatch ring slot's `ready` value carries, beside its generation, the row size of the call
-// that staged it: (g + 1) << kRowTagBits | row_bytes / 16. A consumer waits for
-// dispatch_ready_min(g) and compares the tag with its own row size, so a rank whose peer staged
-// rows of another size (an FP8 pair against tokens, also in a cached dispatch, which runs no
-// layout to compare them) reports a configuration mismatch instead of reading rows at the wrong
-// pitch. The value that ends a wait is exactly generation g's (a slot is not staged again
-// before its readers release it), so the check costs no load. Rows are under 16 MiB
-// (mok_create checks hidden x elem_bytes against kRowTagBits, config.h).
+// A dispatch ring slot's `ready` value carries, beside its generation, the row format of the
+// call that staged it (config.h, row_format: size in 16-byte vectors, one source or two):
+// (g + 1) << kRowTagBits | row_format. A consumer waits for dispatch_ready_min(g) and compares
+// the tag with its own format, so a rank whose peer staged rows of another size or layout (an
+// FP8 pair against tokens, also in a cached dispatch, which runs no layout to compare them)
+// reports a configuration mismatch instead of reading rows at the wrong pitch. The value that
+// ends a wait is exactly generation g's (a slot is not staged again before its readers release
+// it), so the check costs no load. Rows are under kMaxRowBytes (mok_create checks).
 constexpr uint64_t kRowTagMask = (1ull << kRowTagBits) - 1;
-__device__ inline uint64_t dispatch_ready(uint64_t g, int vec_per_row) {
-  return ((g + 1) << kRowTagBits) | static_cast<uint64_t>(vec_per_row);
+__device__ inline uint64_t dispatch_ready(uint64_t g, int32_t row_format) {
+  return ((g + 1) << kRowTagBits) | static_cast<uint64_t>(row_format);
 }
 __device__ inline uint64_t dispatch_ready_min(uint64_t g) { return (g + 1) << kRowTagBits; }
-// The rows' size staged with a dispatch slot whose wait ended on `ready` (16-byte vectors).
-__device__ inline int dispatch_ready_vecs(uint64_t ready) { return static_cast<int>(ready & kRowTagMask); }
+// The row format staged with a dispatch slot whose wait ended on `ready`.
+__device__ inline int32_t dispatch_ready_format(uint64_t ready) { return static_cast<int32_t>(ready & kRowTagMask); }
 
 }  // namespace mok

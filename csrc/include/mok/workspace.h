@@ -150,8 +150,8 @@ struct Workspace {
   __host__ __device__ int32_t* meta_count_at(char* base, int slot) const {
     return (int32_t*)(base + meta + (size_t)slot * meta_slot_bytes);
   }
-  // The row size of the slot owner's call (token rows or packed FP8 rows).
-  __host__ __device__ int32_t* meta_row_bytes_at(char* base, int slot) const {
+  // The row format of the slot owner's call (config.h, row_format).
+  __host__ __device__ int32_t* meta_row_format_at(char* base, int slot) const {
     return (int32_t*)(base + meta + (size_t)slot * meta_slot_bytes + 4);
   }
   // Rows the slot's owner allocated before reading R (speculative eager dispatch), or -1.
