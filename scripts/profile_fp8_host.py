@@ -14,6 +14,8 @@ synchronised after each call and outside the timed part:
 - ``pack``: ``fp8.pack`` (its allocation and kernel launch); ``unpack``: the two views;
 - ``apply_bf16`` / ``apply_packed``: ``DispatchFunction.apply`` on the backend, bf16 tokens /
   the packed byte rows (what the Buffer calls after its checks);
+- ``dispatch_rows`` / ``apply_pair_rows``: the pair read in place (NOTES #57): building the
+  ``fp8.PairRows``, and the backend call on a built one;
 - ``chain_*``: the FP8 call's steps chained one more at a time (pack then apply; the same with
   the pack as two torch copies; the checks before; the views after), to find where the parts'
   sum and the whole call differ (s24-2: by ~30 us).
@@ -72,6 +74,7 @@ def main(argv=None):
         buf = mok.Buffer(None, max_recv_tokens=rows + 8, **kw)
         backend = buf._backend_for(x)
         packed = fp8.pack(*pair)
+        pair_rows = fp8.dispatch_rows(*pair)
 
         def torch_pack(x_fp8, scales):
             """fp8.pack's torch-copy fallback (no library launch), for the chain variants."""
@@ -96,6 +99,9 @@ def main(argv=None):
             "unpack": lambda: buf._fp8_rows(received, pair),
             "apply_bf16": lambda: DispatchFunction.apply(backend, [], x, w, idx, None),
             "apply_packed": lambda: DispatchFunction.apply(backend, [], packed, w, idx, None),
+            # NOTES #57: the pair read in place (fp8.PairRows) instead of packed.
+            "dispatch_rows": lambda: fp8.dispatch_rows(*pair),
+            "apply_pair_rows": lambda: DispatchFunction.apply(backend, [], pair_rows, w, idx, None),
             # The FP8 call's steps chained, one more each: where the parts' sum and the whole differ.
             "chain_pack_apply": lambda: DispatchFunction.apply(backend, [], fp8.pack(*pair), w, idx, None),
             "chain_torch_pack_apply": lambda: DispatchFunction.apply(

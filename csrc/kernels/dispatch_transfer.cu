@@ -362,8 +362,8 @@ cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h
   DispatchShape sh;
   // Checked by the API: multiples of 16, within the ring's row; x_bytes == row_bytes, or a pair.
   sh.vec_per_row = x.row_bytes / 16;
-  sh.a_vecs = x.x2 != nullptr ? x.x_bytes / 16 : sh.vec_per_row;
-  sh.row_format = row_format(x.row_bytes, x.x2 != nullptr);
+  sh.a_vecs = x.x_bytes / 16;
+  sh.row_format = row_format(x.row_bytes, x.two_sources());
   sh.cpc = HandleArrays::chunks_per_call(c.ws.cfg);
   sh.C = c.ws.cfg.chunk_tokens;
   sh.K = c.ws.cfg.topk;
@@ -432,11 +432,11 @@ cudaError_t launch_dispatch_stage_copy(const CommContext& c, const DispatchSourc
   // FP8 rows are). A pair's two sources go to the two planes of each slot (C token rows, then
   // C scale rows): two copies of each kind.
   char* dst = c.local() + ws.disp_ring;
-  const size_t a_row = static_cast<size_t>(x.x2 != nullptr ? x.x_bytes : x.row_bytes);
+  const size_t a_row = static_cast<size_t>(x.x_bytes);
   if (cudaError_t e = copy_into_slots(dst, ws.disp_chunk_bytes, static_cast<const char*>(x.x), a_row, C,
                                       num_tokens, s))
     return e;
-  if (x.x2 == nullptr) return cudaSuccess;
+  if (!x.two_sources()) return cudaSuccess;
   return copy_into_slots(dst + static_cast<size_t>(C) * a_row, ws.disp_chunk_bytes,
                          static_cast<const char*>(x.x2), static_cast<size_t>(x.row_bytes) - a_row, C,
                          num_tokens, s);

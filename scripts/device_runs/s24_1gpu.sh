@@ -5,6 +5,7 @@
 #   bash scripts/device_runs/s24_1gpu.sh COMMIT host     # s24-2, s24-3
 #   bash scripts/device_runs/s24_1gpu.sh COMMIT fp8src   # s24-4
 #   bash scripts/device_runs/s24_1gpu.sh COMMIT fuzz [SECONDS]
+#   bash scripts/device_runs/s24_1gpu.sh COMMIT recheck  # s24-5
 #
 # first: (a) branch wip/cached-row-check (NOTES item 23 after session 23): the row size carried
 # in each dispatch ring slot's ready value. Carry megatron_mok/_lib (the branch's build) and
@@ -22,8 +23,11 @@
 # CUDA regression sample (the bf16 path through the changed kernel); then the A/B: the kernel
 # profile and bench_small_batch.py --fp8 (W = 1, 128 / 512 / 4096 tokens) with MOK_FP8_PACK=1
 # (the pack, as before) and without, alternating; profile_fp8_host.py's split once more.
+# recheck: after s24-4's fix (a rank without tokens tagged its ring slots as one source): the FP8
+# GPU tests and shared-GPU W = 2 again, profile_fp8_host.py with the in-place variants, and a
+# short fuzz run (120 s).
 # fuzz: scripts/fuzz_dispatch.py, the CUDA backend against the reference on random configurations.
-C=${1:?commit}; PART=${2:?first, host, fp8src or fuzz}
+C=${1:?commit}; PART=${2:?first, host, fp8src, fuzz or recheck}
 . "$(dirname "$0")/common.sh"
 if [ "$PART" = first ]; then
   BASE_LIB=$PWD/.base_lib/libmok_cuda.so
@@ -86,6 +90,19 @@ elif [ "$PART" = fp8src ]; then
   done
   timeout -k 5 60 python3 scripts/profile_fp8_host.py --out $R/fp8_host --tokens 128 --commit $C > $R/fp8_host.log 2>&1
   echo "[fp8 host profile] rc=$?"; grep -E "^  |^T=" $R/fp8_host.log | head -20
+elif [ "$PART" = recheck ]; then
+  timeout -k 5 170 python3 -m pytest -v -p no:cacheprovider -rs --tb=short -x \
+    tests/test_fp8_dispatch.py tests/test_cuda_library_abi.py > $R/fp8_tests.log 2>&1
+  echo "[fp8 GPU tests] rc=$?"; grep -cE " PASSED" $R/fp8_tests.log; grep -E " FAILED| ERROR" $R/fp8_tests.log | head -20
+  grep -E "in_place|sources" $R/fp8_tests.log | head -20; grep -E "^E " $R/fp8_tests.log | head -20; tail -2 $R/fp8_tests.log
+  MOK_TEST_SHARED_GPU=1 timeout -k 5 70 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
+    tests/test_fp8_dispatch.py -k "test_cuda_fp8 and not world_size_1" > $R/fp8_shared.log 2>&1
+  echo "[fp8 W=2 shared GPU] rc=$?"; grep -E " PASSED| FAILED| ERROR|SKIPPED \[" $R/fp8_shared.log | head; grep -E "^E " $R/fp8_shared.log | head
+  timeout -k 5 50 python3 scripts/profile_fp8_host.py --out $R/fp8_host --tokens 128 --commit $C > $R/fp8_host.log 2>&1
+  echo "[fp8 host profile] rc=$?"; grep -E "^  |^T=" $R/fp8_host.log | head -20
+  timeout -k 10 200 python3 scripts/fuzz_dispatch.py --device cuda --seconds 110 --max-world 4 \
+    --out $R/fuzz --seed 24 > $R/fuzz.log 2>&1
+  echo "[fuzz] rc=$?"; tail -6 $R/fuzz.log
 elif [ "$PART" = fuzz ]; then
   timeout -k 10 $((${3:-240} + 90)) python3 scripts/fuzz_dispatch.py --device cuda --seconds ${3:-240} --max-world 4 \
     --out $R/fuzz --seed 24 > $R/fuzz.log 2>&1

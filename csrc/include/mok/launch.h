@@ -89,9 +89,12 @@ enum TransferMode : int32_t {
 // a pair's rows lie as two planes: the chunk's C token rows, then its C scale rows.
 struct DispatchSource {
   const void* x;
-  const void* x2;  // null: one source
+  const void* x2;  // the second source (null with one source, or on a rank without tokens)
   int row_bytes;
-  int x_bytes;     // == row_bytes with one source
+  int x_bytes;     // == row_bytes with one source, < row_bytes with two
+  // Decided by the widths, not by x2: a rank without tokens has no pointers, yet its ring tags
+  // and reads must use its peers' layout.
+  __host__ __device__ bool two_sources() const { return x_bytes < row_bytes; }
 };
 
 // Stage the rows into my dispatch ring and pull every task's token into its expert-major rows
