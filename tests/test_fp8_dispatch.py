@@ -675,7 +675,7 @@ def fp8_in_place_equals_packed(rank, world_size):
     from test_cuda_backend import mok_buffer
 
     dev = rank_device(rank)
-    E, H, K = 3 * world_size, 256, 4
+    E, H, K = 4 * world_size, 256, 4
     T_all = [0, 37, 61, 1][:world_size] if world_size > 1 else [37]
     bufs = [mok_buffer(E, H, K, 64, torch.bfloat16, "cuda", dev, timeout_s=30, **kw)
             for kw in ({}, {"max_recv_tokens": 64 * K * world_size})]

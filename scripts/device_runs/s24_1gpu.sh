@@ -6,6 +6,7 @@
 #   bash scripts/device_runs/s24_1gpu.sh COMMIT fp8src   # s24-4
 #   bash scripts/device_runs/s24_1gpu.sh COMMIT fuzz [SECONDS]
 #   bash scripts/device_runs/s24_1gpu.sh COMMIT recheck  # s24-5
+#   bash scripts/device_runs/s24_1gpu.sh COMMIT fp8tests # s24-6
 #
 # first: (a) branch wip/cached-row-check (NOTES item 23 after session 23): the row size carried
 # in each dispatch ring slot's ready value. Carry megatron_mok/_lib (the branch's build) and
@@ -27,7 +28,7 @@
 # GPU tests and shared-GPU W = 2 again, profile_fp8_host.py with the in-place variants, and a
 # short fuzz run (120 s).
 # fuzz: scripts/fuzz_dispatch.py, the CUDA backend against the reference on random configurations.
-C=${1:?commit}; PART=${2:?first, host, fp8src, fuzz or recheck}
+C=${1:?commit}; PART=${2:?first, host, fp8src, fuzz, recheck or fp8tests}
 . "$(dirname "$0")/common.sh"
 if [ "$PART" = first ]; then
   BASE_LIB=$PWD/.base_lib/libmok_cuda.so
@@ -103,6 +104,11 @@ elif [ "$PART" = recheck ]; then
   timeout -k 10 200 python3 scripts/fuzz_dispatch.py --device cuda --seconds 110 --max-world 4 \
     --out $R/fuzz --seed 24 > $R/fuzz.log 2>&1
   echo "[fuzz] rc=$?"; tail -6 $R/fuzz.log
+elif [ "$PART" = fp8tests ]; then  # every FP8 GPU test (s24-5 stopped at its first failure, a test's own bug)
+  timeout -k 5 200 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
+    tests/test_fp8_dispatch.py tests/test_cuda_library_abi.py > $R/fp8_tests.log 2>&1
+  echo "[fp8 GPU tests] rc=$?"; grep -cE " PASSED" $R/fp8_tests.log; grep -E " FAILED| ERROR" $R/fp8_tests.log | head -20
+  grep -E "in_place|wraps|schedules" $R/fp8_tests.log | head -20; grep -E "^E " $R/fp8_tests.log | head -20; tail -2 $R/fp8_tests.log
 elif [ "$PART" = fuzz ]; then
   timeout -k 10 $((${3:-240} + 90)) python3 scripts/fuzz_dispatch.py --device cuda --seconds ${3:-240} --max-world 4 \
     --out $R/fuzz --seed 24 > $R/fuzz.log 2>&1
