@@ -124,8 +124,8 @@ int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert
                 int64_t row_cap, int dtype_code, int partial_code, int num_blocks,
                 int num_producers, int hidden);
 
-/* The FP8 dispatch's pack (megatron_mok/fp8.py), for pairs whose widths do not allow two sources
- * (x2 above): row r of dst (dst_bytes) = row r of a (a_bytes),
+/* The FP8 pack (megatron_mok/fp8.py: fp8.pack; a dispatch reads a pair whose widths allow it in place
+ * from two sources, two_sources above): row r of dst (dst_bytes) = row r of a (a_bytes),
  * then row r of b (b_bytes), then zeros; rows rows, one kernel on `stream`. Every width a
  * multiple of 16, a_bytes + b_bytes <= dst_bytes, every pointer 16-byte aligned (else an error,
  * nothing launched). Needs no context. */

@@ -83,7 +83,7 @@ enum TransferMode : int32_t {
 };
 
 // Where a dispatch reads its rows: x alone (rows of row_bytes: token rows in the Buffer's dtype,
-// or packed FP8 rows), or, with x2, an FP8 pair read in place (megatron_mok/fp8.py): row t is
+// or packed FP8 rows), or, with two sources, an FP8 pair read in place (megatron_mok/fp8.py): row t is
 // row t of x (x_bytes: the FP8 token), then row t of x2 (row_bytes - x_bytes: its scales). Every
 // width a multiple of 16, pointers 16-byte aligned (checked by the API). Staged into a ring slot,
 // a pair's rows lie as two planes: the chunk's C token rows, then its C scale rows.
