@@ -710,6 +710,21 @@ def test_loopback_fp8_in_place_equals_packed(world_size, env, monkeypatch):
     assert run_loopback(fp8_in_place_equals_packed, world_size, timeout=300) == [True] * world_size
 
 
+# The process twins (2 GPUs, or shared-GPU mode): copy-engine staging across processes, IPC peers.
+@pytest.mark.parametrize("world_size", [
+    pytest.param(2, marks=[pytest.mark.gpu, pytest.mark.multigpu])])
+@pytest.mark.parametrize("cached", (False, True), ids=("routed", "cached"))
+def test_cuda_fp8_packed_on_one_rank_in_place_on_the_others_is_an_error(world_size, cached):
+    run_distributed(fp8_sources_differ, world_size, cached, backend="nccl", timeout=120, fresh=True)
+
+
+@pytest.mark.parametrize("world_size", [
+    pytest.param(2, marks=[pytest.mark.gpu, pytest.mark.multigpu])])
+def test_cuda_fp8_in_place_equals_packed(world_size):
+    assert run_distributed(fp8_in_place_equals_packed, world_size, backend="nccl",
+                           timeout=300) == [True] * world_size
+
+
 @pytest.mark.parametrize("world_size", [
     pytest.param(2, marks=[pytest.mark.gpu, pytest.mark.multigpu])])
 def test_cuda_fp8_on_one_rank_only_is_an_error(world_size):
