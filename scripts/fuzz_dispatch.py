@@ -2,6 +2,7 @@
 
     python scripts/fuzz_dispatch.py --seconds 240 --out DIR [--seed S] [--device cuda|cpu]
                                     [--max-world 4] [--cases N] [--max-tokens 600]
+                                    [--no-schedules] [--no-graphs]
     python scripts/fuzz_dispatch.py --replay CASE_SEED [--max-world 4] [--device ...] --out DIR
 
 Each case draws one configuration from its own case seed (printed before the case runs, so
@@ -37,25 +38,65 @@ output's padding rows in some steps, which combine must never read.
 - ``--device cpu``: no CUDA backend there; the reference backend against the independent
   oracle of ``tests/oracle.py`` (what CI runs, through tests/test_fuzz_dispatch.py).
 
+Two more things only a ``--device cuda`` case draws (a CPU case never does; both come from
+streams of their own, so the rest of a case's draw is the same on either device):
+
+- Schedules (``--no-schedules`` turns them off): about half the cases run under one or two of
+  the alternative schedules the CUDA backend picks from ``MOK_*`` environment variables
+  (``SCHEDULES`` below: the entries of the test lists ALT_SCHEDULES / SPLIT_SCHEDULES in
+  tests/test_cuda_backend.py, LOOPBACK_SCHEDULES in tests/test_cuda_loopback.py and
+  FP8_SCHEDULES in tests/test_fp8_dispatch.py, each drawn only where its requirement holds:
+  the speculative eager dispatch on eager Buffers with expert_alignment 1, fill-first on eager
+  Buffers, the copy staged beside the layout at world > 1 and never in a graph case, plain
+  launches and small calls on num_sms at world 1, where loopback groups do not already do so,
+  the 8-SM small-call budget where its routing kernels fit beside the transfers). They are
+  set in ``os.environ`` for the whole case (every loopback rank is a thread of this process,
+  so all make the same choice) and the previous values are put back afterwards, also when
+  the case fails or times out. The case config records them (``schedule``: the entries' ids
+  and the environment), the case line shows them, and ``schedule`` and
+  ``schedule_<id>`` count as features.
+- CUDA graphs (``--no-graphs``): about half the static-shape cases end with a graph step on
+  the same Buffer: new tokens per rank (each at most T_max), 3..5 routings and inputs drawn
+  for those token counts (max_recv_tokens raised, where needed, to every rank's rows in every
+  one of them), and as drawn an FP8 pair input (one kind for all of them) or a
+  rows_per_expert that holds every one of them (not both). The dispatch + expert + combine
+  of the first runs once outside the capture (compared too), is captured into one CUDA graph
+  (one rank at a time, tests/harness.py ``capture_in_turn``, as tests/test_cuda_loopback.py
+  does), then each other input is copied into the captured input tensors, the graph is
+  replayed, and its outputs (dispatch rows, probs, counts, sources, combine output) are
+  compared with the reference backend's eager run on that same input; ``check_errors`` after
+  every replay. Features ``cuda_graph`` (and ``cuda_graph_fp8`` / ``cuda_graph_rows_per_expert``).
+  On the CPU (tests only: a CPU draw has no graph) an eager stand-in runs the step at each
+  "replay", which checks the fuzzer's own graph plumbing against the oracle.
+
 Output: a case line each (seed, shape, features, result), a progress line every 10 cases,
 and ``DIR/fuzz.json`` (rewritten after every failure and at the end): the arguments, the
 number of cases, per-feature case counts, every failure (case seed, config, first mismatch,
 traceback) and the elapsed time. Exit status 1 on any failure, 0 otherwise.
 
-A case's draw depends on its seed, ``--max-world``, ``--max-tokens``, the GPU's SM count
-(num_sms is kept within what loopback ranks may take) and ``MOK_CHUNK_TOKENS`` (ring sizes):
-replay on the same kind of GPU with the same options (each failure records the command).
+A case's draw depends on its seed, ``--max-world``, ``--max-tokens``, the device, the GPU's SM
+count (num_sms is kept within what loopback ranks may take), ``MOK_CHUNK_TOKENS`` (ring sizes),
+``--no-schedules`` and ``--no-graphs``: replay on the same kind of GPU with the same options
+(each failure records the command).
 
-Not covered: ranks as processes (NCCL, IPC, one GPU per rank; NVLink itself), CUDA graphs,
-the schedules chosen by MOK_* environment variables (each Buffer takes the defaults), the
-error paths (bad expert ids, rows_per_expert or max_recv_tokens overflow, mismatched FP8 row
-sizes, input validation), float8_e8m0fnu scales, NaN/inf token values (NaN payloads after a sum
-are not specified), world sizes above --max-world, and calls larger than --max-tokens.
+Not covered: ranks as processes (NCCL, IPC, one GPU per rank; NVLink itself), the error paths
+(bad expert ids, rows_per_expert or max_recv_tokens overflow, mismatched FP8 row sizes, input
+validation), float8_e8m0fnu scales, NaN/inf token values (NaN payloads after a sum are not
+specified), world sizes above --max-world, and calls larger than --max-tokens. Of the
+schedules: ``MOK_CHUNK_TOKENS`` (the draw's ring sizes and routing-kernel bounds are counted
+in its chunks: run the whole fuzzer with it set instead), ``MOK_PDL=1`` on shared-GPU groups
+(not run forced by the tests either), ``MOK_FP8_PACK``, the role counts
+(``MOK_DISPATCH_PRODUCERS`` / ``MOK_COMBINE_PRODUCERS``), ``MOK_LAYOUT_FUSED_MAX_GROUPS``, and
+settings that differ between ranks. Of CUDA graphs: eager Buffers (rows_per_expert graphs
+there), backward passes and cached dispatches in the graph, several steps in one graph,
+replays with other token counts, FP8 with rows_per_expert in a graph, and
+``MOK_DISPATCH_CE_OVERLAP`` in a graph case (its side-stream fork is not captured by any test).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -98,6 +139,59 @@ MAIN_FEATURES = ("world_1", "fp8", "fp8_byte_scales", "static_shape", "expert_al
                  "nan_padding", "partial_fp32", "rank_with_zero_tokens", "unrouted_slots",
                  "duplicate_experts", "all_to_one_expert", "idx_int32", "dtype_bfloat16",
                  "dtype_float32", "t_max_exact")
+# Features only a --device cuda case can have (shown on its case line too).
+CUDA_FEATURES = ("schedule", "cuda_graph")
+
+# Alternative schedules of the CUDA backend, chosen by MOK_* environment variables (read when a
+# Buffer is made, megatron_mok/cuda/backend.py and launch_policy.py, or at each kernel launch,
+# env_off in csrc/kernels): (id, environment, requirement). Only entries of the test lists
+# (ids as there): ALT_SCHEDULES and SPLIT_SCHEDULES (tests/test_cuda_backend.py; the
+# loopback runs of LOOPBACK_SCHEDULES, tests/test_cuda_loopback.py) and FP8_SCHEDULES
+# (tests/test_fp8_dispatch.py, all of them in ALT_SCHEDULES too). Left out: chunk7_padded_slots
+# (MOK_CHUNK_TOKENS: the draw counts ring sizes and routing-kernel bounds in its chunks; the
+# tests run it on contract cases at one world size only). The requirement (see
+# schedule_allowed) says where an entry is valid or does anything:
+#   eager       an eager Buffer (no max_recv_tokens): the static dispatch ignores it
+#   eager_a1    an eager Buffer with expert_alignment 1 (the speculative dispatch is turned off,
+#               with a warning, by an alignment)
+#   multi_nograph  world > 1 (the backend ignores it at one rank) and no graph in the case
+#               (the copy forked onto the side stream is not captured by any test)
+#   world1      world 1: loopback groups of 2+ ranks already launch plainly
+#   world1_auto world 1 and num_sms not given: the only Buffers with a small-call budget to drop
+#   small8      an 8-SM small-call budget whose routing kernels fit beside every rank's
+#               transfer kernels (loopback.LoopbackRank.check_layout_fits: the backend checks
+#               that budget too, so a case drawn for fewer blocks could be refused)
+SCHEDULES = [
+    ("eager_stage_first", {"MOK_EAGER_STAGE_FIRST": "1"}, None),
+    ("combine_role_split", {"MOK_COMBINE_PHASED": "0"}, None),
+    ("combine_no_split", {"MOK_COMBINE_SPLIT": "0"}, None),
+    ("eager_fill_first", {"MOK_EAGER_FILL_FIRST": "1"}, "eager"),
+    ("eager_speculative", {"MOK_EAGER_SPECULATIVE": "1"}, "eager_a1"),
+    ("combine_own_rows_direct", {"MOK_COMBINE_STREAM_OWN": "0"}, None),
+    ("dispatch_release_per_task", {"MOK_DISPATCH_RELEASE_AT_END": "0"}, None),
+    ("dispatch_sm_staging", {"MOK_DISPATCH_CE_STAGE": "0"}, None),
+    ("combine_strided_tokens", {"MOK_COMBINE_TOKEN_RUNS": "0"}, None),
+    ("dispatch_strided_tasks", {"MOK_DISPATCH_TASK_RUNS": "0"}, None),
+    ("dispatch_ce_copy_beside_layout", {"MOK_DISPATCH_CE_OVERLAP": "1"}, "multi_nograph"),
+    ("combine_release_per_token", {"MOK_COMBINE_RELEASE_AT_END": "0"}, None),
+    ("combine_own_rows_in_consume", {"MOK_COMBINE_OWN_STAGED": "0"}, None),
+    ("combine_own_rows_in_consume_release_per_token",
+     {"MOK_COMBINE_OWN_STAGED": "0", "MOK_COMBINE_RELEASE_AT_END": "0"}, None),
+    ("combine_strided_produce", {"MOK_COMBINE_PRODUCE_RUNS": "0"}, None),
+    ("layout_three_kernels", {"MOK_LAYOUT_FUSED": "0"}, None),
+    ("small_call_sms_mixed_ranks", {"MOK_SMALL_CALL_SMS": "8", "MOK_SMALL_CALL_TOKENS": "8"}, "small8"),
+    ("small_call_sms_mixed_calls", {"MOK_SMALL_CALL_SMS": "8", "MOK_SMALL_CALL_TOKENS": "150"}, "small8"),
+    ("plain_launches", {"MOK_PDL": "0"}, "world1"),
+    ("small_calls_on_num_sms", {"MOK_SMALL_CALL_SMS": "0"}, "world1_auto"),
+    ("dispatch_unsplit", {"MOK_DISPATCH_SPLIT": "0"}, None),          # SPLIT_SCHEDULES
+]
+SCHEDULE_ENV = {sid: env for sid, env, _ in SCHEDULES}
+# Entries whose requirement few cases meet are drawn more often where it holds (weight; else 1).
+SCHEDULE_WEIGHT = {"eager_speculative": 3, "eager_fill_first": 2, "plain_launches": 2,
+                   "small_calls_on_num_sms": 2, "dispatch_ce_copy_beside_layout": 2}
+SCHEDULE_P = 0.5          # of --device cuda cases run under a schedule; of those, two settings:
+TWO_SETTINGS_P = 0.35
+GRAPH_P = 0.5             # of static-shape --device cuda cases that end with a graph step
 
 
 # ----------------------------------------------------------------------------- the draw
@@ -181,9 +275,13 @@ def _draw_step(rng: random.Random, cfg: dict, cap: int) -> dict:
 
 
 def draw_config(case_seed: int, max_world: int = 4, device_sms: int = NOMINAL_SMS,
-                max_tokens: int = 600) -> dict:
+                max_tokens: int = 600, device: str = "cpu", schedules: bool = True,
+                graphs: bool = True) -> dict:
     """One case's configuration (JSON-serialisable), valid by construction: everything the
-    Buffer and the loopback group would refuse is excluded here, not caught later."""
+    Buffer and the loopback group would refuse is excluded here, not caught later. For
+    ``device="cuda"`` also, as ``schedules`` / ``graphs`` allow, a graph step (``graph``) and
+    MOK_* settings (``schedule``), each from a stream of its own: the rest of the draw is the
+    same on either device (a graph step may raise ``max_recv_tokens``)."""
     rng = random.Random(case_seed)
     C = chunk_tokens()
     W = rng.randint(1, max_world)
@@ -212,6 +310,12 @@ def draw_config(case_seed: int, max_world: int = 4, device_sms: int = NOMINAL_SM
     cfg["max_tokens_per_rank"] = min(cap, most_tokens + slack)
     cfg["ring_chunks"], cfg["ring_bytes"] = _draw_ring(rng, cfg, C)
     _derive_capacities(rng, cfg)
+    cfg["graph"] = cfg["schedule"] = None
+    if device == "cuda":
+        if graphs:
+            cfg["graph"] = _draw_graph(random.Random(_mix(case_seed, 7001)), cfg)
+        if schedules:
+            cfg["schedule"] = _draw_schedule(random.Random(_mix(case_seed, 7002)), cfg, device_sms)
     return cfg
 
 
@@ -254,10 +358,140 @@ def _round_up(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
+def _rows_of(cfg: dict, st: dict) -> List[int]:
+    """Rows every rank receives in step (or graph input) ``st``: E_local x rows_per_expert, or
+    its experts' counts each rounded up to the alignment."""
+    A, W = cfg["expert_alignment"], cfg["world_size"]
+    if st["rows_per_expert"] is not None:
+        return [cfg["num_experts"] // W * n for n in st["rows_per_expert"]]
+    counts = _expert_counts(cfg, st)
+    return [sum(_round_up(int(c), A) for c in counts[d]) for d in range(W)]
+
+
+# ------------------------------------------------------------------ the graph step (cuda)
+# What the inputs of a graph step share (the captured call's shapes and arguments) and what
+# each draws anew (routing, values).
+GRAPH_SHARED = ("tokens", "idx_dtype", "fp8", "rows_per_expert", "nan_padding", "expert_seed")
+
+
+def _draw_graph(rng: random.Random, cfg: dict) -> Optional[dict]:
+    """A graph step for a static-shape case (else None): token counts (at most T_max), the
+    input kind, and 3..5 inputs of those shapes (the first for the warm-up call and the capture,
+    the others replayed). ``rows_per_expert`` (only without FP8) holds every input's fullest
+    expert; ``max_recv_tokens`` is raised to every rank's rows in every input."""
+    if cfg["max_recv_tokens"] is None or rng.random() >= GRAPH_P:
+        return None
+    W, E, A = cfg["world_size"], cfg["num_experts"], cfg["expert_alignment"]
+    T_max = cfg["max_tokens_per_rank"]
+    g = {"tokens": [_draw_tokens(rng, T_max) for _ in range(W)],
+         "idx_dtype": "int32" if rng.random() < 0.2 else "int64",
+         "fp8": _fp8_choice(rng, cfg["hidden"], DTYPES[cfg["dtype"]]) if rng.random() < 0.25 else None,
+         "rows_per_expert": None, "nan_padding": rng.random() < 0.5, "expert_seed": rng.getrandbits(40)}
+    fixed = g["fp8"] is None and rng.random() < 0.3
+    g["replays"] = [{"seed": rng.getrandbits(40), "routing": _weighted(rng, ROUTINGS),
+                     "hot_expert": rng.randrange(E), "hot_rank": rng.randrange(W),
+                     "one_slot": rng.random() < 0.5,
+                     "unrouted": rng.choice([0.0] * 6 + [0.15, 0.5, 1.0]),
+                     "values": _weighted(rng, [("normal", 70), ("int", 15), ("mixed", 15)])}
+                    for _ in range(rng.randint(3, 5))]
+    cfg["graph"] = g
+    if fixed:
+        counts = [_expert_counts(cfg, st) for st in graph_steps(cfg)]
+        g["rows_per_expert"] = [_round_up(max(int(c[d].max()) for c in counts) + rng.choice([0, 0, 1, 3, 17]), A)
+                                for d in range(W)]
+    most = max(max(_rows_of(cfg, st)) for st in graph_steps(cfg))
+    cfg["max_recv_tokens"] = max(cfg["max_recv_tokens"], most + rng.choice([0, 0, 1, 5]))
+    return g
+
+
+def graph_steps(cfg: dict) -> List[dict]:
+    """The graph step's inputs as step dicts (the step functions' arguments): what they share,
+    then each one's routing and values; no backward, no cached dispatch."""
+    g = cfg.get("graph")
+    if not g:
+        return []
+    shared = {k: (list(g[k]) if isinstance(g[k], list) else g[k]) for k in GRAPH_SHARED}
+    return [dict(r, **shared, rows_extra=None, cached=False, grad="none") for r in g["replays"]]
+
+
+# -------------------------------------------------------------------- schedules (cuda)
+def _small_call_fits(cfg: dict, device_sms: int, small_sms: int) -> bool:
+    """Whether a small-call budget of ``small_sms`` SMs passes the loopback layout check (the
+    backend runs check_layout_fits for it too, with the blocks it gets: at most a rank's share)."""
+    W = cfg["world_size"]
+    most = max(1, (device_sms - loopback.SPARE_SMS) // W)
+    blocks = max(2, min(small_sms, most))
+    return cfg["max_tokens_per_rank"] <= _layout_token_cap(W, blocks, device_sms, chunk_tokens())
+
+
+def schedule_allowed(sid: str, cfg: dict, device_sms: int = NOMINAL_SMS) -> bool:
+    """Whether SCHEDULES entry ``sid`` may be drawn for ``cfg`` (its requirement, see SCHEDULES)."""
+    need = {s: r for s, _, r in SCHEDULES}[sid]
+    W, static = cfg["world_size"], cfg["max_recv_tokens"] is not None
+    if need is None:
+        return True
+    if need == "eager":
+        return not static
+    if need == "eager_a1":
+        return not static and cfg["expert_alignment"] == 1
+    if need == "multi_nograph":
+        return W > 1 and not cfg.get("graph")
+    if need == "world1":
+        return W == 1
+    if need == "world1_auto":
+        return W == 1 and cfg["num_sms"] is None
+    if need == "small8":
+        return _small_call_fits(cfg, device_sms, 8)
+    raise ValueError(f"unknown schedule requirement {need!r}")
+
+
+def _draw_schedule(rng: random.Random, cfg: dict, device_sms: int) -> Optional[dict]:
+    """None, or one or two SCHEDULES entries allowed for ``cfg`` (two: no variable in common):
+    ``{"ids": [...], "env": {variable: value}}``."""
+    if rng.random() >= SCHEDULE_P:
+        return None
+
+    def pick(ids):
+        return rng.choices(ids, weights=[SCHEDULE_WEIGHT.get(sid, 1) for sid in ids])[0]
+
+    allowed = [sid for sid, _, _ in SCHEDULES if schedule_allowed(sid, cfg, device_sms)]
+    ids = [pick(allowed)]
+    if rng.random() < TWO_SETTINGS_P:
+        more = [sid for sid in allowed if not set(SCHEDULE_ENV[sid]) & set(SCHEDULE_ENV[ids[0]])]
+        if more:
+            ids.append(pick(more))
+    env: Dict[str, str] = {}
+    for sid in ids:
+        env.update(SCHEDULE_ENV[sid])
+    return {"ids": ids, "env": dict(sorted(env.items()))}
+
+
+@contextlib.contextmanager
+def case_environment(cfg: dict, device: str):
+    """The case's MOK_* settings in ``os.environ`` (a ``--device cuda`` case only: they are
+    the CUDA backend's) while it runs, the previous environment put back afterwards, also when
+    the case raises. Process-wide: every loopback rank is a thread of this process."""
+    env = ((cfg.get("schedule") or {}).get("env") or {}) if device == "cuda" else {}
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        os.environ.update(env)
+        yield env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 # --------------------------------------------------------------------------------- inputs
 def step_routing(cfg: dict, i: int, rank: int) -> torch.Tensor:
     """``topk_idx [T, K]`` of rank ``rank`` in step ``i`` (the same on every caller)."""
-    st = cfg["steps"][i]
+    return _routing(cfg, cfg["steps"][i], rank)
+
+
+def _routing(cfg: dict, st: dict, rank: int) -> torch.Tensor:
+    """``topk_idx [T, K]`` of rank ``rank`` in step (or graph input) ``st``."""
     T, E, K, W = st["tokens"][rank], cfg["num_experts"], cfg["topk"], cfg["world_size"]
     g = torch.Generator().manual_seed(_mix(st["seed"], rank, 1))
     style = st["routing"]
@@ -285,8 +519,12 @@ def step_routing(cfg: dict, i: int, rank: int) -> torch.Tensor:
 
 def expert_counts(cfg: dict, i: int) -> torch.Tensor:
     """``[W, E_local]``: rows each rank's local experts get in step ``i``."""
+    return _expert_counts(cfg, cfg["steps"][i])
+
+
+def _expert_counts(cfg: dict, st: dict) -> torch.Tensor:
     W, E = cfg["world_size"], cfg["num_experts"]
-    ids = torch.cat([step_routing(cfg, i, s).to(torch.int64).flatten() for s in range(W)])
+    ids = torch.cat([_routing(cfg, st, s).to(torch.int64).flatten() for s in range(W)])
     return torch.bincount(ids[ids >= 0], minlength=E).view(W, E // W)
 
 
@@ -312,13 +550,16 @@ def _fp8_pair(spec: dict, x: torch.Tensor, g: torch.Generator):
 def step_inputs(cfg: dict, i: int) -> List[Dict[str, Any]]:
     """Every rank's CPU tensors for step ``i``: x, idx, w, and as the step needs them the FP8
     pair, the cached dispatch's input (x2 / pair2) and the upstream gradient gy."""
-    st = cfg["steps"][i]
+    return _inputs(cfg, cfg["steps"][i])
+
+
+def _inputs(cfg: dict, st: dict) -> List[Dict[str, Any]]:
     H, K, dtype = cfg["hidden"], cfg["topk"], DTYPES[cfg["dtype"]]
     out = []
     for s, T in enumerate(st["tokens"]):
         g = torch.Generator().manual_seed(_mix(st["seed"], s, 2))
         d = {"x": _values(st["values"], T, H, g).to(dtype).contiguous(),
-             "idx": step_routing(cfg, i, s),
+             "idx": _routing(cfg, st, s),
              "w": (torch.rand(T, K, generator=g) * 0.95 + 0.05).contiguous()}
         if st["fp8"]:
             d["pair"] = _fp8_pair(st["fp8"], d["x"], g)
@@ -342,6 +583,12 @@ def cached_grad(st: dict, rank: int, rows: int, hidden: int, device) -> torch.Te
 
 
 # ------------------------------------------------------------------------ the local expert
+def expert_seed(st: dict) -> int:
+    """The local expert's seed in a step: its own, or the graph step's (one for all its inputs:
+    the captured expert is the same at every replay)."""
+    return st.get("expert_seed", st["seed"]) % 1000
+
+
 def dense_rows(tokens, is_fp8: bool, dtype: torch.dtype) -> torch.Tensor:
     """The expert's input: the token rows, or for FP8 rows a finite function of their bytes
     (raw FP8 bytes may be NaN; NaN in a sum would compare payloads, not the dispatch)."""
@@ -397,7 +644,7 @@ def run_step(buf, cfg: dict, st: dict, data: Dict[str, Any], rank: int, grad: st
         probs = probs.detach().requires_grad_(True)
         dense = dense if is_fp8 else dense.detach().requires_grad_(True)
     with torch.set_grad_enabled(grad != "none"):
-        eo = expert(res.src_rank, res.src_token, dense, probs, st["seed"] % 1000, dtype, st["nan_padding"])
+        eo = expert(res.src_rank, res.src_token, dense, probs, expert_seed(st), dtype, st["nan_padding"])
     if grad == "autograd":
         eo.retain_grad()
         out["y"] = buf.combine(eo, res.handle)
@@ -460,13 +707,17 @@ def _to_device(data: Dict[str, Any], device) -> Dict[str, Any]:
 
 
 def rank_main(rank: int, world_size: int, cfg: dict, inputs: List[List[dict]], backends: Dict[str, str],
-              kernel_timeout_s: float) -> Dict[str, List[Dict[str, torch.Tensor]]]:
+              kernel_timeout_s: float, graph_inputs: Optional[List[List[dict]]] = None
+              ) -> Dict[str, List[Dict[str, torch.Tensor]]]:
     """Every step on one loopback rank, on one Buffer per backend (``{"test": name, "ref":
-    name}``), the Buffers living through all steps. The reference's backward on a GPU is
-    always written out by hand (loopback.py: autograd's device thread is shared)."""
+    name}``), the Buffers living through all steps, then the graph step's inputs (if any;
+    ``graph_inputs``, see :func:`run_graph_step`), whose results follow the steps'. The
+    reference's backward on a GPU is always written out by hand (loopback.py: autograd's
+    device thread is shared)."""
     device = loopback.current().hub.device
     # Every input on the device before any kernel runs: no host copy behind communication.
     on_device = [_to_device(step[rank], device) for step in inputs]
+    graph_on_device = [_to_device(g[rank], device) for g in graph_inputs or []]
     bufs: Dict[str, Any] = {}
     results: Dict[str, List[Dict[str, torch.Tensor]]] = {role: [] for role in backends}
     try:
@@ -478,11 +729,100 @@ def rank_main(rank: int, world_size: int, cfg: dict, inputs: List[List[dict]], b
                 if device.type == "cuda" and buf.requested_backend == "reference" and grad == "autograd":
                     grad = "by_hand"
                 results[role].append(_on_cpu(run_step(buf, cfg, st, data, rank, grad), device))
+        if graph_on_device:
+            for role, outs in run_graph_step(bufs, cfg, graph_on_device, rank, world_size, device).items():
+                results[role] += outs
         for buf in bufs.values():
             buf.check_errors()       # static-shape errors surface here, not at a host read
     finally:
         for buf in bufs.values():
             buf.destroy()
+    return results
+
+
+# ------------------------------------------------------------------------ the graph step
+class _CudaGraph:
+    """One CUDA graph: :meth:`capture` records ``fn()`` (returning its outputs, which every
+    :meth:`replay` rewrites in place)."""
+
+    def __init__(self):
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn):
+        with torch.cuda.graph(self.graph):
+            return fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class _EagerStandIn:
+    """The CPU stand-in of :class:`_CudaGraph` (tests of the fuzzer's graph plumbing; a CPU
+    draw has no graph step): :meth:`capture` runs nothing and returns a dict that every
+    :meth:`replay` fills with ``fn()``'s outputs on the current inputs."""
+
+    def capture(self, fn):
+        self.fn, self.outs = fn, {}
+        return self.outs
+
+    def replay(self) -> None:
+        self.outs.update(self.fn())
+
+
+def _static_like(data: Dict[str, Any]) -> Dict[str, Any]:
+    """Fresh contiguous tensors of ``data``'s shapes and dtypes (the captured inputs)."""
+    def like(t):
+        return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
+    return {k: (tuple(like(t) for t in v) if isinstance(v, tuple) else like(v)) for k, v in data.items()}
+
+
+def _load(static: Dict[str, Any], data: Dict[str, Any]) -> None:
+    """Copy ``data`` into the captured inputs (on this rank's stream; FP8 tensors as bytes)."""
+    for k, dst in static.items():
+        pairs = zip(dst, data[k]) if isinstance(dst, tuple) else ((dst, data[k]),)
+        for d, src in pairs:
+            if d.numel() == 0:
+                continue
+            if d.element_size() == 1:
+                d.view(torch.uint8).copy_(src.view(torch.uint8))
+            else:
+                d.copy_(src)
+
+
+def run_graph_step(bufs: Dict[str, Any], cfg: dict, graph_data: List[Dict[str, Any]], rank: int,
+                   world_size: int, device: torch.device) -> Dict[str, List[Dict[str, torch.Tensor]]]:
+    """The graph step on one rank (tests/test_cuda_backend.py ``_graph`` and
+    tests/test_fp8_dispatch.py ``fp8_graph`` are the model). The backends not under test (the
+    reference) run every input eagerly first, before any rank captures. The backend under
+    test: the captured input tensors get the first input; one eager dispatch + expert +
+    combine on them (the warm-up, outside the capture; its outputs are the first result);
+    every rank captures that call in turn (harness.capture_in_turn: one rank at a time, none
+    replays before all have captured); then each further input is copied into the captured
+    tensors, the graph replayed, this rank's stream synchronised and ``check_errors`` called,
+    and the captured outputs are that input's result. Returns ``{role: [result per input]}``."""
+    steps = graph_steps(cfg)
+    on_gpu = device.type == "cuda"
+    results: Dict[str, List[Dict[str, torch.Tensor]]] = {role: [] for role in bufs}
+    for role, buf in bufs.items():
+        if role != "test":
+            for st, data in zip(steps, graph_data):
+                results[role].append(_on_cpu(run_step(buf, cfg, st, data, rank, "none"), device))
+    buf, st0 = bufs["test"], steps[0]
+    static = _static_like(graph_data[0])
+    _load(static, graph_data[0])
+    results["test"].append(_on_cpu(run_step(buf, cfg, st0, static, rank, "none"), device))
+    if on_gpu:
+        harness.sync_device()
+    graph = _CudaGraph() if on_gpu else _EagerStandIn()
+    outs = harness.capture_in_turn(rank, world_size,
+                                   lambda: graph.capture(lambda: run_step(buf, cfg, st0, static, rank, "none")))
+    for data in graph_data[1:]:
+        _load(static, data)
+        graph.replay()
+        if on_gpu:
+            harness.sync_device()
+        buf.check_errors()
+        results["test"].append(_on_cpu(outs, device))
     return results
 
 
@@ -497,7 +837,10 @@ def expected_step(cfg: dict, i: int, inputs: List[dict]) -> List[Dict[str, torch
     """What every rank must return from :func:`run_step` in step ``i``, from the oracle of
     tests/oracle.py (routing and sums written from the contract), the padding as the contract
     places it, and the same local expert (a local op: same inputs, same bits)."""
-    st = cfg["steps"][i]
+    return _expected(cfg, cfg["steps"][i], inputs)
+
+
+def _expected(cfg: dict, st: dict, inputs: List[dict]) -> List[Dict[str, torch.Tensor]]:
     W, E = cfg["world_size"], cfg["num_experts"]
     dtype, is_fp8 = DTYPES[cfg["dtype"]], st["fp8"] is not None
     partial = torch.float32 if cfg["partial_fp32"] else dtype
@@ -531,7 +874,7 @@ def _split_packed(packed: torch.Tensor, pair):
 def _expected_combine_and_grads(cfg, st, inputs, routing, want, real_rows, dtype, partial, is_fp8):
     """``y`` of every rank and, with a backward, grad_eo / grad_x / grad_w."""
     W, K = cfg["world_size"], cfg["topk"]
-    seed = st["seed"] % 1000
+    seed = expert_seed(st)
     grad = st["grad"] != "none"
     eos, grad_tokens, grad_probs = [], [], []
     gys = [d["gy"].to(dtype) for d in inputs] if grad else None
@@ -621,15 +964,17 @@ def padding_problems(got: Dict[str, torch.Tensor], tag: str) -> List[str]:
     return problems
 
 
-def compare_case(got: List[List[dict]], want: List[List[dict]], want_is_backend: bool = False) -> List[str]:
+def compare_case(got: List[List[dict]], want: List[List[dict]], want_is_backend: bool = False,
+                 labels: Optional[List[str]] = None) -> List[str]:
     """``got[i][r]`` (step i, rank r) against ``want[i][r]``, plus the padding rows of ``got``
-    (and of ``want`` when it is a backend's result too: the reference is the yardstick)."""
+    (and of ``want`` when it is a backend's result too: the reference is the yardstick).
+    ``labels``: what each result is called (:func:`result_labels`; default "step i")."""
     problems = []
     if len(got) != len(want):
         return [f"{len(got)} steps returned, {len(want)} expected"]
     for i, (g_step, w_step) in enumerate(zip(got, want)):
         for r, (g, w) in enumerate(zip(g_step, w_step)):
-            tag = f"step {i} rank {r}"
+            tag = f"{labels[i] if labels else f'step {i}'} rank {r}"
             problems += compare_step(g, w, tag) + padding_problems(g, tag)
             if want_is_backend:
                 problems += padding_problems(w, f"reference {tag}")
@@ -638,27 +983,40 @@ def compare_case(got: List[List[dict]], want: List[List[dict]], want_is_backend:
 
 # ------------------------------------------------------------------------------ one case
 def execute_case(cfg: dict, device: str, case_timeout_s: float):
-    """Run a case's steps on loopback ranks; returns ``(got, want)`` as ``[step][rank]``
-    lists of CPU tensor dicts: the backend under test and its expectation (the reference
-    backend's results on a GPU, the oracle's on the CPU)."""
-    W, steps = cfg["world_size"], range(len(cfg["steps"]))
-    inputs = [step_inputs(cfg, i) for i in steps]
+    """Run a case's steps (and graph step) on loopback ranks; returns ``(got, want)`` as
+    ``[result][rank]`` lists of CPU tensor dicts (:func:`result_labels`): the backend under test
+    and its expectation (the reference backend's results on a GPU, the oracle's on the CPU).
+    Run it inside :func:`case_environment`."""
+    W = cfg["world_size"]
+    gsteps = graph_steps(cfg)
+    inputs = [step_inputs(cfg, i) for i in range(len(cfg["steps"]))]
+    graph_inputs = [_inputs(cfg, st) for st in gsteps]
     backends = {"test": "cuda", "ref": "reference"} if device == "cuda" else {"test": "reference"}
     per_rank = loopback.run(rank_main, W, cfg, inputs, backends, max(5.0, case_timeout_s / 3),
-                            device=device, timeout_s=case_timeout_s)
-    got = [[per_rank[r]["test"][i] for r in range(W)] for i in steps]
+                            graph_inputs, device=device, timeout_s=case_timeout_s)
+    results = range(len(inputs) + len(graph_inputs))
+    got = [[per_rank[r]["test"][i] for r in range(W)] for i in results]
     if device == "cuda":
-        want = [[per_rank[r]["ref"][i] for r in range(W)] for i in steps]
+        want = [[per_rank[r]["ref"][i] for r in range(W)] for i in results]
     else:
-        want = [expected_step(cfg, i, inputs[i]) for i in steps]
+        want = ([expected_step(cfg, i, inputs[i]) for i in range(len(inputs))]
+                + [_expected(cfg, st, d) for st, d in zip(gsteps, graph_inputs)])
     return got, want
+
+
+def result_labels(cfg: dict) -> List[str]:
+    """What each of a case's results is: its steps, then the graph step's warm-up and replays."""
+    return ([f"step {i}" for i in range(len(cfg["steps"]))]
+            + [f"graph {'warm-up' if j == 0 else f'replay {j}'}" for j in range(len(graph_steps(cfg)))])
 
 
 def run_case(cfg: dict, device: str, case_timeout_s: float) -> Optional[dict]:
     """None if the case passed, else a failure record: kind (mismatch / exception /
-    timeout), the first mismatch or error line, up to 10 mismatches, the traceback."""
+    timeout), the first mismatch or error line, up to 10 mismatches, the traceback. The case
+    runs under its MOK_* settings (:func:`case_environment`), put back however it ends."""
     try:
-        got, want = execute_case(cfg, device, case_timeout_s)
+        with case_environment(cfg, device):
+            got, want = execute_case(cfg, device, case_timeout_s)
     except loopback.LoopbackError as e:
         text = str(e)
         kind = "timeout" if "did not finish within" in text else "exception"
@@ -666,7 +1024,7 @@ def run_case(cfg: dict, device: str, case_timeout_s: float) -> Optional[dict]:
     except Exception as e:  # noqa: BLE001  (any exception is a finding, recorded with its trace)
         return {"kind": "exception", "message": f"{type(e).__name__}: {e}".splitlines()[0],
                 "traceback": traceback.format_exc()}
-    problems = compare_case(got, want, want_is_backend=device == "cuda")
+    problems = compare_case(got, want, want_is_backend=device == "cuda", labels=result_labels(cfg))
     if not problems:
         return None
     return {"kind": "mismatch", "message": problems[0], "mismatches": problems[:10],
@@ -706,6 +1064,13 @@ def case_features(cfg: dict) -> List[str]:
     f |= {k for k, v in flags.items() if v}
     for i, st in enumerate(cfg["steps"]):
         f |= _step_features(cfg, i, st, C)
+    sched, graph = cfg.get("schedule"), cfg.get("graph")
+    if sched:
+        f |= {"schedule"} | {f"schedule_{sid}" for sid in sched["ids"]}
+    if graph:
+        f.add("cuda_graph")
+        f |= {"cuda_graph_fp8"} if graph["fp8"] else set()
+        f |= {"cuda_graph_rows_per_expert"} if graph["rows_per_expert"] is not None else set()
     return sorted(f)
 
 
@@ -742,10 +1107,17 @@ def _has_duplicate(idx: torch.Tensor) -> bool:
 
 
 def describe(cfg: dict) -> str:
-    """A one-line summary of a case's shape."""
-    return (f"W={cfg['world_size']} E={cfg['num_experts']} K={cfg['topk']} H={cfg['hidden']} "
+    """A one-line summary of a case's shape (with its graph step's token counts x inputs and
+    its MOK_* settings, when it has them)."""
+    text = (f"W={cfg['world_size']} E={cfg['num_experts']} K={cfg['topk']} H={cfg['hidden']} "
             f"{cfg['dtype']} T_max={cfg['max_tokens_per_rank']} steps={len(cfg['steps'])} "
             f"tokens={[st['tokens'] for st in cfg['steps']]}")
+    if cfg.get("graph"):
+        g = cfg["graph"]
+        text += f" graph={g['tokens']}x{len(g['replays'])}"
+    if cfg.get("schedule"):
+        text += " " + ",".join(f"{k}={v}" for k, v in cfg["schedule"]["env"].items())
+    return text
 
 
 # ---------------------------------------------------------------------------------- main
@@ -762,6 +1134,9 @@ def parse_args(argv=None):
     p.add_argument("--case-timeout", type=float, default=120.0,
                    help="seconds a case may take before it counts as a hang (kernel timeouts: a third)")
     p.add_argument("--replay", type=int, default=None, metavar="CASE_SEED", help="run only this case")
+    p.add_argument("--no-schedules", action="store_true",
+                   help="--device cuda: draw no MOK_* schedule settings (every Buffer takes the defaults)")
+    p.add_argument("--no-graphs", action="store_true", help="--device cuda: draw no CUDA-graph steps")
     args = p.parse_args(argv)
     if not 1 <= args.max_world <= 15:
         p.error("--max-world must be in 1..15 (loopback ranks on one GPU, loopback.py)")
@@ -797,10 +1172,14 @@ def _write_json(path: str, doc: dict) -> None:
     os.replace(tmp, path)
 
 
+def _cuda_usable() -> bool:
+    return "cuda" in mok.available_backends()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = args.device or ("cuda" if "cuda" in mok.available_backends() else "cpu")
-    if device == "cuda" and "cuda" not in mok.available_backends():
+    device = args.device or ("cuda" if _cuda_usable() else "cpu")
+    if device == "cuda" and not _cuda_usable():
         print("fuzz_dispatch: --device cuda needs a GPU and the compiled library", file=sys.stderr)
         return 2
     if device == "cuda" and not _gpu_environment_ok(args.max_world):
@@ -849,9 +1228,11 @@ def _run_one(doc, counts, case_seed, device, sms, args, t0, out_path) -> str:
     cfg, feats = None, []
     print(f"case {n} seed {case_seed}: ", end="", flush=True)   # a crash still names the seed
     try:
-        cfg = draw_config(case_seed, args.max_world, sms, args.max_tokens)
+        cfg = draw_config(case_seed, args.max_world, sms, args.max_tokens, device,
+                          schedules=not args.no_schedules, graphs=not args.no_graphs)
         feats = case_features(cfg)
-        print(f"{describe(cfg)} [{','.join(f for f in feats if f in MAIN_FEATURES)}]", end="", flush=True)
+        shown = [f for f in feats if f in MAIN_FEATURES or f in CUDA_FEATURES]
+        print(f"{describe(cfg)} [{','.join(shown)}]", end="", flush=True)
         if args.replay is not None:
             print("\n" + json.dumps(cfg, indent=1), flush=True)
         failure = run_case(cfg, device, args.case_timeout)
@@ -867,7 +1248,9 @@ def _run_one(doc, counts, case_seed, device, sms, args, t0, out_path) -> str:
     print(f" FAILED ({failure['kind']}): {failure['message']}", flush=True)
     failure.update(case_index=n, case_seed=case_seed, config=cfg,
                    replay=f"python scripts/fuzz_dispatch.py --replay {case_seed} --max-world {args.max_world} "
-                          f"--max-tokens {args.max_tokens} --device {device} --out DIR")
+                          f"--max-tokens {args.max_tokens} --device {device}"
+                          + (" --no-schedules" if args.no_schedules else "")
+                          + (" --no-graphs" if args.no_graphs else "") + " --out DIR")
     doc["failures"].append(failure)
     doc["elapsed_s"] = round(time.monotonic() - t0, 2)
     doc["feature_counts"] = dict(sorted(counts.items()))

@@ -5,6 +5,12 @@ so these tests keep its machinery honest on every CI run: a few cases pass end t
 write the JSON; the draw is deterministic, valid by construction and turns every feature
 both on and off; and the checker does fail on a corrupted result (a checker that cannot
 fail would make every fuzz run pass).
+
+The ``--device cuda`` extras (MOK_* schedules, CUDA-graph steps) cannot run here; these tests
+check their draw (only in cuda mode, valid, deterministic), that the environment is put back
+after a case however it ends, that ``--replay`` reproduces them, and the graph step's plumbing
+(inputs copied into the captured tensors, results in order) through its eager CPU stand-in
+against the oracle.
 """
 
 import json
@@ -74,6 +80,81 @@ def _check_valid(cfg: dict, device_sms: int = fz.NOMINAL_SMS) -> None:
             scale_cols, scale_dtype = ((H // st["fp8"]["block"], torch.float32) if st["fp8"]["kind"] == "quantize"
                                        else (st["fp8"]["scale_cols"], torch.uint8))
             assert fp8.packed_row_bytes(H, scale_cols, scale_dtype) <= H * dtype.itemsize
+    _check_graph(cfg)
+    _check_schedule(cfg, device_sms)
+
+
+def _check_graph(cfg: dict) -> None:
+    """A graph step: static shape only; every input the captured shapes and arguments; every
+    rank's rows of every input within max_recv_tokens; rows_per_expert over every input's
+    fullest expert, never with FP8; an FP8 row that fits the token row."""
+    g = cfg.get("graph")
+    if g is None:
+        return
+    W, E, A, H = cfg["world_size"], cfg["num_experts"], cfg["expert_alignment"], cfg["hidden"]
+    assert cfg["max_recv_tokens"] is not None
+    assert len(g["tokens"]) == W and all(0 <= t <= cfg["max_tokens_per_rank"] for t in g["tokens"])
+    assert 3 <= len(g["replays"]) <= 5
+    assert not (g["fp8"] and g["rows_per_expert"] is not None)
+    if g["fp8"] is not None:
+        scale_cols, scale_dtype = ((H // g["fp8"]["block"], torch.float32) if g["fp8"]["kind"] == "quantize"
+                                   else (g["fp8"]["scale_cols"], torch.uint8))
+        assert fp8.packed_row_bytes(H, scale_cols, scale_dtype) <= H * fz.DTYPES[cfg["dtype"]].itemsize
+    steps = fz.graph_steps(cfg)
+    shapes = None
+    for st in steps:
+        assert st["tokens"] == g["tokens"] and st["grad"] == "none" and not st["cached"]
+        inputs = fz._inputs(cfg, st)
+        sig = [(k, tuple(t.shape), t.dtype) for d in inputs for k, v in sorted(d.items())
+               for t in (v if isinstance(v, tuple) else (v,))]
+        assert shapes is None or sig == shapes       # what the captured tensors hold
+        shapes = sig
+        counts = fz._expert_counts(cfg, st)
+        for d in range(W):
+            if g["rows_per_expert"] is not None:
+                n = g["rows_per_expert"][d]
+                assert n % A == 0 and n >= int(counts[d].max())
+                rows = E // W * n
+            else:
+                rows = sum(-(-int(c) // A) * A for c in counts[d])
+            assert rows <= cfg["max_recv_tokens"]
+
+
+# The requirement of each schedule, written out again here (not read from the script).
+def _schedule_ok(env: dict, cfg: dict, device_sms: int) -> bool:
+    W, static = cfg["world_size"], cfg["max_recv_tokens"] is not None
+    if "MOK_EAGER_SPECULATIVE" in env and (static or cfg["expert_alignment"] != 1):
+        return False
+    if "MOK_EAGER_FILL_FIRST" in env and static:
+        return False
+    if "MOK_DISPATCH_CE_OVERLAP" in env and (W == 1 or cfg["graph"] is not None):
+        return False
+    if "MOK_PDL" in env and W != 1:
+        return False
+    if env.get("MOK_SMALL_CALL_SMS") == "0" and (W != 1 or cfg["num_sms"] is not None):
+        return False
+    if env.get("MOK_SMALL_CALL_SMS") == "8":
+        # the backend's own check for the small-call budget's blocks (loopback.check_layout_fits)
+        most = max(1, (device_sms - loopback.SPARE_SMS) // W)
+        blocks = max(2, min(8, most))
+        need = W * W * -(-cfg["max_tokens_per_rank"] // fz.chunk_tokens())
+        if need > (device_sms - W * blocks) * loopback.COUNT_BLOCKS_PER_SM:
+            return False
+    return "MOK_CHUNK_TOKENS" not in env
+
+
+def _check_schedule(cfg: dict, device_sms: int) -> None:
+    sched = cfg.get("schedule")
+    if sched is None:
+        return
+    assert 1 <= len(sched["ids"]) <= 2 and len(set(sched["ids"])) == len(sched["ids"])
+    envs = [fz.SCHEDULE_ENV[sid] for sid in sched["ids"]]
+    if len(envs) == 2:
+        assert not set(envs[0]) & set(envs[1]), sched
+    merged = {k: v for e in envs for k, v in e.items()}
+    assert sched["env"] == merged
+    for e in envs:
+        assert _schedule_ok(e, cfg, device_sms), (sched, cfg["world_size"], cfg["max_recv_tokens"])
 
 
 def test_draw_is_deterministic_valid_and_turns_every_feature_on_and_off():
@@ -91,6 +172,222 @@ def test_draw_is_deterministic_valid_and_turns_every_feature_on_and_off():
     for w in (1, 2, 3, 4):
         assert counts.get(f"world_{w}", 0) > 0, counts
     assert not any(k.startswith("world_5") for k in counts)
+
+
+def _test_list_settings() -> dict:
+    """id -> environment of every entry of the schedule lists of the GPU tests."""
+    import test_cuda_backend
+    import test_cuda_loopback
+    import test_fp8_dispatch
+
+    out = {}
+    for lst in (test_cuda_backend.ALT_SCHEDULES, test_cuda_backend.SPLIT_SCHEDULES,
+                test_cuda_loopback.LOOPBACK_SCHEDULES, test_fp8_dispatch.FP8_SCHEDULES):
+        for p in lst:
+            assert out.get(p.id, p.values[0]) == p.values[0]
+            out[p.id] = p.values[0]
+    return out
+
+
+def test_the_schedules_are_entries_of_the_test_lists():
+    listed = _test_list_settings()
+    for sid, env, _ in fz.SCHEDULES:
+        assert listed.get(sid) == env, sid
+        fz.schedule_allowed(sid, fz.draw_config(0, device="cuda"))      # a known requirement
+    # every setting of those lists is drawn but one (the same setting may have two ids there)
+    left_out = {sid for sid, env in listed.items() if env and env not in fz.SCHEDULE_ENV.values()}
+    assert left_out == {"chunk7_padded_slots"}, left_out
+
+
+def test_cuda_draw_adds_valid_schedules_and_graphs_and_cpu_draw_never_does():
+    n, counts, ids = 300, {}, {}
+    for s in range(n):
+        cpu = fz.draw_config(s, max_world=4)
+        cfg = fz.draw_config(s, max_world=4, device="cuda")
+        assert cpu["schedule"] is None and cpu["graph"] is None
+        assert cfg == fz.draw_config(s, max_world=4, device="cuda")          # --replay
+        json.dumps(cfg)
+        _check_valid(cfg)
+        # the rest of the draw is the CPU draw (a graph step may only raise max_recv_tokens)
+        assert {k: v for k, v in cfg.items() if k not in ("schedule", "graph", "max_recv_tokens")} == \
+            {k: v for k, v in cpu.items() if k not in ("schedule", "graph", "max_recv_tokens")}
+        if cfg["graph"] is None:
+            assert cfg["max_recv_tokens"] == cpu["max_recv_tokens"]
+        else:
+            assert cfg["max_recv_tokens"] >= cpu["max_recv_tokens"]
+        off = fz.draw_config(s, max_world=4, device="cuda", schedules=False, graphs=False)
+        assert off["schedule"] is None and off["graph"] is None and off["max_recv_tokens"] == cpu["max_recv_tokens"]
+        feats = fz.case_features(cfg)
+        for f in feats:
+            counts[f] = counts.get(f, 0) + 1
+        assert ("schedule" in feats) == (cfg["schedule"] is not None)
+        assert ("cuda_graph" in feats) == (cfg["graph"] is not None)
+        for sid in (cfg["schedule"] or {}).get("ids", ()):
+            ids[sid] = ids.get(sid, 0) + 1
+            assert f"schedule_{sid}" in feats
+    for f in ("schedule", "cuda_graph", "cuda_graph_fp8", "cuda_graph_rows_per_expert"):
+        assert 0 < counts.get(f, 0) < n, (f, counts.get(f))
+    assert sum(1 for s in range(n) if len((fz.draw_config(s, 4, device="cuda")["schedule"] or {}).get("ids", ())) == 2) > 0
+    assert len(ids) >= 15, ids
+    for sid in ("eager_speculative", "dispatch_ce_copy_beside_layout", "plain_launches",
+                "small_call_sms_mixed_ranks", "layout_three_kernels"):
+        assert ids.get(sid, 0) > 0, ids
+    # a smaller GPU: the 8-SM small-call budget is left out where its routing kernels do not fit
+    for s in range(100):
+        _check_valid(fz.draw_config(s, max_world=4, device_sms=80, device="cuda"), 80)
+
+
+def test_schedule_requirements():
+    base = fz.draw_config(1, device="cuda")
+    cfg = dict(base, world_size=2, num_sms=None, max_recv_tokens=None, expert_alignment=1, graph=None)
+    assert fz.schedule_allowed("eager_speculative", cfg)
+    assert not fz.schedule_allowed("eager_speculative", dict(cfg, expert_alignment=8))
+    assert not fz.schedule_allowed("eager_speculative", dict(cfg, max_recv_tokens=100))
+    assert not fz.schedule_allowed("eager_fill_first", dict(cfg, max_recv_tokens=100))
+    assert fz.schedule_allowed("dispatch_ce_copy_beside_layout", cfg)
+    assert not fz.schedule_allowed("dispatch_ce_copy_beside_layout", dict(cfg, world_size=1))
+    assert not fz.schedule_allowed("dispatch_ce_copy_beside_layout", dict(cfg, graph={"replays": []}))
+    assert not fz.schedule_allowed("plain_launches", cfg)
+    assert fz.schedule_allowed("plain_launches", dict(cfg, world_size=1))
+    assert fz.schedule_allowed("small_calls_on_num_sms", dict(cfg, world_size=1))
+    assert not fz.schedule_allowed("small_calls_on_num_sms", dict(cfg, world_size=1, num_sms=8))
+    # 4 ranks x 8 SMs on a 132-SM GPU leave room for (132 - 32) * 8 // 16 = 50 chunks of 64 tokens
+    assert fz.schedule_allowed("small_call_sms_mixed_ranks", dict(cfg, world_size=4, max_tokens_per_rank=50 * 64))
+    assert not fz.schedule_allowed("small_call_sms_mixed_ranks", dict(cfg, world_size=4, max_tokens_per_rank=50 * 64 + 1))
+
+
+def _cuda_cfg(pred, max_world=3, limit=2000) -> dict:
+    for s in range(limit):
+        cfg = fz.draw_config(s, max_world, device="cuda")
+        if pred(cfg):
+            return cfg
+    raise AssertionError("no such config drawn")
+
+
+def test_the_environment_is_set_for_a_case_and_put_back_however_it_ends(monkeypatch):
+    cfg = _cuda_cfg(lambda c: c["schedule"] is not None and len(c["schedule"]["ids"]) == 2)
+    env = cfg["schedule"]["env"]
+    keys = sorted(env)
+    monkeypatch.setenv(keys[0], "previous")               # put back as it was ...
+    for k in keys[1:]:
+        monkeypatch.delenv(k, raising=False)             # ... or removed
+    before = dict(os.environ)
+    seen = []
+
+    def body(kind):
+        def fake_execute(c, device, timeout_s):
+            seen.append({k: os.environ.get(k) for k in keys})
+            if kind == "error":
+                raise RuntimeError("the case body failed")
+            if kind == "hang":
+                raise loopback.LoopbackError("x failed:\n--- rank -1 ---\nranks [0] did not finish within 3 s (hang?)")
+            raise KeyboardInterrupt
+        return fake_execute
+
+    monkeypatch.setattr(fz, "execute_case", body("error"))
+    failure = fz.run_case(cfg, "cuda", 5.0)
+    assert failure["kind"] == "exception" and "the case body failed" in failure["message"]
+    assert seen[-1] == env and dict(os.environ) == before
+    monkeypatch.setattr(fz, "execute_case", body("hang"))
+    assert fz.run_case(cfg, "cuda", 5.0)["kind"] == "timeout"
+    assert seen[-1] == env and dict(os.environ) == before
+    monkeypatch.setattr(fz, "execute_case", body("interrupt"))
+    with pytest.raises(KeyboardInterrupt):
+        fz.run_case(cfg, "cuda", 5.0)
+    assert seen[-1] == env and dict(os.environ) == before
+    # not on the CPU (the settings are the CUDA backend's)
+    monkeypatch.setattr(fz, "execute_case", body("error"))
+    fz.run_case(cfg, "cpu", 5.0)
+    assert seen[-1] == {k: before.get(k) for k in keys} and dict(os.environ) == before
+
+
+def _pretend_gpu(monkeypatch, seen):
+    """main() with --device cuda on this machine: a stand-in GPU, and a case body that records
+    its config and MOK_* environment, then fails (so every case is written to fuzz.json)."""
+    monkeypatch.setattr(fz, "_cuda_usable", lambda: True)
+    monkeypatch.setattr(fz, "_gpu_environment_ok", lambda max_world: True)
+    monkeypatch.setattr(fz, "_device_info", lambda device: ("stand-in GPU", fz.NOMINAL_SMS))
+
+    def fake_execute(cfg, device, timeout_s):
+        assert device == "cuda"
+        seen.append((json.loads(json.dumps(cfg)), {k: v for k, v in os.environ.items() if k.startswith("MOK_")}))
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(fz, "execute_case", fake_execute)
+
+
+def test_replay_reproduces_the_schedule_and_the_graph_step(tmp_path, monkeypatch):
+    for k in [k for k in os.environ if k.startswith("MOK_")]:
+        monkeypatch.delenv(k)
+    seen = []
+    _pretend_gpu(monkeypatch, seen)
+    rc = fz.main(["--device", "cuda", "--cases", "16", "--max-world", "3", "--seed", "11", "--seconds", "600",
+                  "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "fuzz.json").read_text())
+    assert rc == 1 and doc["cases"] == 16 and len(doc["failures"]) == 16
+    assert not [k for k in os.environ if k.startswith("MOK_")]
+    for f in ("schedule", "cuda_graph"):
+        assert 0 < doc["feature_counts"].get(f, 0) < 16, (f, doc["feature_counts"])
+    for (cfg, env), failure in zip(seen, doc["failures"]):
+        assert failure["config"] == cfg and env == ((cfg["schedule"] or {}).get("env") or {})
+    sched = next(f for f in doc["failures"] if f["config"]["schedule"])
+    graph = next(f for f in doc["failures"] if f["config"]["graph"])
+    for i, failure in enumerate((sched, graph)):
+        assert "--device cuda" in failure["replay"] and "--no-" not in failure["replay"]
+        seen.clear()
+        fz.main(["--device", "cuda", "--replay", str(failure["case_seed"]), "--max-world", "3",
+                 "--out", str(tmp_path / f"replay{i}")])
+        assert seen == [(failure["config"], (failure["config"]["schedule"] or {}).get("env") or {})]
+
+    # --no-schedules / --no-graphs: none drawn, and the replay command says so
+    seen.clear()
+    fz.main(["--device", "cuda", "--cases", "16", "--max-world", "3", "--seed", "11", "--seconds", "600",
+             "--no-schedules", "--no-graphs", "--out", str(tmp_path / "off")])
+    doc = json.loads((tmp_path / "off" / "fuzz.json").read_text())
+    assert all(cfg["schedule"] is None and cfg["graph"] is None and env == {} for cfg, env in seen)
+    assert "--no-schedules --no-graphs" in doc["failures"][0]["replay"]
+
+
+def _graph_cfg(fp8_input=False, fixed=False) -> dict:
+    """A small cuda-mode case (2+ ranks) with a graph step of that kind."""
+    return _cuda_cfg(lambda c: c["graph"] is not None and c["world_size"] > 1 and c["hidden"] <= 256
+                     and bool(c["graph"]["fp8"]) == fp8_input
+                     and (c["graph"]["rows_per_expert"] is not None) == fixed
+                     and max(max(st["tokens"]) for st in c["steps"]) <= 300)
+
+
+@pytest.mark.parametrize("kind", ["plain", "fp8", "rows_per_expert"])
+def test_the_graph_step_plumbing_on_the_cpu_stand_in(kind, monkeypatch):
+    """The graph step's code with the eager stand-in for the graph and the reference backend
+    under test, against the oracle: its inputs land in the captured tensors, its results come
+    in order (warm-up, then each replay), and a replay that sees stale inputs is caught."""
+    cfg = _graph_cfg(fp8_input=kind == "fp8", fixed=kind == "rows_per_expert")
+    labels = fz.result_labels(cfg)
+    assert labels[len(cfg["steps"])] == "graph warm-up" and labels[-1] == f"graph replay {len(cfg['graph']['replays']) - 1}"
+    got, want = fz.execute_case(cfg, "cpu", 60.0)
+    assert len(got) == len(want) == len(labels)
+    assert fz.compare_case(got, want, labels=labels) == []
+    last = got[-1][1]
+    assert set(last) == {"tokens", "probs", "tokens_per_expert", "src_rank", "src_token", "y"} - (
+        {"tokens"} if kind == "fp8" else set()) | ({"fp8_bytes", "scale_bytes"} if kind == "fp8" else set())
+    assert last["src_rank"].shape[0] == cfg["max_recv_tokens"]
+    if last["y"].numel():
+        _flip_low_bit(last["y"], (0, 0))
+        problems = fz.compare_case(got, want, labels=labels)
+        assert problems and problems[0].startswith(f"{labels[-1]} rank 1 y:"), problems
+
+    loads, real_load = [], fz._load
+
+    def stale_load(static, data):          # only each rank's first input reaches its graph
+        if id(static) not in loads:
+            real_load(static, data)
+        loads.append(id(static))
+
+    monkeypatch.setattr(fz, "_load", stale_load)
+    got, want = fz.execute_case(cfg, "cpu", 60.0)
+    problems = fz.compare_case(got, want, labels=labels)
+    assert len(loads) == cfg["world_size"] * len(cfg["graph"]["replays"])
+    assert problems and all(p.startswith("graph replay") for p in problems), problems[:3]
 
 
 def _small_case() -> dict:
