@@ -79,25 +79,21 @@ int check_tokens(const MokContext* ctx, int num_tokens) {
   return 0;
 }
 
-// The bytes of one dispatched row: 0 means the Buffer's token row (hidden x elem_bytes); else a
-// multiple of 16 (the copies move 16-byte vectors) that fits the ring's row (packed FP8 rows).
-int resolve_row_bytes(const MokContext* ctx, int* row_bytes) {
-  const int full = ctx->comm.ws.cfg.hidden * ctx->comm.ws.cfg.elem_bytes;
-  if (*row_bytes == 0) *row_bytes = full;
-  if (*row_bytes < 16 || *row_bytes % 16 != 0 || *row_bytes > full)
-    return fail("row_bytes must be 0 (the token row) or a multiple of 16 in [16, hidden x elem_bytes]");
-  return 0;
-}
-
-// Where a dispatch reads its rows (launch.h, DispatchSource): x, or (two_sources) an FP8 pair
-// read in place, x (hidden bytes per row: the FP8 token) and x2 (row_bytes - hidden: its
-// scales). row_bytes is resolved first. The choice is explicit, not x2 != NULL: a rank without
+// Where a dispatch reads its rows and their size (launch.h, DispatchSource), for every dispatch
+// entry point. row_bytes: 0 means the Buffer's token row (hidden x elem_bytes); else a multiple
+// of 16 (the copies move 16-byte vectors) that fits the ring's row (FP8 rows). The rows are x's,
+// or (two_sources) an FP8 pair read in place, x (hidden bytes per row: the FP8 token) and x2
+// (row_bytes - hidden: its scales). The choice is explicit, not x2 != NULL: a rank without
 // tokens has no pointers, and its choice must still match its peers' (the layout compares it).
-// Pointers of a call with tokens are non-null and 16-byte aligned (the copies move 16-byte
-// vectors; a misaligned load would end the CUDA context).
+// Pointers of a call with tokens are non-null and 16-byte aligned (a misaligned load would end
+// the CUDA context); num_tokens 0 checks the size and the choice only.
 int resolve_source(const MokContext* ctx, const void* x, const void* x2, int two_sources, int num_tokens,
                    int row_bytes, DispatchSource* out) {
   const int hidden = ctx->comm.ws.cfg.hidden;
+  const int full = hidden * ctx->comm.ws.cfg.elem_bytes;
+  if (row_bytes == 0) row_bytes = full;
+  if (row_bytes < 16 || row_bytes % 16 != 0 || row_bytes > full)
+    return fail("row_bytes must be 0 (the token row) or a multiple of 16 in [16, hidden x elem_bytes]");
   *out = DispatchSource{x, nullptr, row_bytes, row_bytes};
   if (two_sources != 0 && two_sources != 1) return fail("two_sources must be 0 or 1");
   if (two_sources) {
@@ -159,11 +155,11 @@ int check_rows_per_expert(const MokContext* ctx, int64_t rows_per_expert, int64_
 
 int layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx, int idx_is_64,
            const float* topk_weights, int num_tokens, int num_experts, int64_t* tokens_per_expert,
-           int64_t row_cap, int64_t spec_cap, int write_report, int64_t rows_per_expert, int row_bytes,
-           bool two_sources) {
+           int64_t row_cap, int64_t spec_cap, int write_report, int64_t rows_per_expert,
+           const DispatchSource& rows) {
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
   RoutingArgs r{topk_idx, idx_is_64, topk_weights, num_tokens, num_experts, spec_cap,
-                row_format(row_bytes, two_sources)};
+                row_format(rows.row_bytes, rows.two_sources())};
   RowOutputs out{nullptr, nullptr, nullptr, tokens_per_expert, row_cap, 0,
                  write_report ? ctx->host_report_dev : nullptr, static_cast<int32_t>(rows_per_expert)};
   return check_launch(launch_dispatch_layout(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
@@ -292,12 +288,10 @@ int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void
   if (int e = check_ready(ctx)) return e;
   if (int e = check_layout(ctx, num_tokens, write_report)) return e;
   if (int e = check_rows_per_expert(ctx, rows_per_expert, spec_cap)) return e;
-  if (int e = resolve_row_bytes(ctx, &row_bytes)) return e;
-  DispatchSource src;  // the choice and the widths only: the layout reads no rows
+  DispatchSource src;  // the size and the choice only: the layout reads no rows
   if (int e = resolve_source(ctx, nullptr, nullptr, two_sources, 0, row_bytes, &src)) return e;
   return layout(ctx, stream, scratch, topk_idx, idx_is_64, topk_weights, num_tokens, num_experts,
-                tokens_per_expert, row_cap, spec_cap, write_report, rows_per_expert, row_bytes,
-                two_sources != 0);
+                tokens_per_expert, row_cap, spec_cap, write_report, rows_per_expert, src);
 }
 
 int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
@@ -312,7 +306,6 @@ int mok_dispatch_transfer(MokContext* ctx, void* stream, void* scratch, const vo
                           int num_blocks, int num_producers, int mode, int row_bytes, int two_sources) {
   if (int e = check_ready(ctx)) return e;
   if (int e = check_transfer(ctx, num_blocks, num_producers, mode)) return e;
-  if (int e = resolve_row_bytes(ctx, &row_bytes)) return e;
   DispatchSource src;
   if (int e = resolve_source(ctx, x, x2, two_sources, num_tokens, row_bytes, &src)) return e;
   return transfer(ctx, stream, scratch, src, num_tokens, out_rows, row_cap, num_blocks, num_producers, mode);
@@ -322,7 +315,6 @@ int mok_dispatch_stage_copy(MokContext* ctx, void* stream, const void* x, const 
                             int row_bytes, int two_sources) {
   if (int e = check_ready(ctx)) return e;
   if (int e = check_stage_copy(ctx, num_tokens)) return e;
-  if (int e = resolve_row_bytes(ctx, &row_bytes)) return e;
   DispatchSource src;
   if (int e = resolve_source(ctx, x, x2, two_sources, num_tokens, row_bytes, &src)) return e;
   return stage_copy(ctx, stream, src, num_tokens);
@@ -348,14 +340,13 @@ int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
     if (int e = check_stage_copy(ctx, num_tokens)) return e;
   if (steps & MOK_STEP_TRANSFER)
     if (int e = check_transfer(ctx, num_blocks, num_producers, transfer_mode)) return e;
-  if (int e = resolve_row_bytes(ctx, &row_bytes)) return e;
   // The rows' pointers matter only to the steps that read them.
   const bool reads_rows = (steps & (MOK_STEP_STAGE_COPY | MOK_STEP_TRANSFER)) != 0;
   DispatchSource src;
   if (int e = resolve_source(ctx, x, x2, two_sources, reads_rows ? num_tokens : 0, row_bytes, &src)) return e;
   if (steps & MOK_STEP_LAYOUT)
     if (int e = layout(ctx, stream, scratch, topk_idx, idx_is_64, topk_weights, num_tokens, num_experts,
-                       tokens_per_expert, row_cap, -1, 0, rows_per_expert, row_bytes, two_sources != 0))
+                       tokens_per_expert, row_cap, -1, 0, rows_per_expert, src))
       return e;
   if (steps & MOK_STEP_FILL)
     if (int e = fill(ctx, stream, scratch, src_rank, src_token, probs, row_cap, pad)) return e;
