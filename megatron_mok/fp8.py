@@ -143,8 +143,9 @@ class PairRows:
         return self.fp8, self.scales
 
     def packed(self) -> torch.Tensor:
-        """The ``[T, P]`` uint8 rows themselves (a copy)."""
-        return torch.cat((self.fp8, self.scales), dim=1)
+        """The ``[T, P]`` uint8 rows themselves (a copy: :func:`pack` of the two byte rows, whose
+        widths are multiples of 16, so ``P`` is their sum)."""
+        return pack(self.fp8, self.scales)
 
 
 def dispatch_rows(x_fp8: torch.Tensor, scales: torch.Tensor):

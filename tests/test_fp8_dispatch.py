@@ -576,17 +576,23 @@ def test_loopback_prob_grads_only_combine_role_split(monkeypatch):
     assert run_loopback(prob_grads_only, 2, 8, timeout=300) == [True] * 2
 
 
-def fp8_on_one_rank_only(rank, world_size, static):
-    """Rank 0 dispatches an FP8 pair while its peers dispatch bf16 tokens (a caller's bug: the
-    ranks would read each other's rings at different row sizes). Every rank's layout compares
-    the row size its peers published with the routing: every rank must raise, none hang."""
+def _mismatch_case(rank, world_size, max_recv_tokens=None):
+    """The row-format mismatch tests' Buffer (H = 64, K = 2, two experts per rank; a 10 s
+    timeout: a hang is the failure they look for) and this rank's 16 tokens of seed 4."""
     from test_cuda_backend import mok_buffer
 
     dev = rank_device(rank)
     E = 2 * world_size
-    buf = mok_buffer(E, 64, 2, 16, torch.bfloat16, "cuda", dev, timeout_s=10,
-                     max_recv_tokens=16 * 2 * world_size if static else None)
+    buf = mok_buffer(E, 64, 2, 16, torch.bfloat16, "cuda", dev, timeout_s=10, max_recv_tokens=max_recv_tokens)
     x, idx, w = make_inputs(4, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
+    return buf, x, idx, w
+
+
+def fp8_on_one_rank_only(rank, world_size, static):
+    """Rank 0 dispatches an FP8 pair while its peers dispatch bf16 tokens (a caller's bug: the
+    ranks would read each other's rings at different row sizes). Every rank's layout compares
+    the row size its peers published with the routing: every rank must raise, none hang."""
+    buf, x, idx, w = _mismatch_case(rank, world_size, 16 * 2 * world_size if static else None)
     with pytest.raises(RuntimeError, match="rows of different sizes"):
         buf.dispatch(fp8.quantize(x, BLOCK) if rank == 0 else x, idx, w)
         buf.check_errors()
@@ -605,14 +611,9 @@ def fp8_cached_on_one_rank_only(rank, world_size):
     then rank 0 dispatches an FP8 pair along the handle while its peers dispatch tokens. The
     consumers compare the row size each dispatch ring slot was staged with (carried in the slot's
     ready value) with their own: every rank must raise, none hang."""
-    from test_cuda_backend import mok_buffer
-
-    dev = rank_device(rank)
-    E = 2 * world_size
-    buf = mok_buffer(E, 64, 2, 16, torch.bfloat16, "cuda", dev, timeout_s=10)
-    x, idx, w = make_inputs(4, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
+    buf, x, idx, w = _mismatch_case(rank, world_size)
     res = buf.dispatch(x, idx, w)
-    settle(dev)
+    settle(x.device)
     # The premise: rank 0 reads a peer's rows and every peer reads rank 0's, so every rank pulls
     # at least one chunk staged at a row size other than its own.
     src = res.src_rank.cpu()
@@ -641,12 +642,8 @@ def fp8_sources_differ(rank, world_size, cached):
     must raise, none hang. (The Buffer makes the same choice on every rank; this calls the
     autograd functions directly to break that.)"""
     from megatron_mok.autograd.functions import CachedDispatchFunction, DispatchFunction
-    from test_cuda_backend import mok_buffer
 
-    dev = rank_device(rank)
-    E = 2 * world_size
-    buf = mok_buffer(E, 64, 2, 16, torch.bfloat16, "cuda", dev, timeout_s=10)
-    x, idx, w = make_inputs(4, world_size, [16] * world_size, E, 64, 2, torch.bfloat16, device=dev)[rank]
+    buf, x, idx, w = _mismatch_case(rank, world_size)
     q, s = fp8.quantize(x, BLOCK)                       # 64 + 16 bytes: two sources allowed
     rows = fp8.pack(q, s) if rank == 0 else fp8.dispatch_rows(q, s)
     assert isinstance(rows, fp8.PairRows) == (rank != 0)
@@ -672,6 +669,7 @@ def fp8_in_place_equals_packed(rank, world_size):
     """The same pairs dispatched read in place (two sources) and packed first (one source), on
     one Buffer, eager, static and cached: the received rows are bitwise the same. Ranks with no
     tokens and unrouted slots included (the case mix below)."""
+    from megatron_mok.autograd.functions import CachedDispatchFunction, DispatchFunction
     from test_cuda_backend import mok_buffer
 
     dev = rank_device(rank)
@@ -686,7 +684,6 @@ def fp8_in_place_equals_packed(rank, world_size):
         assert isinstance(fp8.dispatch_rows(q, s), fp8.PairRows)
         for buf in bufs:
             backend = buf._backend_for(x)
-            from megatron_mok.autograd.functions import CachedDispatchFunction, DispatchFunction
             h1, h2 = [], []
             a, _ = DispatchFunction.apply(backend, h1, fp8.dispatch_rows(q, s), w, idx, None)
             b, _ = DispatchFunction.apply(backend, h2, fp8.pack(q, s), w, idx, None)
