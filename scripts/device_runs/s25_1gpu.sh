@@ -8,7 +8,14 @@
 # were added after session 24's last device call (never run on a GPU; prediction: 0 failures in
 # ~1500 cases), then #57's process twins in shared-GPU mode (in place vs packed, packed on one rank
 # only: written after the last device call) with the other FP8 process tests.
-C=${1:?commit}; PART=${2:?first}
+#
+#   bash scripts/device_runs/s25_1gpu.sh COMMIT second
+#
+# second: the whole FP8 and C ABI test files (single process, loopback W = 2, 3) and the CUDA
+# regression sample over session 24's last two review commits (6472be5: resolve_source resolves
+# the row size itself; 4507db0: the row-format mismatch tests share their setup), which were
+# never GPU-run.
+C=${1:?commit}; PART=${2:?first|second}
 . "$(dirname "$0")/common.sh"
 if [ "$PART" = first ]; then
   S=${3:-240}
@@ -26,5 +33,15 @@ PY
   MOK_TEST_SHARED_GPU=1 timeout -k 5 150 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
     tests/test_fp8_dispatch.py -k "test_cuda_fp8 and not world_size_1" > $R/fp8_shared.log 2>&1
   echo "[fp8 W=2 shared GPU] rc=$?"; grep -E " PASSED| FAILED| ERROR|SKIPPED \[" $R/fp8_shared.log | head -12; grep -E "^E " $R/fp8_shared.log | head
+elif [ "$PART" = second ]; then
+  timeout -k 5 200 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
+    tests/test_fp8_dispatch.py tests/test_cuda_library_abi.py > $R/fp8_tests.log 2>&1
+  echo "[fp8 + ABI GPU tests] rc=$?"; grep -cE " PASSED" $R/fp8_tests.log; grep -E " FAILED| ERROR" $R/fp8_tests.log | head -20
+  grep -E "mismatch|in_place" $R/fp8_tests.log | head -20; grep -E "^E " $R/fp8_tests.log | head -20; tail -2 $R/fp8_tests.log
+  timeout -k 5 120 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
+    tests/test_cuda_backend.py tests/test_cuda_loopback.py \
+    -k "world_size_1 or (loopback_matches_reference and 3]) or loopback_static_shape or loopback_cached or loopback_graph or (loopback_ring_wraps and 3-) or loopback_expert_alignment or loopback_rows_per_expert or launch_launches_nothing or one_call_dispatch" \
+    > $R/cuda_regression.log 2>&1
+  echo "[CUDA regression sample] rc=$?"; grep -cE " PASSED" $R/cuda_regression.log; grep -E " FAILED| ERROR" $R/cuda_regression.log | head -20; tail -2 $R/cuda_regression.log
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r
