@@ -158,6 +158,8 @@ CUDA_FEATURES = ("schedule", "cuda_graph")
 #               (the copy forked onto the side stream is not captured by any test)
 #   world1      world 1: loopback groups of 2+ ranks already launch plainly
 #   world1_auto world 1 and num_sms not given: the only Buffers with a small-call budget to drop
+#   narrow      a combine of rows of one vector: hidden 8, or an FP8 case (its backward's
+#               prob-gradient combine is 8 wide whatever the hidden size)
 #   small8      an 8-SM small-call budget whose routing kernels fit beside every rank's
 #               transfer kernels (loopback.LoopbackRank.check_layout_fits: the backend checks
 #               that budget too, so a case drawn for fewer blocks could be refused)
@@ -184,11 +186,13 @@ SCHEDULES = [
     ("plain_launches", {"MOK_PDL": "0"}, "world1"),
     ("small_calls_on_num_sms", {"MOK_SMALL_CALL_SMS": "0"}, "world1_auto"),
     ("dispatch_unsplit", {"MOK_DISPATCH_SPLIT": "0"}, None),          # SPLIT_SCHEDULES
+    ("combine_narrow_off", {"MOK_COMBINE_NARROW": "0"}, "narrow"),    # NARROW_SCHEDULES
 ]
 SCHEDULE_ENV = {sid: env for sid, env, _ in SCHEDULES}
 # Entries whose requirement few cases meet are drawn more often where it holds (weight; else 1).
 SCHEDULE_WEIGHT = {"eager_speculative": 3, "eager_fill_first": 2, "plain_launches": 2,
-                   "small_calls_on_num_sms": 2, "dispatch_ce_copy_beside_layout": 2}
+                   "small_calls_on_num_sms": 2, "dispatch_ce_copy_beside_layout": 2,
+                   "combine_narrow_off": 2}
 SCHEDULE_P = 0.5          # of --device cuda cases run under a schedule; of those, two settings:
 TWO_SETTINGS_P = 0.35
 GRAPH_P = 0.5             # of static-shape --device cuda cases that end with a graph step
@@ -440,6 +444,8 @@ def schedule_allowed(sid: str, cfg: dict, device_sms: int = NOMINAL_SMS) -> bool
         return W == 1
     if need == "world1_auto":
         return W == 1 and cfg["num_sms"] is None
+    if need == "narrow":
+        return cfg["hidden"] == 8 or cfg.get("fp8") is not None
     if need == "small8":
         return _small_call_fits(cfg, device_sms, 8)
     raise ValueError(f"unknown schedule requirement {need!r}")

@@ -485,7 +485,7 @@ def contract_cases(world_size: int) -> Dict[str, dict]:
     """The routing cases every backend is held to, sized for ``world_size`` ranks.
 
     Each spec: ``T`` (tokens per rank), ``T_max``, ``E``, ``H``, ``K``, ``case`` (see
-    :func:`make_inputs`), ``idx_dtype``. Hidden sizes are multiples of 16 so the same table
+    :func:`make_inputs`), ``idx_dtype``. Hidden sizes are multiples of 8 so the same table
     serves the CUDA backend.
     """
     W = world_size
@@ -513,6 +513,9 @@ def contract_cases(world_size: int) -> Dict[str, dict]:
         "dsv3_like": spec(_per_rank([48, 40], W), 8 * W, 8, H=64),
         # More rows per token than the CUDA kernels keep in registers (8): their other path.
         "k16_duplicates": spec(_per_rank([21, 10], W), 16 * W, 16, case="duplicate"),
+        # Rows of one 8-element vector (the width of the FP8 dispatch's prob-gradient combine):
+        # the CUDA combine's lane-per-item path; a rank without tokens among them.
+        "narrow_rows": spec(_per_rank([13, 0, 10, 7], W), 4 * W, 4, case="mixed", H=8),
     }
 
 

@@ -414,7 +414,7 @@ def test_cuda_matches_reference(name, world_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ("random", "mixed", "t0_everywhere", "k1", "same_expert_twice"))
+@pytest.mark.parametrize("name", ("random", "mixed", "t0_everywhere", "k1", "same_expert_twice", "narrow_rows"))
 def test_cuda_world_size_1(name):
     run_distributed(_backend_vs_reference, 1, name, 99, backend="nccl", timeout=300)
 

@@ -138,6 +138,25 @@ def test_loopback_padded_ring_slots_match_reference(name, monkeypatch):
     run_loopback(_backend_vs_reference, 3, name, 78, timeout=300)
 
 
+# The combine of rows of one vector (hidden 8: the width of the FP8 dispatch's prob-gradient
+# call) takes a lane per task and per token; MOK_COMBINE_NARROW=0 gives those rows the
+# warp-per-item path instead, and per-token releases (MOK_COMBINE_RELEASE_AT_END=0) keep them
+# there. Each against the reference, forward and backward (the backward's combine carries the
+# prob gradients).
+NARROW_SCHEDULES = [pytest.param({}, id="combine_narrow"),
+                    pytest.param({"MOK_COMBINE_NARROW": "0"}, id="combine_narrow_off"),
+                    pytest.param({"MOK_COMBINE_RELEASE_AT_END": "0"}, id="combine_release_per_token")]
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (1, 2, 3))
+@pytest.mark.parametrize("env", NARROW_SCHEDULES)
+def test_loopback_narrow_rows_match_reference(env, world_size, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    run_loopback(_backend_vs_reference, world_size, "narrow_rows", 404, timeout=300)
+
+
 @gpu
 @pytest.mark.parametrize("world_size", (1, 3))
 @pytest.mark.parametrize("env", SPLIT_SCHEDULES)

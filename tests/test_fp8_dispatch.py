@@ -525,17 +525,21 @@ def test_cuda_fp8_dispatch(mode, world_size):
                             compare_reference=True, block=block, backend="nccl", timeout=300)
 
 
-def prob_grads_only(rank, world_size, calls, chunks=None, T_max=256):
+def prob_grads_only(rank, world_size, calls, chunks=None, T_max=256, num_sms=None):
     """The narrow combine that carries only the prob gradients (``combine_prob_grads``: the FP8
     dispatch's backward) against a full combine's ``grad_topk_weights`` and against each slot's
     expected value, bitwise, over ``calls`` calls of varying sizes (a rank with no tokens, unrouted
     slots, one expert for every row, duplicate experts among them). ``chunks``: a combine ring of
-    that many chunks, so that calls wrap it (the role split); else the phased combine."""
+    that many chunks, so that calls wrap it (the role split); else the phased combine, whose
+    narrow call takes a lane per task and per token (the full one a warp). ``num_sms``: the
+    Buffer's (1: 512 lanes, fewer than a large call's tokens, so lanes take several)."""
     from test_cuda_backend import mok_buffer, ring_chunk_bytes
 
     dev = rank_device(rank)
     H, K, E = 256, 4, 4 * world_size
     kw = {"ring_bytes": chunks * max(ring_chunk_bytes(H, K))} if chunks else {}
+    if num_sms is not None:
+        kw["num_sms"] = num_sms
     buf = mok_buffer(E, H, K, T_max, torch.bfloat16, "cuda", dev, timeout_s=30, **kw)
     g = torch.Generator().manual_seed(91)                      # the same sizes on every rank
     cases = ("mixed", "unrouted", "one_expert", "duplicate", "skewed")
@@ -568,6 +572,13 @@ def prob_grads_only(rank, world_size, calls, chunks=None, T_max=256):
 @pytest.mark.parametrize("chunks", (None, 3), ids=("phased", "ring_wraps"))
 def test_loopback_prob_grads_only_combine(world_size, chunks):
     assert run_loopback(prob_grads_only, world_size, 12, chunks, timeout=300) == [True] * world_size
+
+
+@gpu
+@pytest.mark.parametrize("world_size", (1, 3))
+def test_loopback_prob_grads_only_combine_one_block(world_size):
+    # 1 SM: 512 lanes for up to 1100 tokens per rank (and up to 2200 remote tasks at W = 3)
+    assert run_loopback(prob_grads_only, world_size, 6, None, 1100, 1, timeout=300) == [True] * world_size
 
 
 @gpu

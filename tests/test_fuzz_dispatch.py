@@ -140,6 +140,8 @@ def _schedule_ok(env: dict, cfg: dict, device_sms: int) -> bool:
         need = W * W * -(-cfg["max_tokens_per_rank"] // fz.chunk_tokens())
         if need > (device_sms - W * blocks) * loopback.COUNT_BLOCKS_PER_SM:
             return False
+    if "MOK_COMBINE_NARROW" in env and cfg["hidden"] != 8 and cfg["fp8"] is None:
+        return False
     return "MOK_CHUNK_TOKENS" not in env
 
 
@@ -182,7 +184,8 @@ def _test_list_settings() -> dict:
 
     out = {}
     for lst in (test_cuda_backend.ALT_SCHEDULES, test_cuda_backend.SPLIT_SCHEDULES,
-                test_cuda_loopback.LOOPBACK_SCHEDULES, test_fp8_dispatch.FP8_SCHEDULES):
+                test_cuda_loopback.LOOPBACK_SCHEDULES, test_cuda_loopback.NARROW_SCHEDULES,
+                test_fp8_dispatch.FP8_SCHEDULES):
         for p in lst:
             assert out.get(p.id, p.values[0]) == p.values[0]
             out[p.id] = p.values[0]

@@ -36,6 +36,9 @@ struct CombineShape {
                      // (else every n_warps-th; MOK_COMBINE_PRODUCE_RUNS=0)
   int own_staged;    // phased calls, world > 1: my own partials are produced into my ring too and
                      // consumers only sum partials (consume_staged; MOK_COMBINE_OWN_STAGED=0: off)
+  int narrow;        // phased calls whose rows are one 8-element vector (hidden == 8: the
+                     // prob-gradient call): a lane per task and per token (produce_narrow,
+                     // consume_narrow; MOK_COMBINE_NARROW=0: the warp-per-item path)
 
   CallSlots slots;   // this call's ring slots (N set by the host, the rest at kernel start)
 
@@ -970,6 +973,172 @@ __device__ __forceinline__ void consume_any(const CommContext& c, const HandleAr
     consume<T, P, kOwnRows, false>(c, h, a, sh, role, expert_out, grad_probs, y, grad_w, smem);
 }
 
+// ---- Narrow calls: rows of one 8-element vector (hidden == kCombineVec), phased --------------
+// The prob-gradient call (the FP8 dispatch's backward: zero rows of width 8, the gradients as side
+// values) is latency-bound on the warp-per-item path: a warp walks ~11 tokens at 4096 tokens, each
+// a chain of dependent loads (positions, row ids, rows, slot ids, gradients), with 31 lanes idle
+// in the row sums (benchmarks/NOTES.md item 22). Here a lane takes a whole item, so the chains of
+// the items run side by side. Same ring slots, same rows in the same order from +0.0, the same
+// roundings and the same rank order as produce_row and consume: the bits are the same.
+
+// Warp-wide: every lane with `active` set names ring slot `slot` (generation `g`); each distinct
+// slot is checked once, as ring_slot_acquire_warp. False after a timeout or an abort.
+__device__ __forceinline__ bool acquire_lane_slots(const CommContext& c, const RingView& mine, bool active,
+                                                   int64_t slot, uint64_t g) {
+  for (unsigned todo = __ballot_sync(0xffffffffu, active); todo != 0;) {
+    const int leader = __ffs(todo) - 1;
+    const int64_t sl = __shfl_sync(0xffffffffu, slot, leader);
+    const uint64_t gl = __shfl_sync(0xffffffffu, g, leader);
+    if (!ring_slot_acquire_warp(c, mine, sl, gl, kWaitCombineReleased)) return false;
+    todo &= ~__ballot_sync(0xffffffffu, active && slot == sl);
+  }
+  return true;
+}
+
+// The produce phase of a narrow call: lane i of the grid (warps numbered across blocks first,
+// a warp's lanes on consecutive tasks, so they share one or two chunks) reduces remote task i:
+// its rows in row order from +0.0, rounded once to P, and its side values. Then, per chunk the
+// warp wrote rows of, one count; the count that completes a chunk publishes it.
+template <typename T, typename P>
+__device__ void produce_narrow(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+                               const CombineShape& sh, const T* expert_out, const float* grad_probs) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int n_warps = gridDim.x * (blockDim.x / kWarpSize);
+  const int warp = static_cast<int>(threadIdx.x / kWarpSize) * gridDim.x + blockIdx.x;
+  RingView mine = RingView::combine(c.ws, c.local());
+  int32_t* arrived = reinterpret_cast<int32_t*>(c.local() + c.ws.comb_arrived);
+  const int total = remote_tasks(c, h);  // my own tokens' partials are summed by their consumers
+  TaskCursor cur;
+  for (int base = warp * kWarpSize; base < total; base += n_warps * kWarpSize) {
+    const int i = base + lane;
+    const bool active = i < total;
+    int s = 0, q = 0;
+    if (active) cur.seek(c, h, i, s, q);
+    const int j = q / sh.C;
+    const uint64_t g = sh.gen(s, j);
+    const int64_t slot = active ? sh.slot(s, j) : -1;
+    if (!acquire_lane_slots(c, mine, active, slot, g)) return;
+    if (active) {
+      const int task = h.task_off[s] + q;
+      const int32_t* rows = h.task_rows + static_cast<size_t>(task) * sh.K;
+      char* chunk = mine.ring + slot * mine.chunk_bytes;
+      float acc[kCombineVec] = {};
+      for (int k = 0; k < sh.K; ++k) {  // live rows are a prefix and ascend (stream_rows)
+        const int row = rows[k];
+        if (row < 0 || row >= a.row_cap) break;
+        Raw8<T> r;
+        load_raw(r, expert_out + static_cast<size_t>(row) * kCombineVec);
+        add_raw<T>(acc, r);
+      }
+      Vec8<P>::store(reinterpret_cast<P*>(chunk) + static_cast<size_t>(q % sh.C) * kCombineVec, acc);
+      if (grad_probs != nullptr) {
+        // Side value of slot k: the gradient of the task's row from slot k, else 0 (each slot
+        // names at most one row of a task).
+        float* side = reinterpret_cast<float*>(chunk + c.ws.comb_side_offset) + (q % sh.C) * sh.K;
+        for (int k = 0; k < sh.K; ++k) side[k] = 0.f;
+        for (int k = 0; k < sh.K; ++k) {
+          const int row = rows[k];
+          if (row < 0) break;
+          if (row < a.row_cap) side[h.task_k[static_cast<size_t>(task) * sh.K + k]] = grad_probs[row];
+        }
+      }
+    }
+    // Count the rows per chunk: one atomic per distinct slot of the warp (produce_rows' rule).
+    __syncwarp();
+    const int n_s = active ? h.task_off[s + 1] - h.task_off[s] : 0;
+    for (unsigned todo = __ballot_sync(0xffffffffu, active); todo != 0;) {
+      const int leader = __ffs(todo) - 1;
+      const int64_t sl = __shfl_sync(0xffffffffu, slot, leader);
+      const unsigned same = __ballot_sync(0xffffffffu, active && slot == sl);
+      if (lane == leader) {
+        __threadfence();
+        const int rows_here = min(sh.C, n_s - j * sh.C);
+        const int n = __popc(same);
+        if (atomicAdd(arrived + slot, n) + n == rows_here) {
+          arrived[slot] = 0;  // the slot's next generation counts from zero
+          ring_slot_publish(mine, slot, g, 1ull << s);
+        }
+      }
+      todo &= ~same;
+    }
+  }
+}
+
+// The consume phase of a narrow call: lane i of the grid sums my token i (a warp's lanes on
+// consecutive tokens): waits for its holders' chunks (each lane acquires the flags of the
+// partials it reads), reduces my own rows of it as a producer would (rounded once to P), adds
+// the holders' partials in rank order from +0.0 and writes y; the prob gradients likewise, each
+// slot's sum in registers. Chunks are released once per call by the grid's last warp (a narrow
+// call is phased with release_at_end).
+template <typename T, typename P>
+__device__ void consume_narrow(const CommContext& c, const HandleArrays& h, const TransferArgs& a,
+                               const CombineShape& sh, const T* expert_out, const float* grad_probs,
+                               T* y, float* grad_w) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int n_warps = gridDim.x * (blockDim.x / kWarpSize);
+  const int warp = static_cast<int>(threadIdx.x / kWarpSize) * gridDim.x + blockIdx.x;
+  const int W = c.world, me = c.rank, K = sh.K;
+  for (int t = warp * kWarpSize + lane; t < a.num_tokens; t += n_warps * kWarpSize) {
+    for (int d = 0; d < W; ++d) {
+      const int q = h.send_index(c.ws.cfg, t, d);
+      if (q < 0 || d == me) continue;
+      const uint64_t g = sh.gen(me, q / sh.C);
+      if (!wait_geq(c, RingView::combine(c.ws, c.peers.base[d]).ready + sh.slot(me, q / sh.C), g + 1, d,
+                    kWaitCombineReady, static_cast<int64_t>(g)))
+        return;
+    }
+    float acc[kCombineVec] = {};
+    float grad[kMaxTopk] = {};
+    for (int d = 0; d < W; ++d) {
+      const int q = h.send_index(c.ws.cfg, t, d);
+      if (q < 0) continue;
+      if (d == me) {
+        const int task = h.task_off[me] + q;
+        const int32_t* rows = h.task_rows + static_cast<size_t>(task) * K;
+        float part[kCombineVec] = {};
+        for (int k = 0; k < K; ++k) {
+          const int row = rows[k];
+          if (row < 0 || row >= a.row_cap) break;
+          Raw8<T> r;
+          load_raw(r, expert_out + static_cast<size_t>(row) * kCombineVec);
+          add_raw<T>(part, r);
+        }
+#pragma unroll
+        for (int e = 0; e < kCombineVec; ++e) acc[e] += round_to<P>(part[e]);
+        if (grad_w != nullptr)
+          for (int k = 0; k < K; ++k) {
+            // The slot's gradient; slots with no row here add nothing (consume adds +0.0, which
+            // leaves every sum that starts from +0.0 unchanged).
+            const int row = rows[k];
+            if (row < 0) break;
+            if (row >= a.row_cap) continue;
+            const int slot_k = h.task_k[static_cast<size_t>(task) * K + k];
+            const float v = grad_probs[row];
+#pragma unroll
+            for (int kk = 0; kk < kMaxTopk; ++kk)
+              if (kk == slot_k) grad[kk] += v;
+          }
+      } else {
+        Raw8<P> r;
+        load_raw(r, remote_partial<P>(c, sh, d, q));
+        add_raw<P>(acc, r);
+        if (grad_w != nullptr) {
+          const volatile float* side = reinterpret_cast<const volatile float*>(
+              partial_chunk(c, sh, d, q) + c.ws.comb_side_offset) + (q % sh.C) * K;
+#pragma unroll
+          for (int kk = 0; kk < kMaxTopk; ++kk)
+            if (kk < K) grad[kk] += side[kk];
+        }
+      }
+    }
+    Vec8<T>::store(y + static_cast<size_t>(t) * kCombineVec, acc);
+    if (grad_w != nullptr)
+#pragma unroll
+      for (int kk = 0; kk < kMaxTopk; ++kk)
+        if (kk < K) grad_w[static_cast<size_t>(t) * K + kk] = grad[kk];
+  }
+}
+
 // Phased calls (each slot written at most once per call): the grid's last warp, once every
 // token of this call is summed, releases each chunk of partials this rank read from each peer,
 // once, instead of a fence (waiting for the token's y stores) and an atomic round trip per
@@ -1005,10 +1174,15 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   // each warp a whole task of twice the produce phase's tasks instead of part of one, and
   // measured slower (NOTES #38).
   constexpr int kStepElems = kWarpSize * kCombineVec * kConsumeUnroll;
-  const bool own_staged = sh.phased && sh.own_staged && c.world <= RowStream<T, P>::kSlots &&
+  const bool own_staged = !sh.narrow && sh.phased && sh.own_staged && c.world <= RowStream<T, P>::kSlots &&
                           split_factor(sh, static_cast<int>(gridDim.x * (blockDim.x / kWarpSize)), a.num_tokens,
                                        (sh.H + kStepElems - 1) / kStepElems) == 1;
-  if (sh.phased) {
+  if (sh.narrow) {
+    // Rows of one vector, the call in the ring: a lane per task, then a lane per token.
+    produce_narrow<T, P>(c, h, a, sh, expert_out, grad_probs);
+    trace_phase_end(c);
+    consume_narrow<T, P>(c, h, a, sh, expert_out, grad_probs, y, grad_w);
+  } else if (sh.phased) {
     // The whole call fits in the ring, so producing never waits for this call's consumers:
     // every block reduces its share of the remote tasks first, then sums its share of my
     // tokens, by which time the peers' partials are (mostly) staged. No block idles while
@@ -1082,6 +1256,9 @@ cudaError_t launch_combine_transfer(const CommContext& c, const HandleArrays& h,
   sh.produce_runs = sh.phased && !env_off("MOK_COMBINE_PRODUCE_RUNS");
   // MOK_COMBINE_OWN_STAGED=0: phased consumers sum their own rows in the consume loop (NOTES #38).
   sh.own_staged = sh.phased && c.world > 1 && !env_off("MOK_COMBINE_OWN_STAGED");
+  // MOK_COMBINE_NARROW=0: rows of one vector (the prob-gradient call) on the warp-per-item path.
+  // The narrow path releases its chunks once per call, so it needs release_at_end.
+  sh.narrow = sh.phased && sh.release_at_end && hidden == kCombineVec && !env_off("MOK_COMBINE_NARROW");
   switch (dtype_code) {
     case kBF16:
       return launch_partial<__nv_bfloat16>(partial_code, c, h, t, sh, expert_out, grad_probs, y, grad_w, s);

@@ -15,7 +15,15 @@
 # regression sample over session 24's last two review commits (6472be5: resolve_source resolves
 # the row size itself; 4507db0: the row-format mismatch tests share their setup), which were
 # never GPU-run.
-C=${1:?commit}; PART=${2:?first|second}
+#
+#   bash scripts/device_runs/s25_1gpu.sh COMMIT narrow [FUZZ_SECONDS]
+#
+# narrow: NOTES item 22, the lane-per-item combine for rows of one vector (hidden 8: the FP8
+# dispatch's prob-gradient call). Its tests (narrow vs full combine bitwise, the narrow_rows
+# contract case with and without MOK_COMBINE_NARROW, one block for calls larger than its lanes),
+# the regression sample (the combine kernel changed), the kernel's time at 128 / 512 / 4096
+# tokens with and without the narrow path (prediction: 84 -> 12-25 us at 4096), then the fuzzer.
+C=${1:?commit}; PART=${2:?first|second|narrow}
 . "$(dirname "$0")/common.sh"
 if [ "$PART" = first ]; then
   S=${3:-240}
@@ -43,5 +51,34 @@ elif [ "$PART" = second ]; then
     -k "world_size_1 or (loopback_matches_reference and 3]) or loopback_static_shape or loopback_cached or loopback_graph or (loopback_ring_wraps and 3-) or loopback_expert_alignment or loopback_rows_per_expert or launch_launches_nothing or one_call_dispatch" \
     > $R/cuda_regression.log 2>&1
   echo "[CUDA regression sample] rc=$?"; grep -cE " PASSED" $R/cuda_regression.log; grep -E " FAILED| ERROR" $R/cuda_regression.log | head -20; tail -2 $R/cuda_regression.log
+elif [ "$PART" = narrow ]; then
+  timeout -k 5 200 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
+    tests/test_fp8_dispatch.py tests/test_cuda_loopback.py tests/test_cuda_backend.py \
+    -k "prob_grads_only or narrow_rows" > $R/narrow_tests.log 2>&1
+  echo "[narrow tests] rc=$?"; grep -cE " PASSED" $R/narrow_tests.log; grep -E " FAILED| ERROR" $R/narrow_tests.log | head -20
+  grep -E "^E " $R/narrow_tests.log | head -20; tail -2 $R/narrow_tests.log
+  timeout -k 5 120 python3 -m pytest -v -p no:cacheprovider -rs --tb=short \
+    tests/test_cuda_backend.py tests/test_cuda_loopback.py \
+    -k "world_size_1 or (loopback_matches_reference and 3]) or loopback_static_shape or loopback_cached or loopback_graph or (loopback_ring_wraps and 3-) or loopback_expert_alignment or loopback_rows_per_expert or launch_launches_nothing or one_call_dispatch" \
+    > $R/cuda_regression.log 2>&1
+  echo "[CUDA regression sample] rc=$?"; grep -cE " PASSED" $R/cuda_regression.log; grep -E " FAILED| ERROR" $R/cuda_regression.log | head -20; tail -2 $R/cuda_regression.log
+  for v in narrow wide narrow2; do
+    e=; [ $v = wide ] && e=MOK_COMBINE_NARROW=0
+    env $e timeout -k 5 90 python3 scripts/profile_kernels_1gpu.py --fp8 --tokens 128,512,4096 --iters 30 \
+      > $R/kernels_$v.log 2>&1
+    echo "[kernels, $v ${e:-default}] rc=$?"; grep -A3 -E "prob grads only|full zero-rows" $R/kernels_$v.log | grep -vE "^--" | head -24
+  done
+  S=${3:-120}
+  timeout -k 10 $((S + 120)) python3 scripts/fuzz_dispatch.py --device cuda --seconds $S --max-world 4 \
+    --out $R/fuzz --seed 26 > $R/fuzz.log 2>&1
+  echo "[fuzz] rc=$?"; tail -1 $R/fuzz.log | cut -c1-300
+  python3 - "$R/fuzz/fuzz.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+f = d.get("feature_counts") or {}
+print("[fuzz features]", {k: v for k, v in sorted(f.items()) if k in ("fp8", "schedule_combine_narrow_off", "cuda_graph_fp8")})
+for x in (d.get("failures") or [])[:5]:
+    print("[fuzz failure]", x.get("case_seed"), x.get("kind"), str(x.get("message"))[:300])
+PY
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r
