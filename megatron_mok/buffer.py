@@ -111,6 +111,8 @@ class Buffer:
         self.device = torch.device(device) if device is not None else None
         self._backends = {}
         self._destroyed = False
+        # MOK_FP8_PACK=1 (read once: fp8.pack_always) packs FP8 pairs instead of reading them in place.
+        self._fp8_pack = fp8.pack_always()
         _LIVE_BUFFERS.add(self)
         if backend == "cuda":
             self._get_backend("cuda")   # fail early, with the build hint, if unavailable
@@ -164,7 +166,7 @@ class Buffer:
                 x = validation.check_cached_fp8_inputs(self, x, handle)
             else:
                 validation.check_cached_dispatch_inputs(self, x, handle)
-            tokens = CachedDispatchFunction.apply(backend, handle, fp8.dispatch_rows(*x) if pair else x)
+            tokens = CachedDispatchFunction.apply(backend, handle, fp8.dispatch_rows(*x, packed=self._fp8_pack) if pair else x)
             return DispatchResult(tokens=self._fp8_rows(tokens, x) if pair else tokens, probs=None,
                                   tokens_per_expert=handle.tokens_per_expert,
                                   src_rank=handle.src_rank, src_token=handle.src_token, handle=handle)
@@ -176,7 +178,7 @@ class Buffer:
                                          check_values=backend.name == "reference", fp8=pair)
         validation.check_rows_per_expert(self, rows_per_expert)
         out_handle = []
-        tokens, probs = DispatchFunction.apply(backend, out_handle, fp8.dispatch_rows(*x) if pair else x,
+        tokens, probs = DispatchFunction.apply(backend, out_handle, fp8.dispatch_rows(*x, packed=self._fp8_pack) if pair else x,
                                                topk_weights, topk_idx, rows_per_expert)
         h = out_handle[0]
         return DispatchResult(tokens=self._fp8_rows(tokens, x) if pair else tokens, probs=probs,

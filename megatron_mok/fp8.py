@@ -116,16 +116,18 @@ class PairRows:
     ``element_size()``, ``numel()``, ``data_ptr()``: the FP8 rows'), so sizes and allocations are
     unchanged. The CUDA backend gives the library both pointers and it reads the two sources in
     place (C ABI 15, NOTES #57): no pack kernel, no packed copy. The reference backend packs
-    (:meth:`packed`). Built by :func:`dispatch_rows` only when both widths are multiples of 16
-    bytes, which depends on the shapes alone, so every rank of a call makes the same choice."""
+    (:meth:`packed`). It holds the pair's own tensors (no byte views: pointers and widths are all
+    a backend reads, and each view is host time per call, NOTES item 25). Built by
+    :func:`dispatch_rows` only when both widths are multiples of 16 bytes, which depends on the
+    shapes alone, so every rank of a call makes the same choice."""
 
     __slots__ = ("fp8", "scales", "shape", "device")
     dtype = torch.uint8
 
-    def __init__(self, fp8_bytes: torch.Tensor, scale_bytes: torch.Tensor):
-        self.fp8, self.scales = fp8_bytes, scale_bytes
-        self.shape = torch.Size((fp8_bytes.shape[0], fp8_bytes.shape[1] + scale_bytes.shape[1]))
-        self.device = fp8_bytes.device
+    def __init__(self, x_fp8: torch.Tensor, scales: torch.Tensor, scale_row_bytes: int):
+        self.fp8, self.scales = x_fp8, scales
+        self.shape = torch.Size((x_fp8.shape[0], x_fp8.shape[1] + scale_row_bytes))
+        self.device = x_fp8.device
 
     def element_size(self) -> int:
         return 1
@@ -143,29 +145,36 @@ class PairRows:
         return self.fp8, self.scales
 
     def packed(self) -> torch.Tensor:
-        """The ``[T, P]`` uint8 rows themselves (a copy: :func:`pack` of the two byte rows, whose
-        widths are multiples of 16, so ``P`` is their sum)."""
+        """The ``[T, P]`` uint8 rows themselves (a copy: :func:`pack` of the pair, whose widths
+        are multiples of 16, so ``P`` is their sum)."""
         return pack(self.fp8, self.scales)
 
 
-def dispatch_rows(x_fp8: torch.Tensor, scales: torch.Tensor):
+def pack_always() -> bool:
+    """``MOK_FP8_PACK=1``: pack every pair (the A/B of NOTES #57). A Buffer reads it once, when it
+    is made (an environment read is ~1 us of host time per call)."""
+    return os.environ.get("MOK_FP8_PACK") == "1"
+
+
+def dispatch_rows(x_fp8: torch.Tensor, scales: torch.Tensor, packed: bool = None):
     """What a dispatch moves for the pair: :class:`PairRows` (read in place) when the FP8 row and
     the scale row are multiples of 16 bytes (DeepEP's 1x128 float32 scales whenever ``H`` is a
     multiple of 512; MXFP8's one-byte scales whenever ``H`` is a multiple of 512), else the
     packed rows (:func:`pack`). A source that is not 16-byte aligned (a view at an odd offset) is
-    copied first, so the choice stays a function of the shapes only. ``MOK_FP8_PACK=1`` packs
-    always (the A/B of NOTES #57; every rank must set the same, else the rows' layouts differ
-    and the dispatch raises a configuration mismatch)."""
+    copied first, so the choice stays a function of the shapes only. ``packed=True`` packs
+    always; ``None``: as :func:`pack_always` says now (``MOK_FP8_PACK=1``; every rank must set
+    the same, else the rows' layouts differ and the dispatch raises a configuration mismatch)."""
     H = x_fp8.shape[1]
-    scale_bytes = _bytes_of(scales)   # [T, S x scale bytes]
-    if H % ROW_ALIGN or scale_bytes.shape[1] % ROW_ALIGN or os.environ.get("MOK_FP8_PACK") == "1":
+    sb = scales.shape[1] * scales.element_size()   # the scale row's bytes
+    if packed is None:
+        packed = pack_always()
+    if H % ROW_ALIGN or sb % ROW_ALIGN or packed:
         return pack(x_fp8, scales)
-    a, b = _bytes_of(x_fp8), scale_bytes
-    if a.data_ptr() % ROW_ALIGN:
-        a = a.clone()
-    if b.data_ptr() % ROW_ALIGN:
-        b = b.clone()
-    return PairRows(a, b)
+    if x_fp8.data_ptr() % ROW_ALIGN:
+        x_fp8 = x_fp8.clone()
+    if scales.data_ptr() % ROW_ALIGN:
+        scales = scales.clone()
+    return PairRows(x_fp8, scales, sb)
 
 
 def _pack_on_device(out, x_fp8, scale_bytes, H: int, sb: int, P: int) -> bool:

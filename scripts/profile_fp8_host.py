@@ -15,7 +15,8 @@ synchronised after each call and outside the timed part:
 - ``apply_bf16`` / ``apply_packed``: ``DispatchFunction.apply`` on the backend, bf16 tokens /
   the packed byte rows (what the Buffer calls after its checks);
 - ``dispatch_rows`` / ``apply_pair_rows``: the pair read in place (NOTES #57): building the
-  ``fp8.PairRows``, and the backend call on a built one;
+  ``fp8.PairRows``, and the backend call on a built one; ``dispatch_rows_s24``: building it as
+  session 24 did (byte views, an environment read per call; NOTES item 25);
 - ``chain_*``: the FP8 call's steps chained one more at a time (pack then apply; the same with
   the pack as two torch copies; the checks before; the views after), to find where the parts'
   sum and the whole call differ (s24-2: by ~30 us).
@@ -83,6 +84,16 @@ def main(argv=None):
             o[:, :H].copy_(x_fp8.view(torch.uint8))
             o[:, H:H + sb.shape[1]].copy_(sb)
             return o
+        def s24_dispatch_rows(x_fp8, scales):
+            """fp8.dispatch_rows as session 24 left it (two byte views, the environment read per
+            call), for item 25's A/B in one process."""
+            sbv = fp8._bytes_of(scales)
+            if H % 16 or sbv.shape[1] % 16 or os.environ.get("MOK_FP8_PACK") == "1":
+                return fp8.pack(x_fp8, scales)
+            a = fp8._bytes_of(x_fp8)
+            if a.data_ptr() % 16 or sbv.data_ptr() % 16:
+                raise RuntimeError("misaligned test pair")
+            return fp8.PairRows(a, sbv, sbv.shape[1])
         got = buf.dispatch(pair, idx, w)
         received = got.tokens[0].as_strided((got.tokens[0].shape[0], packed.shape[1]),
                                             (packed.shape[1], 1)).view(torch.uint8)
@@ -101,6 +112,8 @@ def main(argv=None):
             "apply_packed": lambda: DispatchFunction.apply(backend, [], packed, w, idx, None),
             # NOTES #57: the pair read in place (fp8.PairRows) instead of packed.
             "dispatch_rows": lambda: fp8.dispatch_rows(*pair),
+            # NOTES item 25: the same with session 24's byte views and per-call environment read.
+            "dispatch_rows_s24": lambda: s24_dispatch_rows(*pair),
             "apply_pair_rows": lambda: DispatchFunction.apply(backend, [], pair_rows, w, idx, None),
             # The FP8 call's steps chained, one more each: where the parts' sum and the whole differ.
             "chain_pack_apply": lambda: DispatchFunction.apply(backend, [], fp8.pack(*pair), w, idx, None),

@@ -19,6 +19,7 @@ import torch
 import oracle
 from harness import (_buffer, assert_bitwise, contract_cases, in_loopback, make_inputs, rank_device,
                      run_distributed, run_loopback, settle, spec_inputs)
+import megatron_mok as mok
 from megatron_mok import fp8
 
 BLOCK = 16  # the contract cases have H = 32 or 64: two or four float32 scales per row
@@ -343,6 +344,26 @@ def test_dispatch_rows_reads_in_place_exactly_when_the_widths_allow(H, S, scale_
     if two:   # no copy: the pair's own storage, both pointers handed to the library
         assert rows.data_ptr() == q.data_ptr() and rows.second_ptr() == sc.data_ptr()
         assert rows.numel() == want.numel() and rows.element_size() == 1
+
+
+def test_fp8_pack_switch_is_read_when_the_buffer_is_made(monkeypatch):
+    """``MOK_FP8_PACK=1`` packs every pair: ``dispatch_rows`` reads it per call unless told
+    (``packed=``), a Buffer once when it is made (an environment read per call was ~1 us)."""
+    q, s = fp8.quantize(torch.randn(4, 256), 16)        # 64-byte scale rows: in place by default
+    monkeypatch.setenv("MOK_FP8_PACK", "1")
+    packed_buf = mok.Buffer(None, num_experts=2, hidden=256, topk=1, max_tokens_per_rank=4)
+    assert not isinstance(fp8.dispatch_rows(q, s), fp8.PairRows)
+    assert isinstance(fp8.dispatch_rows(q, s, packed=False), fp8.PairRows)
+    monkeypatch.delenv("MOK_FP8_PACK")
+    plain_buf = mok.Buffer(None, num_experts=2, hidden=256, topk=1, max_tokens_per_rank=4)
+    assert isinstance(fp8.dispatch_rows(q, s), fp8.PairRows)
+    assert not isinstance(fp8.dispatch_rows(q, s, packed=True), fp8.PairRows)
+    assert packed_buf._fp8_pack and not plain_buf._fp8_pack
+    idx, w = torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1)
+    for buf in (packed_buf, plain_buf):   # the same received rows either way (reference backend)
+        got = buf.dispatch((q, s), idx, w).tokens
+        assert torch.equal(got[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[1], s)
+        buf.destroy()
 
 
 def test_dispatch_rows_copies_a_misaligned_source_and_keeps_reading_in_place():

@@ -23,7 +23,13 @@
 # contract case with and without MOK_COMBINE_NARROW, one block for calls larger than its lanes),
 # the regression sample (the combine kernel changed), the kernel's time at 128 / 512 / 4096
 # tokens with and without the narrow path (prediction: 84 -> 12-25 us at 4096), then the fuzzer.
-C=${1:?commit}; PART=${2:?first|second|narrow}
+#
+#   bash scripts/device_runs/s25_1gpu.sh COMMIT host
+#
+# host: NOTES item 25 (PairRows without byte views, MOK_FP8_PACK read once per Buffer): the FP8
+# GPU tests over it, the host profile at 128 tokens (dispatch_rows vs session 24's build in one
+# process; prediction -2..-4 us), the fuzzer 60 s.
+C=${1:?commit}; PART=${2:?first|second|narrow|host}
 . "$(dirname "$0")/common.sh"
 if [ "$PART" = first ]; then
   S=${3:-240}
@@ -80,5 +86,15 @@ print("[fuzz features]", {k: v for k, v in sorted(f.items()) if k in ("fp8", "sc
 for x in (d.get("failures") or [])[:5]:
     print("[fuzz failure]", x.get("case_seed"), x.get("kind"), str(x.get("message"))[:300])
 PY
+elif [ "$PART" = host ]; then
+  timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider -rs --tb=short \
+    tests/test_fp8_dispatch.py tests/test_cuda_library_abi.py > $R/fp8_tests.log 2>&1
+  echo "[fp8 + ABI GPU tests] rc=$?"; grep -E " FAILED| ERROR|^E " $R/fp8_tests.log | head -20; tail -1 $R/fp8_tests.log
+  timeout -k 5 200 python3 scripts/profile_fp8_host.py --out $R/fp8_host --tokens 128 --commit $C \
+    --profile-calls 50 > $R/fp8_host.log 2>&1
+  echo "[fp8 host profile] rc=$?"; grep -E "^T=|^  " $R/fp8_host.log | head -24
+  timeout -k 10 150 python3 scripts/fuzz_dispatch.py --device cuda --seconds 60 --max-world 4 \
+    --out $R/fuzz --seed 27 > $R/fuzz.log 2>&1
+  echo "[fuzz] rc=$?"; tail -1 $R/fuzz.log | cut -c1-300
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r
