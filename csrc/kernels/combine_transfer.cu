@@ -981,6 +981,20 @@ __device__ __forceinline__ void consume_any(const CommContext& c, const HandleAr
 // the items run side by side. Same ring slots, same rows in the same order from +0.0, the same
 // roundings and the same rank order as produce_row and consume: the bits are the same.
 
+// acc += a task's rows of one vector each (`rows`: its K row ids), in row order. The live rows
+// (0 <= row < row_cap) are a prefix and ascend (stream_rows), so the first dead one ends them.
+template <typename T>
+__device__ __forceinline__ void sum_narrow_rows(float (&acc)[kCombineVec], const T* expert_out,
+                                                const int32_t* rows, int K, int64_t row_cap) {
+  for (int k = 0; k < K; ++k) {
+    const int row = rows[k];
+    if (row < 0 || row >= row_cap) break;
+    Raw8<T> r;
+    load_raw(r, expert_out + static_cast<size_t>(row) * kCombineVec);
+    add_raw<T>(acc, r);
+  }
+}
+
 // Warp-wide: every lane with `active` set names ring slot `slot` (generation `g`); each distinct
 // slot is checked once, as ring_slot_acquire_warp. False after a timeout or an abort.
 __device__ __forceinline__ bool acquire_lane_slots(const CommContext& c, const RingView& mine, bool active,
@@ -1023,13 +1037,7 @@ __device__ void produce_narrow(const CommContext& c, const HandleArrays& h, cons
       const int32_t* rows = h.task_rows + static_cast<size_t>(task) * sh.K;
       char* chunk = mine.ring + slot * mine.chunk_bytes;
       float acc[kCombineVec] = {};
-      for (int k = 0; k < sh.K; ++k) {  // live rows are a prefix and ascend (stream_rows)
-        const int row = rows[k];
-        if (row < 0 || row >= a.row_cap) break;
-        Raw8<T> r;
-        load_raw(r, expert_out + static_cast<size_t>(row) * kCombineVec);
-        add_raw<T>(acc, r);
-      }
+      sum_narrow_rows<T>(acc, expert_out, rows, sh.K, a.row_cap);
       Vec8<P>::store(reinterpret_cast<P*>(chunk) + static_cast<size_t>(q % sh.C) * kCombineVec, acc);
       if (grad_probs != nullptr) {
         // Side value of slot k: the gradient of the task's row from slot k, else 0 (each slot
@@ -1096,13 +1104,7 @@ __device__ void consume_narrow(const CommContext& c, const HandleArrays& h, cons
         const int task = h.task_off[me] + q;
         const int32_t* rows = h.task_rows + static_cast<size_t>(task) * K;
         float part[kCombineVec] = {};
-        for (int k = 0; k < K; ++k) {
-          const int row = rows[k];
-          if (row < 0 || row >= a.row_cap) break;
-          Raw8<T> r;
-          load_raw(r, expert_out + static_cast<size_t>(row) * kCombineVec);
-          add_raw<T>(part, r);
-        }
+        sum_narrow_rows<T>(part, expert_out, rows, K, a.row_cap);
 #pragma unroll
         for (int e = 0; e < kCombineVec; ++e) acc[e] += round_to<P>(part[e]);
         if (grad_w != nullptr)

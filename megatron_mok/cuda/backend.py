@@ -653,7 +653,9 @@ class CudaBackend:
         """``grad_topk_weights [T, K]`` float32 from ``grad_probs [R]``, with no row gradients
         (the FP8 dispatch's backward: its tokens have none). One combine of rows
         ``PROB_GRAD_HIDDEN`` elements wide: the prob gradients travel as the partials' side
-        values, as in a full combine, and the rows (zeros) cost next to nothing."""
+        values, as in a full combine, and the rows (zeros) cost next to nothing. The kernel gives
+        such narrow calls a lane per task and per token (``MOK_COMBINE_NARROW=0``: a warp; one
+        H200, 4096 tokens: 13.6 vs 83.8 us, run s25-3)."""
         rows = torch.zeros(handle.num_out_rows, PROB_GRAD_HIDDEN, dtype=self.buf.dtype,
                            device=grad_probs.device)
         return self.combine(rows, handle, grad_probs=grad_probs)[1]
