@@ -29,7 +29,11 @@
 # host: NOTES item 25 (PairRows without byte views, MOK_FP8_PACK read once per Buffer): the FP8
 # GPU tests over it, the host profile at 128 tokens (dispatch_rows vs session 24's build in one
 # process; prediction -2..-4 us), the fuzzer 60 s.
-C=${1:?commit}; PART=${2:?first|second|narrow|host}
+#
+#   bash scripts/device_runs/s25_1gpu.sh COMMIT recheck
+#
+# recheck: the narrow path's tests and the fuzzer (90 s) over the final review's refactor.
+C=${1:?commit}; PART=${2:?first|second|narrow|host|recheck}
 . "$(dirname "$0")/common.sh"
 if [ "$PART" = first ]; then
   S=${3:-240}
@@ -95,6 +99,14 @@ elif [ "$PART" = host ]; then
   echo "[fp8 host profile] rc=$?"; grep -E "^T=|^  " $R/fp8_host.log | head -24
   timeout -k 10 150 python3 scripts/fuzz_dispatch.py --device cuda --seconds 60 --max-world 4 \
     --out $R/fuzz --seed 27 > $R/fuzz.log 2>&1
+  echo "[fuzz] rc=$?"; tail -1 $R/fuzz.log | cut -c1-300
+elif [ "$PART" = recheck ]; then
+  timeout -k 5 200 python3 -m pytest -q -p no:cacheprovider -rs --tb=short \
+    tests/test_fp8_dispatch.py tests/test_cuda_loopback.py tests/test_cuda_backend.py \
+    -k "prob_grads_only or narrow_rows" > $R/narrow_tests.log 2>&1
+  echo "[narrow tests] rc=$?"; grep -E " FAILED| ERROR|^E " $R/narrow_tests.log | head -20; tail -1 $R/narrow_tests.log
+  timeout -k 10 200 python3 scripts/fuzz_dispatch.py --device cuda --seconds 90 --max-world 4 \
+    --out $R/fuzz --seed 28 > $R/fuzz.log 2>&1
   echo "[fuzz] rc=$?"; tail -1 $R/fuzz.log | cut -c1-300
 fi
 cd $OUT && tar czf r.tgz r && rm -rf r
