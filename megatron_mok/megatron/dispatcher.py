@@ -285,13 +285,22 @@ class MokTokenDispatcher(MoETokenDispatcher):
         super().set_shared_experts(shared_experts)   # checks the config flag, keeps the module
 
     def num_sms(self) -> Optional[int]:
-        """SMs of MoK's kernels in this layer: ``MOK_NUM_SMS`` when set; else
+        """SMs of MoK's kernels in this layer: ``MOK_NUM_SMS`` when set; else Megatron's
+        ``moe_flex_dispatcher_num_sms`` when set (megatron-core 0.19+: the SM budget of the flex
+        dispatchers MoK replaces, so one recipe A/Bs both at the same budget); else
         :data:`LAYER_NUM_SMS` when nothing runs beside them, or ``None`` (the Buffer's default:
         24, 64 for calls of at most 1024 tokens per rank) with ``moe_shared_expert_overlap``,
         where the shared expert's GEMMs run beside the dispatch and the combine, and with
-        ``overlap_moe_expert_parallel_comm``, where another micro-batch's compute does."""
+        ``overlap_moe_expert_parallel_comm``, where another micro-batch's compute does.
+        (Older releases' ``moe_deepep_num_sms`` is not read: it defaults to 20, so a value there
+        does not say that the user chose it.)"""
         if self.options.num_sms is not None:
             return self.options.num_sms
+        flex = getattr(self.config, "moe_flex_dispatcher_num_sms", None)
+        if flex is not None:
+            if int(flex) <= 0:
+                raise MokConfigError(f"moe_flex_dispatcher_num_sms must be > 0, got {flex}")
+            return int(flex)
         if (getattr(self.config, "moe_shared_expert_overlap", False)
                 or getattr(self.config, "overlap_moe_expert_parallel_comm", False)):
             return None

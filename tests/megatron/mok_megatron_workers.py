@@ -442,8 +442,10 @@ def shared_expert_overlap_hooks_cpu(rank, world):
 def layer_num_sms_cpu(rank, world):
     """The dispatcher's SM budget (``MokTokenDispatcher.num_sms``): 48 in a layer where nothing
     runs beside MoK, the Buffer default (``None``) with overlapped shared experts, the knob
-    when set; layers whose budgets differ get Buffers of their own, equal ones share one.
-    Returns the Buffers' ``num_sms`` in the order built."""
+    when set, else Megatron's ``moe_flex_dispatcher_num_sms`` when set (0.19+; set here by hand
+    on older configs), also with overlapped shared experts; layers whose budgets differ get
+    Buffers of their own, equal ones share one. Returns the Buffers' ``num_sms`` in the order
+    built."""
     from megatron_mok.megatron import dispatcher as D
 
     h = _setup(world)
@@ -453,19 +455,24 @@ def layer_num_sms_cpu(rank, world):
         g = torch.Generator().manual_seed(7 + rank)
         x = torch.randn(8, 3, 32, generator=g)
         layers = []
-        for extra, knob in (({}, None), ({"moe_shared_expert_overlap": True}, None), ({}, 16), ({}, None)):
+        overlap = {"moe_shared_expert_overlap": True}
+        for extra, knob, flex in (({}, None, None), (overlap, None, None), ({}, 16, None), ({}, None, None),
+                                  ({}, None, 20), (overlap, None, 20), ({}, 16, 20)):
             torch.manual_seed(0)
             cfg = h.moe_config("mok", ep_size=world, **kw, **extra)
             if knob is not None:
                 cfg.moe_mok_num_sms = knob        # MOK_NUM_SMS for this layer only
+            if flex is not None:
+                cfg.moe_flex_dispatcher_num_sms = flex
             layers.append(h.build_moe_layer(cfg))
         budgets = [layer.token_dispatcher.num_sms() for layer in layers]
-        assert budgets == [D.LAYER_NUM_SMS, None, 16, D.LAYER_NUM_SMS], budgets
+        assert budgets == [D.LAYER_NUM_SMS, None, 16, D.LAYER_NUM_SMS, 20, 20, 16], budgets
         for layer in layers:
             layer(x.clone())
         bufs = [layer.token_dispatcher.buffer for layer in layers]
         assert [b.num_sms for b in bufs] == budgets, [b.num_sms for b in bufs]
-        assert bufs[0] is bufs[3] and len({id(b) for b in bufs}) == 3
+        assert bufs[0] is bufs[3] and bufs[2] is bufs[6] and bufs[4] is bufs[5]
+        assert len({id(b) for b in bufs}) == 4
         return [b.num_sms for b in bufs]
     finally:
         h.destroy_parallel()

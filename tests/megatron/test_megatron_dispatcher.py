@@ -84,7 +84,7 @@ def test_shared_expert_overlap_hooks_cpu(world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_layer_num_sms_cpu(world):
     sms = run_distributed(W.layer_num_sms_cpu, world)
-    assert all(s == [48, None, 16, 48] for s in sms)
+    assert all(s == [48, None, 16, 48, 20, 20, 16] for s in sms)
 
 
 @pytest.mark.parametrize("world", [1, 2])
