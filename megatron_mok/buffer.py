@@ -166,7 +166,8 @@ class Buffer:
                 x = validation.check_cached_fp8_inputs(self, x, handle)
             else:
                 validation.check_cached_dispatch_inputs(self, x, handle)
-            tokens = CachedDispatchFunction.apply(backend, handle, fp8.dispatch_rows(*x, packed=self._fp8_pack) if pair else x)
+            rows = fp8.dispatch_rows(*x, packed=self._fp8_pack) if pair else x
+            tokens = CachedDispatchFunction.apply(backend, handle, rows)
             return DispatchResult(tokens=self._fp8_rows(tokens, x) if pair else tokens, probs=None,
                                   tokens_per_expert=handle.tokens_per_expert,
                                   src_rank=handle.src_rank, src_token=handle.src_token, handle=handle)
@@ -178,8 +179,9 @@ class Buffer:
                                          check_values=backend.name == "reference", fp8=pair)
         validation.check_rows_per_expert(self, rows_per_expert)
         out_handle = []
-        tokens, probs = DispatchFunction.apply(backend, out_handle, fp8.dispatch_rows(*x, packed=self._fp8_pack) if pair else x,
-                                               topk_weights, topk_idx, rows_per_expert)
+        rows = fp8.dispatch_rows(*x, packed=self._fp8_pack) if pair else x
+        tokens, probs = DispatchFunction.apply(backend, out_handle, rows, topk_weights, topk_idx,
+                                               rows_per_expert)
         h = out_handle[0]
         return DispatchResult(tokens=self._fp8_rows(tokens, x) if pair else tokens, probs=probs,
                               tokens_per_expert=h.tokens_per_expert,

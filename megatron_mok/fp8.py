@@ -32,7 +32,7 @@ usual FP8 training step dispatches FP8 forward and computes the gradient of the 
 from __future__ import annotations
 
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -156,7 +156,7 @@ def pack_always() -> bool:
     return os.environ.get("MOK_FP8_PACK") == "1"
 
 
-def dispatch_rows(x_fp8: torch.Tensor, scales: torch.Tensor, packed: bool = None):
+def dispatch_rows(x_fp8: torch.Tensor, scales: torch.Tensor, packed: Optional[bool] = None):
     """What a dispatch moves for the pair: :class:`PairRows` (read in place) when the FP8 row and
     the scale row are multiples of 16 bytes (DeepEP's 1x128 float32 scales whenever ``H`` is a
     multiple of 512; MXFP8's one-byte scales whenever ``H`` is a multiple of 512), else the

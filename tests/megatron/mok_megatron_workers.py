@@ -473,6 +473,10 @@ def layer_num_sms_cpu(rank, world):
         assert [b.num_sms for b in bufs] == budgets, [b.num_sms for b in bufs]
         assert bufs[0] is bufs[3] and bufs[2] is bufs[6] and bufs[4] is bufs[5]
         assert len({id(b) for b in bufs}) == 4
+        cfg = h.moe_config("mok", ep_size=world, **kw)
+        cfg.moe_flex_dispatcher_num_sms = 0
+        with pytest.raises(D.MokConfigError, match="moe_flex_dispatcher_num_sms must be > 0"):
+            h.build_moe_layer(cfg).token_dispatcher.num_sms()
         return [b.num_sms for b in bufs]
     finally:
         h.destroy_parallel()
