@@ -6,7 +6,10 @@
         --dispatchers alltoall,alltoall:overlap,mok,mok:overlap         # + a shared expert
     torchrun --nproc-per-node 2 benchmarks/bench_layer.py --etp 2       # expert TP (EP = 1)
 
-Dispatchers: ``alltoall``, ``flex`` (only when ``deep_ep`` imports) and ``mok``; a name with
+Dispatchers: ``alltoall``, ``flex`` (only when ``deep_ep`` imports; ``flex:hybridep`` and
+``flex:ncclep`` select Megatron's other flex backends, DeepEP's HybridEP and TE's NCCL EP, and
+``flex:sms=N`` its SM budget; none of the flex variants has run on our GPU machine, which has
+neither DeepEP nor TE) and ``mok``; a name with
 ``:overlap`` runs that dispatcher with ``moe_shared_expert_overlap`` (needs ``--shared-ffn``:
 the shared expert on its own stream beside the dispatch and the combine), and ``mok:high`` /
 ``mok:overlap:high`` run MoK's kernels on a high-priority stream (``MOK_COMM_STREAM=high``
@@ -99,17 +102,25 @@ def parse_args(argv=None):
     return args
 
 
+FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")   # Megatron's moe_flex_dispatcher_backend
+
+
 def dispatcher_variant(d: str):
     """``"mok:overlap:high"`` -> ``("mok", {"overlap", "high"})``; ``None`` if not a variant
     this script knows. Any dispatcher's modes: ``overlap``, ``graphs``; MoK's own: ``high``
-    (``MOK_COMM_STREAM=high``) and ``sms=N`` (``MOK_NUM_SMS=N``, N > 0), each for that layer
-    only."""
+    (``MOK_COMM_STREAM=high``) and ``sms=N`` (``MOK_NUM_SMS=N``, N > 0); flex's own: one backend
+    (``hybridep``, ``ncclep``; none: ``deepep``) and ``sms=N`` (Megatron's flex SM budget), each
+    for that layer only."""
     name, *modes = d.split(":")
     modes = set(modes)
-    own = {m for m in modes if m == "high" or m.startswith("sms=")}
-    if not modes - own <= {"overlap", "graphs"} or (own and name != "mok"):
+    own_of = {"mok": {m for m in modes if m == "high" or m.startswith("sms=")},
+              "flex": {m for m in modes if m in FLEX_BACKENDS[1:] or m.startswith("sms=")}}
+    own = own_of.get(name, set())
+    if not modes - own <= {"overlap", "graphs"}:
         return None
     if any(m.startswith("sms=") and not (m[4:].isdigit() and int(m[4:]) > 0) for m in own):
+        return None
+    if len(modes & set(FLEX_BACKENDS[1:])) > 1:
         return None
     return name, modes
 
@@ -117,6 +128,45 @@ def dispatcher_variant(d: str):
 def variant_num_sms(modes):
     """The ``N`` of a ``sms=N`` mode, ``None`` without one."""
     return next((int(m[4:]) for m in modes if m.startswith("sms=")), None)
+
+
+def flex_backend(modes) -> str:
+    """The flex variant's ``moe_flex_dispatcher_backend``: its backend mode, else ``deepep``."""
+    return next((m for m in FLEX_BACKENDS[1:] if m in modes), "deepep")
+
+
+def flex_unavailable(backend: str):
+    """Why this machine cannot run the flex ``backend`` (a string), or ``None``. Only what can be
+    checked without building a layer: Megatron's own checks (versions of DeepEP / TE, the GPU)
+    run when the layer is built. Not run here: neither DeepEP nor TE is on our GPU machine."""
+    if backend == "ncclep":
+        from megatron_mok.megatron import versions
+        if versions.installed_version_tuple()[:2] < (0, 19):
+            return "the ncclep backend needs megatron-core 0.19+"
+        if importlib.util.find_spec("transformer_engine") is None:
+            return "transformer_engine is not importable (ncclep is TE's NCCL EP)"
+        return None
+    if importlib.util.find_spec("deep_ep") is None:
+        return "deep_ep is not importable"
+    if backend == "hybridep":
+        try:
+            import deep_ep
+        except Exception as e:  # noqa: BLE001  (an importable but broken build says why)
+            return f"deep_ep does not import: {e}"
+        if not hasattr(deep_ep, "HybridEPBuffer"):
+            return "deep_ep has no HybridEPBuffer (DeepEP's hybrid-ep build)"
+    return None
+
+
+def set_flex_num_sms(cfg, backend: str, n: int) -> None:
+    """A flex layer's SM budget: ``moe_flex_dispatcher_num_sms`` (0.19+), else the older
+    per-backend field."""
+    if hasattr(cfg, "moe_flex_dispatcher_num_sms"):
+        cfg.moe_flex_dispatcher_num_sms = n
+    elif backend == "hybridep":
+        cfg.moe_hybridep_num_sms = n
+    else:
+        cfg.moe_deepep_num_sms = n
 
 
 def _git_commit():
@@ -223,8 +273,8 @@ def run(args):
     skipped = {}
     for d in list(wanted):
         name, modes = dispatcher_variant(d)
-        if name == "flex" and importlib.util.find_spec("deep_ep") is None:
-            skipped[d] = "deep_ep is not importable"
+        if name == "flex" and flex_unavailable(flex_backend(modes)) is not None:
+            skipped[d] = flex_unavailable(flex_backend(modes))
         elif name == "flex" and device.type != "cuda":
             skipped[d] = "needs CUDA"
         elif "overlap" in modes and device.type != "cuda":
@@ -255,7 +305,7 @@ def run(args):
     def build(d, state):
         torch.manual_seed(args.seed)
         name, modes = dispatcher_variant(d)
-        extra = {"moe_flex_dispatcher_backend": "deepep"} if name == "flex" else {}
+        extra = {"moe_flex_dispatcher_backend": flex_backend(modes)} if name == "flex" else {}
         if "overlap" in modes:
             extra["moe_shared_expert_overlap"] = True
         if "graphs" in modes:
@@ -265,7 +315,9 @@ def run(args):
                                  **kw, **extra)
         if "high" in modes:
             cfg.moe_mok_comm_stream = "high"     # MOK_COMM_STREAM=high for this layer only
-        if variant_num_sms(modes) is not None:
+        if variant_num_sms(modes) is not None and name == "flex":
+            set_flex_num_sms(cfg, flex_backend(modes), variant_num_sms(modes))
+        elif variant_num_sms(modes) is not None:
             cfg.moe_mok_num_sms = variant_num_sms(modes)   # MOK_NUM_SMS, this layer only
         if graphs:
             layer = harness.build_moe_transformer_layer(cfg, device=device, dtype=dtype)

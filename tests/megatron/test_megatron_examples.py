@@ -195,8 +195,31 @@ def test_bench_layer_dispatcher_variants():
     assert bench.variant_num_sms({"overlap"}) is None
     assert v("alltoall:graphs") == ("alltoall", {"graphs"})
     assert v("mok:graphs:sms=64") == ("mok", {"graphs", "sms=64"})
-    for bad in ("alltoall:high", "flex:sms=8", "mok:sms=0", "mok:sms=x", "mok:sms=", "mok:fast"):
+    assert v("flex:hybridep:sms=20") == ("flex", {"hybridep", "sms=20"})
+    assert bench.flex_backend({"hybridep", "sms=20"}) == "hybridep"
+    assert bench.flex_backend({"ncclep"}) == "ncclep" and bench.flex_backend({"overlap"}) == "deepep"
+    for bad in ("alltoall:high", "alltoall:sms=8", "mok:hybridep", "flex:high", "flex:hybridep:ncclep",
+                "flex:sms=0", "mok:sms=0", "mok:sms=x", "mok:sms=", "mok:fast"):
         assert v(bad) is None, bad
+    # what this CPU machine lacks, said as the reason a variant is skipped
+    import importlib.util
+    if importlib.util.find_spec("deep_ep") is None:
+        assert bench.flex_unavailable("deepep") == "deep_ep is not importable"
+        assert bench.flex_unavailable("hybridep") == "deep_ep is not importable"
+    from megatron_mok.megatron import versions
+    if versions.installed_version_tuple()[:2] < (0, 19):
+        assert "0.19" in bench.flex_unavailable("ncclep")
+    elif importlib.util.find_spec("transformer_engine") is None:
+        assert "transformer_engine" in bench.flex_unavailable("ncclep")
+
+    class Cfg:                               # a release without moe_flex_dispatcher_num_sms
+        moe_deepep_num_sms = moe_hybridep_num_sms = None
+    c = Cfg()
+    bench.set_flex_num_sms(c, "hybridep", 12)
+    assert c.moe_hybridep_num_sms == 12 and c.moe_deepep_num_sms is None
+    c.moe_flex_dispatcher_num_sms = None     # 0.19+
+    bench.set_flex_num_sms(c, "deepep", 16)
+    assert c.moe_flex_dispatcher_num_sms == 16 and c.moe_deepep_num_sms is None
     with pytest.raises(SystemExit):
         bench.parse_args(["--dispatchers", "mok,mok:sms=-1"])
     with pytest.raises(SystemExit):              # the first round records the graphs
