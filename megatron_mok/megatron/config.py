@@ -14,6 +14,7 @@ the same name in lower case with a ``moe_`` prefix set on the config object wins
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -63,6 +64,15 @@ def config_problems(config) -> list:
     # Megatron's 1F1B EP overlap (overlap_moe_expert_parallel_comm) works: the config is
     # validated as alltoall's and install() keeps the schedule nodes' inputs that mok still
     # needs (_patch.py); without that wrap the config is refused there, naming why.
+    if getattr(config, "moe_paged_stash", False):
+        # megatron-core 0.19's paged stash runs the experts on a static per-rank budget
+        # (moe_expert_rank_capacity_factor): HybridEP drops the routes over it and flags them,
+        # and Megatron reruns the step without the budget (check_over_budget). MoK's dispatch
+        # is dropless and has no such budget or flag.
+        p.append("moe_paged_stash is set; it needs a dispatch with a static per-rank budget "
+                 "(moe_expert_rank_capacity_factor) that flags the routes over it so that "
+                 "Megatron reruns the step, which HybridEP / NCCL EP have and MoK's dropless "
+                 "dispatch does not: unset moe_paged_stash")
     if getattr(config, "moe_enable_deepep", False):
         p.append("moe_enable_deepep is set; it selects DeepEP for the 'flex' dispatcher: unset "
                  "it to use MoK")
@@ -110,6 +120,12 @@ def check_config(config) -> None:
         raise MokConfigError(
             "moe_token_dispatcher_type='mok' cannot run this config:\n  - "
             + "\n  - ".join(problems))
+    if getattr(config, "moe_expert_rank_capacity_factor", None) is not None:
+        # Read by megatron-core 0.19's HybridEP / NCCL EP flex backends only (alltoall ignores
+        # it too); say so, since with HybridEP it drops the routes over the budget.
+        warnings.warn("moe_expert_rank_capacity_factor is ignored with "
+                      "moe_token_dispatcher_type='mok': its dispatch is dropless (no per-rank "
+                      "budget, no route dropped); HybridEP and NCCL EP use it", stacklevel=2)
 
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,

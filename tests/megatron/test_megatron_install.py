@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+import warnings
+
 import pytest
 import torch
 
@@ -349,3 +351,26 @@ def test_cuda_graphs_with_shared_expert_overlap(impl, scopes, ok):
                                 moe_shared_expert_overlap=True)
     problems = [q for q in config_problems(cfg) if "moe_shared_expert_overlap" in q]
     assert (problems == []) == ok, problems
+
+
+def test_paged_stash_is_refused_and_the_rank_budget_is_said_to_be_ignored():
+    # megatron-core 0.19's paged stash needs a dispatch that drops and flags the routes over a
+    # per-rank budget (HybridEP); MoK's dispatch is dropless, so the budget alone is ignored
+    # (as alltoall ignores it) with a warning, and the paged stash is refused.
+    import types
+    from megatron_mok.megatron.config import MokConfigError, check_config, config_problems
+
+    base = dict(moe_token_dispatcher_type="mok", num_moe_experts=8, expert_tensor_parallel_size=1,
+                tensor_model_parallel_size=1)
+    stash = types.SimpleNamespace(moe_paged_stash=True, moe_expert_rank_capacity_factor=1.5, **base)
+    assert any("moe_paged_stash" in q for q in config_problems(stash))
+    with pytest.raises(MokConfigError, match="unset moe_paged_stash"):
+        check_config(stash)
+    budget = types.SimpleNamespace(moe_paged_stash=False, moe_expert_rank_capacity_factor=1.5, **base)
+    assert config_problems(budget) == []
+    with pytest.warns(UserWarning, match="moe_expert_rank_capacity_factor is ignored"):
+        check_config(budget)
+    plain = types.SimpleNamespace(**base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_config(plain)
