@@ -301,6 +301,10 @@ class MokTokenDispatcher(MoETokenDispatcher):
             if int(flex) <= 0:
                 raise MokConfigError(f"moe_flex_dispatcher_num_sms must be > 0, got {flex}")
             return int(flex)
+        return self._default_num_sms()
+
+    def _default_num_sms(self) -> Optional[int]:
+        """:meth:`num_sms` when neither knob is set."""
         if (getattr(self.config, "moe_shared_expert_overlap", False)
                 or getattr(self.config, "overlap_moe_expert_parallel_comm", False)):
             return None
@@ -365,6 +369,13 @@ class MokTokenDispatcher(MoETokenDispatcher):
                              combine_partial_dtype=opts.combine_partial_dtype, **kwargs)
             with _LOCK:
                 _BUFFERS[key] = buf
+            flex = getattr(self.config, "moe_flex_dispatcher_num_sms", None)
+            if opts.num_sms is None and flex is not None:
+                # Not silent either: a recipe written for flex now also sets MoK's budget.
+                warnings.warn(f"MoK: {num_sms} SMs from moe_flex_dispatcher_num_sms (the flex "
+                              f"dispatchers' budget, so an A/B runs both at one budget); MOK_NUM_SMS "
+                              f"sets MoK's own (its default here: {self._default_num_sms()})",
+                              stacklevel=2)
             if hidden.is_cuda and opts.backend == "auto" and "cuda" not in mok.available_backends():
                 # Not silent: the reference backend is correct but slow (all-gathers tokens).
                 warnings.warn("MoK: the CUDA backend is not built, so the Megatron dispatcher runs "

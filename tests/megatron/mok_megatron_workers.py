@@ -467,8 +467,13 @@ def layer_num_sms_cpu(rank, world):
             layers.append(h.build_moe_layer(cfg))
         budgets = [layer.token_dispatcher.num_sms() for layer in layers]
         assert budgets == [D.LAYER_NUM_SMS, None, 16, D.LAYER_NUM_SMS, 20, 20, 16], budgets
-        for layer in layers:
-            layer(x.clone())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for layer in layers:
+                layer(x.clone())
+        # one Buffer takes its budget from the flex knob alone (layers 4 and 5 share it): it says so
+        said = [str(w.message) for w in caught if "moe_flex_dispatcher_num_sms" in str(w.message)]
+        assert len(said) == 1 and "20 SMs" in said[0] and "default here: 48" in said[0], said
         bufs = [layer.token_dispatcher.buffer for layer in layers]
         assert [b.num_sms for b in bufs] == budgets, [b.num_sms for b in bufs]
         assert bufs[0] is bufs[3] and bufs[2] is bufs[6] and bufs[4] is bufs[5]
