@@ -8,8 +8,9 @@
 
 Dispatchers: ``alltoall``, ``flex`` (only when ``deep_ep`` imports; ``flex:hybridep`` and
 ``flex:ncclep`` select Megatron's other flex backends, DeepEP's HybridEP and TE's NCCL EP, and
-``flex:sms=N`` its SM budget; none of the flex variants has run on our GPU machine, which has
-neither DeepEP nor TE) and ``mok``; a name with
+``flex:sms=N`` its SM budget; plain ``flex`` ran with a DeepEP built beside the project, runs
+s4-3 and s4-4, but these three variants have not run: HybridEP and TE were never built on our
+GPU machine) and ``mok``; a name with
 ``:overlap`` runs that dispatcher with ``moe_shared_expert_overlap`` (needs ``--shared-ffn``:
 the shared expert on its own stream beside the dispatch and the combine), and ``mok:high`` /
 ``mok:overlap:high`` run MoK's kernels on a high-priority stream (``MOK_COMM_STREAM=high``
@@ -138,7 +139,8 @@ def flex_backend(modes) -> str:
 def flex_unavailable(backend: str):
     """Why this machine cannot run the flex ``backend`` (a string), or ``None``. Only what can be
     checked without building a layer: Megatron's own checks (versions of DeepEP / TE, the GPU)
-    run when the layer is built. Not run here: neither DeepEP nor TE is on our GPU machine."""
+    run when the layer is built. The hybridep and ncclep paths have not run here: HybridEP and TE
+    were never built on our GPU machine."""
     if backend == "ncclep":
         from megatron_mok.megatron import versions
         if versions.installed_version_tuple()[:2] < (0, 19):
