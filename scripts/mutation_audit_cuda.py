@@ -1,0 +1,375 @@
+"""Mutation audit of the CUDA library: do the GPU tests fail when a kernel is wrong?
+
+Each mutant below is one small change a real bug could make in ``csrc/`` (a row order, an
+off-by-one, a missing zero, a check that no longer fires, a ring wait that no longer waits).
+The audit builds one library per mutant, then runs the GPU tests that should catch it against
+that library (``MOK_CUDA_LIB``) and, for a mutant the tests miss, the random fuzzer
+(``scripts/fuzz_dispatch.py``). A mutant the tests miss is a hole in the tests, unless the
+list marks it ``expected`` with the reason (e.g. a race one GPU cannot provoke).
+
+    python scripts/mutation_audit_cuda.py check                       # CPU: the list matches csrc/
+    python scripts/mutation_audit_cuda.py build --out .mutants [--only a,b]   # CPU with nvcc
+    python scripts/mutation_audit_cuda.py run --libs .mutants --out DIR [--only a,b]
+                                              [--fuzz-seconds 30]     # on a GPU
+
+``build`` copies ``csrc/`` to a temporary folder per mutant, applies the change (each original
+snippet must occur exactly once: ``check``), compiles with the Makefile and stores the library
+xz-compressed (``NAME.so.xz``, ~1 MB) with ``manifest.json`` (commit, mutants). ``run`` first
+runs every selection with the unmutated library (``megatron_mok/_lib``; every selection must
+pass, with no GPU test skipped, or the audit stops: a red baseline proves nothing), then each
+mutant: a library that does not load is ``invalid``; pytest failing (or the selection's time
+limit, for a mutant that hangs) is ``killed``; pytest passing with as many tests passed as the
+baseline is ``survived`` unless the fuzzer then finds it. Writes ``DIR/mutation_audit.json`` and
+prints a table; exits 1 when a mutant that is not ``expected`` survived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import lzma
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+
+# The CUDA regression sample of the session scripts (~106 tests, ~35 s on one H200): world size
+# 1, loopback W = 2-4 bitwise against the reference, static shape, cached, graphs, ring wraps,
+# alignment, rows_per_expert, the one-call launch.
+SAMPLE = [
+    "tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k",
+    "world_size_1 or (loopback_matches_reference and 3]) or loopback_static_shape or loopback_cached"
+    " or loopback_graph or (loopback_ring_wraps and 3-) or loopback_expert_alignment"
+    " or loopback_rows_per_expert or launch_launches_nothing or one_call_dispatch",
+]
+NARROW = ["tests/test_fp8_dispatch.py", "tests/test_cuda_loopback.py", "tests/test_cuda_backend.py",
+          "-k", "prob_grads_only or narrow_rows"]
+FP8 = ["tests/test_fp8_dispatch.py", "-k", "cuda or loopback"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str                                   # under csrc/
+    edits: Tuple[Tuple[str, str], ...]          # (original, replacement), each original once
+    tests: Tuple[str, ...]                      # pytest arguments (files, -k ...)
+    what: str                                   # the bug it stands for
+    timeout_s: int = 150                        # for the selection (a hang counts as killed)
+    expected: str = ""                          # why surviving is expected ("" = must be killed)
+
+
+MUTANTS: List[Mutant] = [
+    Mutant("fill_task_rows_descending", "layout/dispatch_fill.cu",
+           (("pos += e2 < e || (e2 == e && k2 < k);", "pos += e2 > e || (e2 == e && k2 < k);"),),
+           tuple(SAMPLE), "a task lists its rows by descending expert: combine sums a token's rows "
+           "in another order than the contract's"),
+    Mutant("fill_padding_prob_kept", "layout/dispatch_fill.cu",
+           (("  out.src_token[row] = -1;\n  out.probs[row] = 0.f;", "  out.src_token[row] = -1;"),),
+           tuple(SAMPLE), "rows with no source keep whatever prob the memory held (static padding, "
+           "zero rows)"),
+    Mutant("fill_rows_per_expert_off_by_one", "layout/dispatch_fill.cu",
+           (("row >= (e + 1) * fixed_rows) row = -1;", "row > (e + 1) * fixed_rows) row = -1;"),),
+           ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "rows_per_expert"),
+           "rows_per_expert N keeps N + 1 rows of an overflowing expert: its last row lands in the "
+           "next expert's first row"),
+    Mutant("layout_expert_id_E_accepted", "layout/dispatch_layout.cu",
+           (("if (e < -1 || e >= r.num_experts) {", "if (e < -1 || e > r.num_experts) {"),),
+           ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "bad_expert"),
+           "an expert id equal to the number of experts is taken as valid (routes to a rank past "
+           "the last)"),
+    Mutant("layout_alignment_full_gap", "layout/dispatch_layout.cu",
+           (("h.gap_len[e] = (A - count % A) % A;", "h.gap_len[e] = A - count % A;"),),
+           ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "alignment"),
+           "an expert whose rows are already a multiple of the alignment gets a whole block of zero "
+           "rows"),
+    Mutant("scan_overflow_by_one_unreported", "layout/dispatch_layout.cu",
+           (("if (rows > out.row_cap) report_error(c, kRecvOverflow",
+             "if (rows > out.row_cap + 1) report_error(c, kRecvOverflow"),),
+           ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "static_overflow or static_shape"),
+           "a static-shape dispatch one row over max_recv_tokens is not reported (its last row is "
+           "lost silently)"),
+    Mutant("transfer_static_padding_not_zeroed", "kernels/dispatch_transfer.cu",
+           (("       v += static_cast<size_t>(n_warps) * kWarpSize)\n    out[v] = zero;",
+             "       v += static_cast<size_t>(n_warps) * kWarpSize)\n    (void)out[v];"),),
+           tuple(SAMPLE), "static-shape rows past R keep old memory instead of zeros"),
+    Mutant("transfer_expert_gap_not_zeroed", "kernels/dispatch_transfer.cu",
+           (("for (int v = lane; v < sh.vec_per_row; v += kWarpSize) dst[v] = zero;",
+             "for (int v = lane; v < sh.vec_per_row; v += kWarpSize) (void)dst[v];"),),
+           ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "alignment or rows_per_expert"),
+           "the zero rows after an expert's rows (alignment, rows_per_expert) keep old memory"),
+    Mutant("combine_ranks_descending", "kernels/combine_transfer.cu",
+           (("for (unsigned m = holders; m != 0; m &= m - 1) add_rank(__ffs(m) - 1);  // ascending ranks",
+             "for (unsigned m = holders; m != 0; m &= ~(1u << (31 - __clz(m)))) add_rank(31 - __clz(m));"),
+            ("        for (int d = 0; d < W; ++d)\n          if (pos(d) >= 0) add_rank(d);",
+             "        for (int d = W - 1; d >= 0; --d)\n          if (pos(d) >= 0) add_rank(d);")),
+           tuple(SAMPLE), "the owner sums the ranks' partials in descending rank order (bitwise "
+           "different from 3 ranks on; 2 partials add the same either way)"),
+    Mutant("combine_prob_grad_last_rank_only", "kernels/combine_transfer.cu",
+           (("          part = partial_side_value(c, sh, d, q, lane);\n        }\n        val += part;",
+             "          part = partial_side_value(c, sh, d, q, lane);\n        }\n        val = part;"),),
+           tuple(SAMPLE), "the prob gradient of a token held by several ranks keeps only the last "
+           "rank's part"),
+    Mutant("narrow_last_slot_grad_dropped", "kernels/combine_transfer.cu",
+           (("            if (kk < K) grad[kk] += side[kk];", "            if (kk < K - 1) grad[kk] += side[kk];"),),
+           tuple(NARROW), "the narrow combine (hidden 8, FP8 backward) drops the last top-k slot's "
+           "gradient from remote ranks"),
+    Mutant("fp8_pair_scale_row_of_own_token", "kernels/dispatch_transfer.cu",
+           (("src2 = b_vecs > 0 ? x2 + static_cast<size_t>(t) * b_vecs : src;",
+             "src2 = b_vecs > 0 ? x2 + static_cast<size_t>(t / 2) * b_vecs : src;"),),
+           tuple(FP8), "an FP8 pair read in place takes an own token's scales from another token's row"),
+    Mutant("ring_format_tag_ignored", "kernels/dispatch_transfer.cu",
+           (("if (dispatch_ready_format(ready) != sh.row_format) {",
+             "if (false && dispatch_ready_format(ready) != sh.row_format) {"),),
+           ("tests/test_fp8_dispatch.py", "-k", "one_rank"),
+           "a rank reads a peer's ring slot staged in another row format (FP8 pair vs tokens) "
+           "without noticing (the cached dispatch runs no layout to catch it)"),
+    Mutant("ring_slot_index_not_wrapped", "include/mok/ring.h",
+           (("    if (x >= n) x -= n;\n", "    if (x > n) x -= n;\n"),),
+           tuple(SAMPLE), "a call whose chunks cross the ring's end uses slot N (past the ring) "
+           "once"),
+    Mutant("ring_reuse_without_wait", "include/mok/ring.h",
+           (("  if (prev != 0)\n    for (int reader", "  if (prev == ~0ull)\n    for (int reader"),),
+           tuple(SAMPLE), "a producer overwrites a ring slot without waiting for its readers to "
+           "release the previous generation",
+           expected="a race: on one GPU the loopback readers finish a slot long before its producer "
+                    "wraps back to it, so no test sees the overwrite (the ring protocol model, "
+                    "scripts/ring_protocol_model.py, is what checks this rule)"),
+    Mutant("wait_never_times_out", "include/mok/device.h",
+           (("if (globaltimer_ns() - start > c.timeout_ns) {",
+             "if (false && globaltimer_ns() - start > c.timeout_ns) {"),),
+           ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "missing_peer_times_out"),
+           "a wait for a peer that never comes spins forever instead of raising the timeout error "
+           "(the loopback test reports a hang after its own 120 s)",
+           timeout_s=165),
+]
+
+
+def _apply(text: str, m: Mutant) -> str:
+    for old, new in m.edits:
+        n = text.count(old)
+        if n != 1:
+            raise ValueError(f"mutant {m.name}: the original snippet occurs {n} times in csrc/{m.file} "
+                             f"(must be once): {old!r}")
+        text = text.replace(old, new)
+    return text
+
+
+def check(mutants: List[Mutant]) -> List[str]:
+    """Problems with the list against csrc/ as it is now (empty: every mutant applies)."""
+    problems, names = [], set()
+    for m in mutants:
+        if m.name in names:
+            problems.append(f"duplicate mutant name {m.name}")
+        names.add(m.name)
+        path = CSRC / m.file
+        if not path.is_file():
+            problems.append(f"{m.name}: no file csrc/{m.file}")
+            continue
+        try:
+            mutated = _apply(path.read_text(), m)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        if mutated == path.read_text():
+            problems.append(f"{m.name}: the change changes nothing")
+        if not m.tests or not any(t.startswith("tests/") for t in m.tests):
+            problems.append(f"{m.name}: no test file to run")
+    return problems
+
+
+def _select(names: Optional[str]) -> List[Mutant]:
+    if not names:
+        return list(MUTANTS)
+    wanted = names.split(",")
+    by_name = {m.name: m for m in MUTANTS}
+    unknown = [n for n in wanted if n not in by_name]
+    if unknown:
+        raise SystemExit(f"unknown mutants: {unknown}; known: {sorted(by_name)}")
+    return [by_name[n] for n in wanted]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def build(out: Path, mutants: List[Mutant], jobs: int) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {"commit": _commit(), "mutants": {}}
+    failed = 0
+    for i, m in enumerate(mutants, 1):
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "csrc"
+            shutil.copytree(CSRC, src)
+            f = src / m.file
+            f.write_text(_apply(f.read_text(), m))
+            lib_dir = Path(tmp) / "lib"
+            r = subprocess.run(["make", "-C", str(src), "-s", f"OUT={lib_dir}", f"-j{jobs}"],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                failed += 1
+                print(f"[{i}/{len(mutants)}] {m.name}: BUILD FAILED\n{r.stderr[-2000:]}", flush=True)
+                continue
+            data = (lib_dir / "libmok_cuda.so").read_bytes()
+            (out / f"{m.name}.so.xz").write_bytes(lzma.compress(data, preset=6))
+        manifest["mutants"][m.name] = {"file": m.file, "what": m.what}
+        print(f"[{i}/{len(mutants)}] {m.name}: built in {time.monotonic() - t0:.0f} s", flush=True)
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return 1 if failed else 0
+
+
+_SUMMARY = re.compile(r"=+ (.*) in [0-9.]+s")
+
+
+def _counts(output: str) -> Dict[str, int]:
+    """pytest's final line, e.g. '3 failed, 100 passed, 2 skipped in 30.1s' -> counts."""
+    found = _SUMMARY.findall(output)
+    counts: Dict[str, int] = {}
+    if found:
+        for part in found[-1].split(","):
+            words = part.strip().split()
+            if len(words) >= 2 and words[0].isdigit():
+                counts[words[1].rstrip(",")] = int(words[0])
+    return counts
+
+
+def _pytest(tests: Tuple[str, ...], lib: Optional[Path], timeout_s: int) -> Dict:
+    env = dict(os.environ)
+    if lib is not None:
+        env["MOK_CUDA_LIB"] = str(lib)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rs", *tests]
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        out, rc, timed_out = r.stdout + r.stderr, r.returncode, False
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc, timed_out = None, True
+    failed = [ln.split(" ", 1)[1].split(" - ")[0] for ln in out.splitlines()
+              if ln.startswith(("FAILED ", "ERROR "))]
+    return {"rc": rc, "timed_out": timed_out, "counts": _counts(out), "failed": failed[:3],
+            "seconds": round(time.monotonic() - t0, 1), "tail": out[-1500:]}
+
+
+def _loads(lib: Path) -> Tuple[bool, str]:
+    env = dict(os.environ, MOK_CUDA_LIB=str(lib))
+    code = "from megatron_mok.cuda import library; library.get(); print('ok')"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return r.returncode == 0 and "ok" in r.stdout, (r.stdout + r.stderr)[-500:]
+
+
+def _fuzz(lib: Path, seconds: int, out: Path) -> Dict:
+    env = dict(os.environ, MOK_CUDA_LIB=str(lib))
+    cmd = [sys.executable, "scripts/fuzz_dispatch.py", "--device", "cuda", "--seconds", str(seconds),
+           "--max-world", "4", "--out", str(out), "--seed", "26"]
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=seconds + 180)
+        rc = r.returncode
+    except subprocess.TimeoutExpired:
+        return {"rc": None, "timed_out": True, "failures": None}
+    failures = None
+    try:
+        failures = len(json.loads((out / "fuzz.json").read_text()).get("failures") or [])
+    except (OSError, ValueError):
+        pass
+    return {"rc": rc, "timed_out": False, "failures": failures}
+
+
+def run(libs: Path, out: Path, mutants: List[Mutant], fuzz_seconds: int) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = libs / "manifest.json"  # written when a build ends (a partial build has none)
+    result = {"commit": _commit(), "libs_manifest": json.loads(manifest.read_text()) if manifest.is_file() else None,
+              "baseline": {}, "mutants": {}}
+    # Baseline: every selection passes with the library under test, nothing skipped that ran
+    # there (a selection that skips its GPU tests would let every mutant "survive").
+    baseline: Dict[Tuple[str, ...], Dict] = {}
+    for m in mutants:
+        if m.tests in baseline:
+            continue
+        b = _pytest(m.tests, None, 600)
+        baseline[m.tests] = b
+        result["baseline"][" ".join(m.tests)] = b
+        print(f"[baseline] {' '.join(m.tests)[:90]}: {b['counts']} in {b['seconds']} s", flush=True)
+        if b["rc"] != 0 or not b["counts"].get("passed"):
+            print("[baseline] FAILED: the audit needs a green baseline\n" + b["tail"], flush=True)
+            (out / "mutation_audit.json").write_text(json.dumps(result, indent=1))
+            return 2
+    unexpected = 0
+    for i, m in enumerate(mutants, 1):
+        with tempfile.TemporaryDirectory() as tmp:
+            lib = Path(tmp) / "libmok_cuda.so"
+            lib.write_bytes(lzma.decompress((libs / f"{m.name}.so.xz").read_bytes()))
+            ok, why = _loads(lib)
+            rec: Dict = {"file": m.file, "what": m.what, "expected": m.expected}
+            if not ok:
+                rec.update(verdict="invalid", detail=why)
+            else:
+                p = _pytest(m.tests, lib, m.timeout_s)
+                rec["pytest"] = {k: v for k, v in p.items() if k != "tail"}
+                base_passed = baseline[m.tests]["counts"].get("passed", 0)
+                if p["timed_out"]:
+                    rec["verdict"], rec["by"] = "killed", f"time limit {m.timeout_s} s (a hang)"
+                elif p["rc"] != 0:
+                    rec["verdict"], rec["by"] = "killed", (p["failed"] or [f"pytest rc {p['rc']}"])[0]
+                    if not p["failed"]:
+                        rec["tail"] = p["tail"]
+                elif p["counts"].get("passed", 0) < base_passed:
+                    rec["verdict"], rec["detail"] = "invalid", f"only {p['counts']} against {base_passed} passed"
+                else:
+                    rec["verdict"] = "survived"
+                    if fuzz_seconds > 0:
+                        f = _fuzz(lib, fuzz_seconds, out / f"fuzz_{m.name}")
+                        rec["fuzz"] = f
+                        if f["timed_out"] or (f["failures"] or 0) > 0 or f["rc"] not in (0,):
+                            rec["verdict"], rec["by"] = "killed", f"fuzzer ({f})"
+            if rec["verdict"] == "survived" and not m.expected:
+                unexpected += 1
+            result["mutants"][m.name] = rec
+            print(f"[{i}/{len(mutants)}] {m.name}: {rec['verdict'].upper()}"
+                  f"{' by ' + str(rec.get('by')) if rec.get('by') else ''}"
+                  f"{' (expected: ' + m.expected[:60] + '...)' if rec['verdict'] == 'survived' and m.expected else ''}",
+                  flush=True)
+            (out / "mutation_audit.json").write_text(json.dumps(result, indent=1))
+    killed = sum(r["verdict"] == "killed" for r in result["mutants"].values())
+    print(f"== {killed} of {len(result['mutants'])} mutants killed; {unexpected} survived unexpectedly")
+    return 1 if unexpected else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("check")
+    b = sub.add_parser("build")
+    b.add_argument("--out", required=True)
+    b.add_argument("--only", default=None)
+    b.add_argument("--jobs", type=int, default=2)
+    r = sub.add_parser("run")
+    r.add_argument("--libs", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--only", default=None)
+    r.add_argument("--fuzz-seconds", type=int, default=30)
+    a = ap.parse_args(argv)
+    if a.cmd == "check":
+        problems = check(MUTANTS)
+        print("\n".join(problems) or f"{len(MUTANTS)} mutants apply to csrc/")
+        return 1 if problems else 0
+    if a.cmd == "build":
+        return build(Path(a.out), _select(a.only), a.jobs)
+    return run(Path(a.libs), Path(a.out), _select(a.only), a.fuzz_seconds)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
