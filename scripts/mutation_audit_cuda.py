@@ -231,7 +231,8 @@ def build(out: Path, mutants: List[Mutant], jobs: int) -> int:
     return 1 if failed else 0
 
 
-_SUMMARY = re.compile(r"=+ (.*) in [0-9.]+s")
+# "108 passed, 562 deselected in 30.76s" (-q), or the same between "=" rules.
+_SUMMARY = re.compile(r"^=*\s*(\d+ \w+(?:, \d+ \w+)*) in [0-9.]+s", re.M)
 
 
 def _counts(output: str) -> Dict[str, int]:

@@ -49,6 +49,8 @@ def test_pytest_summary_counts():
     tool = _tool()
     out = "....\n=========== 2 failed, 104 passed, 3 skipped, 550 deselected in 33.14s ===========\n"
     assert tool._counts(out) == {"failed": 2, "passed": 104, "skipped": 3, "deselected": 550}
+    assert tool._counts("....\n108 passed, 562 deselected in 30.76s\n") == {"passed": 108, "deselected": 562}
+    assert tool._counts("F\n1 failed, 3 passed in 2.0s (0:00:02)\n") == {"failed": 1, "passed": 3}
     assert tool._counts("no summary here") == {}
 
 
