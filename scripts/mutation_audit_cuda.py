@@ -251,7 +251,7 @@ def _pytest(tests: Tuple[str, ...], lib: Optional[Path], timeout_s: int) -> Dict
     env = dict(os.environ)
     if lib is not None:
         env["MOK_CUDA_LIB"] = str(lib)
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rs", *tests]
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfEs", *tests]
     t0 = time.monotonic()
     try:
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
