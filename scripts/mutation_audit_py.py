@@ -16,7 +16,7 @@ Exit status: 0 when every non-equivalent mutant is killed, 1 otherwise (or when 
 longer occurs exactly once in its file: the list has rotted; ``tests/test_mutation_audit_py.py``
 checks that cheaply on every CPU test run).
 
-Usage (from the repository root; ~25 min on 2 cores)::
+Usage (from the repository root; ~6 min on 2 cores)::
 
     python scripts/mutation_audit_py.py                 # every mutant
     python scripts/mutation_audit_py.py ref_ val_       # mutants whose name starts so

@@ -1,6 +1,6 @@
 """The mutation audit's list (scripts/mutation_audit_py.py) has not rotted: every mutant's
 original snippet still occurs exactly once in its file, so each mutant still changes the line
-it was written for. Cheap invariants only: running the mutants takes ~25 minutes
+it was written for. Cheap invariants only: running the mutants takes ~6 minutes on 2 cores
 (``python scripts/mutation_audit_py.py``), not part of the test suite."""
 import os
 import sys
