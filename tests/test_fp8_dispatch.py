@@ -292,6 +292,24 @@ def test_fp8_input_errors(make, err, match):
     buf.dispatch((q, s), idx, w)                        # the pair itself is fine
 
 
+def test_fp8_row_of_exactly_the_token_row_fits():
+    """The packed row may fill the Buffer's token row exactly (the staging ring holds it):
+    H = 32 FP8 bytes + 8 float32 scales = 64 bytes = 32 bf16 elements; 9 scales (80) do not."""
+    buf = _fp8_buffer()
+    q, s = fp8.quantize(torch.randn(3, 32), 4)
+    assert tuple(s.shape) == (3, 8)
+    assert fp8.packed_row_bytes(32, 8, torch.float32) == 64 == 32 * torch.bfloat16.itemsize
+    idx = torch.tensor([[0, 1], [2, 3], [1, -1]])
+    res = buf.dispatch((q, s), idx, torch.rand(3, 2))
+    rows_fp8, row_scales = res.tokens
+    src = [0, 0, 2, 1, 1]              # expert order: e0 <- t0; e1 <- t0, t2; e2 <- t1; e3 <- t1
+    assert res.src_token.tolist() == src
+    assert torch.equal(rows_fp8.contiguous().view(torch.uint8), q[src].view(torch.uint8))
+    assert torch.equal(row_scales.contiguous(), s[src])
+    with pytest.raises(ValueError, match="packs into 80 bytes, more than the Buffer's token row"):
+        buf.dispatch((q, torch.ones(3, 9)), idx, torch.rand(3, 2))
+
+
 def test_fp8_pair_of_non_tensors_is_a_type_error_with_the_auto_backend():
     import megatron_mok as mok
     buf = mok.Buffer(None, num_experts=4, hidden=32, topk=2, max_tokens_per_rank=8)   # backend="auto"

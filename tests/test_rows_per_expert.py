@@ -87,6 +87,15 @@ def test_rows_per_expert_must_respect_alignment_and_static_capacity():
     static = _buffer(spec, torch.float32, "reference", max_recv_tokens=10)
     with pytest.raises(ValueError, match="more than max_recv_tokens=10"):
         static.dispatch(x, idx, w, rows_per_expert=11)
+    # E_local x N exactly max_recv_tokens fits (the bound is inclusive); one row less does not
+    n = x.shape[0] * spec["K"]                      # room for every row on one expert
+    e_local = spec["E"]                             # world size 1
+    exact = _buffer(spec, torch.float32, "reference", max_recv_tokens=e_local * n)
+    res = exact.dispatch(x, idx, w, rows_per_expert=n)
+    assert res.tokens.shape[0] == e_local * n and res.tokens_per_expert.tolist() == [n] * e_local
+    short = _buffer(spec, torch.float32, "reference", max_recv_tokens=e_local * n - 1)
+    with pytest.raises(ValueError, match=f"more than max_recv_tokens={e_local * n - 1}"):
+        short.dispatch(x, idx, w, rows_per_expert=n)
 
 
 def test_cached_dispatch_takes_no_rows_per_expert():

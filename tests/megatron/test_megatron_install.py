@@ -1,5 +1,7 @@
-"""``megatron_mok.megatron.install()``: registration, version gate, config-time checks, and
-the dense-routing -> top-k conversion. Single process, CPU."""
+"""``megatron_mok.megatron.install()``: registration, version gate, config-time checks, the
+dense-routing -> top-k conversion, and the dispatcher's hooks in one process (no
+torch.distributed: every group ``None``) against hand-computed drop-and-pad layouts. Single
+process, CPU."""
 
 from __future__ import annotations
 
@@ -374,3 +376,168 @@ def test_paged_stash_is_refused_and_the_rank_budget_is_said_to_be_ignored():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_config(plain)
+
+
+def test_max_tokens_per_rank_knob_must_be_positive(monkeypatch):
+    # 0 would make a Buffer that takes no token at all: refused when the options are read
+    for bad in ("0", "-4"):
+        monkeypatch.setenv("MOK_MAX_TOKENS_PER_RANK", bad)
+        with pytest.raises(mm.MokConfigError, match="MOK_MAX_TOKENS_PER_RANK must be > 0"):
+            mm.MokOptions.from_config(None)
+    monkeypatch.setenv("MOK_MAX_TOKENS_PER_RANK", "1")
+    assert mm.MokOptions.from_config(None).max_tokens_per_rank == 1
+
+
+def test_expert_tp_rank_bound_is_inclusive(monkeypatch):
+    # The CUDA kernels take up to MAX_RANKS (64) ranks per Buffer: exactly 64 is fine, 66 not.
+    import types
+    from megatron_mok.cuda.backend import MAX_RANKS
+    from megatron_mok.megatron.config import config_problems
+
+    monkeypatch.delenv("MOK_BACKEND", raising=False)
+    assert MAX_RANKS == 64
+
+    def problems(ep):
+        cfg = types.SimpleNamespace(moe_token_dispatcher_type="mok", num_moe_experts=2 * ep,
+                                    expert_tensor_parallel_size=2, tensor_model_parallel_size=2,
+                                    expert_model_parallel_size=ep, moe_router_topk=2)
+        return [q for q in config_problems(cfg) if "ranks exchange tokens" in q]
+
+    assert problems(32) == []
+    assert len(problems(33)) == 1 and "= 66 ranks" in problems(33)[0]
+
+
+# -------------------------------------------------- the dispatcher's hooks, in one process
+def _dispatcher(**cfg_kw):
+    """A ``MokTokenDispatcher`` in this process: no torch.distributed, every group ``None``
+    (size 1), the reference backend on CPU tensors."""
+    import types
+    from megatron_mok.megatron.dispatcher import MokTokenDispatcher
+
+    cfg = _cfg(**cfg_kw)
+    pg = types.SimpleNamespace(ep=None, expt_tp=None, tp_ep=None)
+    E = cfg.num_moe_experts
+    return MokTokenDispatcher(E, list(range(E)), cfg, pg_collection=pg)
+
+
+@pytest.fixture
+def fresh_buffers(monkeypatch):
+    from megatron_mok.megatron.dispatcher import reset_buffers
+
+    for name in ("MOK_BACKEND", "MOK_MAX_TOKENS_PER_RANK", "MOK_TOKENS_PER_EXPERT"):
+        monkeypatch.delenv(name, raising=False)
+    reset_buffers()
+    yield
+    reset_buffers()
+
+
+def test_drop_and_pad_hooks_hand_computed(fresh_buffers):
+    # 6 tokens, 4 experts, top-2, capacity factor 1: capacity = ceil(6 x 2 / 4) = 3 rows per
+    # expert (EP 1). Real routes (prob > 0): t0 -> 0,1; t1 -> 0,2; t2 -> 0,3; t3 -> 1,2;
+    # t4 -> 1; t5 -> none. The router pads every expert's column to 3 with prob-0 routes:
+    # t5 -> 2, t4 -> 3, t5 -> 3. Those must not be dispatched: expert e's rows are its real
+    # routes in token order, then zero rows (prob 0).
+    d = _dispatcher(num_moe_experts=4, moe_expert_capacity_factor=1.0,
+                    moe_pad_expert_input_to_capacity=True)
+    real = {0: (0, 1), 1: (0, 2), 2: (0, 3), 3: (1, 2), 4: (1,)}
+    pads = [(5, 2), (4, 3), (5, 3)]
+    rmap = torch.zeros(6, 4, dtype=torch.bool)
+    probs = torch.zeros(6, 4, dtype=torch.bfloat16)
+    for t, es in real.items():
+        for e in es:
+            rmap[t, e] = True
+            probs[t, e] = 0.25 * (t + 1) + 0.125 * e       # exact in bf16
+    for t, e in pads:
+        rmap[t, e] = True                                   # prob stays 0
+    x = (torch.arange(6 * 16, dtype=torch.float32).view(6, 1, 16) + 1)   # [S, B, H]
+    h, w = d.dispatch_preprocess(x, rmap, probs)
+    assert tuple(h.shape) == (6, 16) and w.dtype == torch.float32
+    tokens, p = d.token_dispatch(h, w)
+    tokens, tpe, p = d.dispatch_postprocess(tokens, p)
+    assert tpe.tolist() == [3, 3, 3, 3], tpe
+    assert tpe.dtype == torch.int64 and tpe.device.type == "cpu"
+    assert p.dtype == torch.bfloat16, "probs come back in the router's dtype"
+    want_rows = {0: [0, 1, 2], 1: [0, 3, 4], 2: [1, 3], 3: [2]}
+    x2 = x.view(6, 16)
+    for e in range(4):
+        for i in range(3):
+            r = 3 * e + i
+            if i < len(want_rows[e]):
+                t = want_rows[e][i]
+                assert torch.equal(tokens[r], x2[t]), (e, i)
+                assert float(p[r]) == float(probs[t, e]), (e, i)
+            else:
+                assert not tokens[r].any() and float(p[r]) == 0.0, (e, i, "zero row")
+    # identity experts: each token comes back times its number of real routes
+    y = d.combine_postprocess(d.token_combine(d.combine_preprocess(tokens)))
+    n = torch.tensor([len(real.get(t, ())) for t in range(6)], dtype=torch.float32)
+    assert tuple(y.shape) == (6, 1, 16)
+    assert torch.equal(y.view(6, 16), x2 * n.view(6, 1))
+
+
+def test_drop_and_pad_rows_per_expert_hand_computed(fresh_buffers):
+    # N = capacity x (ranks of the Buffer), rounded UP to the Buffer's expert_alignment.
+    # 61 tokens, top-2, 8 experts, factor 0.5: capacity = ceil(61 x 2 / 8 x 0.5) = 8.
+    import types
+
+    d = _dispatcher(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True)
+    for world, align, want in ((3, 16, 32), (3, 1, 24), (1, 16, 16), (2, 16, 16), (1, 1, 8)):
+        d.buffer = types.SimpleNamespace(world_size=world, expert_alignment=align)
+        assert d.rows_per_expert(61) == want, (world, align)
+
+
+@pytest.mark.parametrize("where", ["auto", "device"])
+def test_drop_and_pad_counts_on_the_host_unless_asked(fresh_buffers, where):
+    # With drop-and-pad the counts are [N] * E_local, made on the host (no device read), or
+    # on the tokens' device with MOK_TOKENS_PER_EXPERT=device; int64 either way. A stand-in
+    # Buffer puts the rows on the meta device (a device that is not the host's).
+    import types
+
+    cfg = dict(num_moe_experts=4, moe_expert_capacity_factor=1.0,
+               moe_pad_expert_input_to_capacity=True)
+    d = _dispatcher(**cfg)
+    d.options = dataclasses.replace(d.options, tokens_per_expert=where)
+    stub = types.SimpleNamespace(world_size=1, expert_alignment=1, calls=[])
+
+    def dispatch(x, ids, w, rows_per_expert=None):
+        stub.calls.append(rows_per_expert)
+        R = 4 * rows_per_expert
+        return types.SimpleNamespace(tokens=torch.empty(R, 16, device="meta"),
+                                     probs=torch.empty(R, device="meta"),
+                                     tokens_per_expert=None, handle=object())
+
+    stub.dispatch = dispatch
+    d._get_buffer = lambda hidden: stub
+    rmap = torch.zeros(6, 4, dtype=torch.bool)
+    rmap[:, 0] = True
+    h, w = d.dispatch_preprocess(torch.ones(6, 16), rmap, rmap.float())
+    d.token_dispatch(h, w)
+    assert stub.calls == [3]                      # ceil(6 x 2 / 4 x 1.0) x 1 rank
+    tpe = d._tokens_per_expert
+    assert tpe.dtype == torch.int64 and tuple(tpe.shape) == (4,)
+    assert tpe.device.type == ("meta" if where == "device" else "cpu")
+    if where == "auto":
+        assert tpe.tolist() == [3] * 4            # (a meta tensor has no values to read)
+
+
+def test_drop_and_pad_without_capacity_factor_is_refused(fresh_buffers):
+    # Megatron's own check asks for the factor when the config is built; a config edited
+    # after that check is caught by the dispatcher.
+    import types
+    from megatron_mok.megatron.dispatcher import MokTokenDispatcher
+
+    cfg = _cfg(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    cfg.moe_expert_capacity_factor = None
+    pg = types.SimpleNamespace(ep=None, expt_tp=None, tp_ep=None)
+    with pytest.raises(mm.MokConfigError, match="without moe_expert_capacity_factor"):
+        MokTokenDispatcher(8, list(range(8)), cfg, pg_collection=pg)
+
+
+def test_flex_num_sms_must_be_positive(fresh_buffers):
+    d = _dispatcher()
+    assert d.num_sms() == 48                      # LAYER_NUM_SMS: nothing runs beside it
+    d.config.moe_flex_dispatcher_num_sms = 20
+    assert d.num_sms() == 20
+    d.config.moe_flex_dispatcher_num_sms = 0
+    with pytest.raises(mm.MokConfigError, match="moe_flex_dispatcher_num_sms must be > 0"):
+        d.num_sms()

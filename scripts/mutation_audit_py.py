@@ -1,0 +1,387 @@
+#!/usr/bin/env python3
+"""Mutation audit of the Python logic against the CPU test suite.
+
+Each mutant is one small semantic change a real bug could make (an off-by-one, a summation
+order, a check dropped, a slot or rank mixed up). The tool copies the repository to a
+temporary folder (no .git, no virtual environment, no build outputs), applies each mutant there
+in turn, runs the pytest targets that should catch it (``-x``: the first failure ends the run),
+restores the file, and prints a table:
+
+- ``KILLED``: a target failed (the first failing test is named), or timed out;
+- ``SURVIVED``: every target passed; a mutant marked ``equivalent=True`` (with its reason: the
+  change cannot alter what the code does, or not on a machine without a GPU) is expected to
+  survive and is reported as ``equivalent``.
+
+Exit status: 0 when every non-equivalent mutant is killed, 1 otherwise (or when a snippet no
+longer occurs exactly once in its file: the list has rotted; ``tests/test_mutation_audit_py.py``
+checks that cheaply on every CPU test run).
+
+Usage (from the repository root; ~6 min on 2 cores)::
+
+    python scripts/mutation_audit_py.py                 # every mutant
+    python scripts/mutation_audit_py.py ref_ val_       # mutants whose name starts so
+    python scripts/mutation_audit_py.py --list          # the list, nothing run
+    python scripts/mutation_audit_py.py --check         # the snippets only (what the test checks)
+
+The same Python runs the tests (``sys.executable``); the copy goes first on ``PYTHONPATH`` so
+the mutated ``megatron_mok`` is the one imported, by the test process and its spawned ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+REF = "megatron_mok/backends/reference.py"
+VAL = "megatron_mok/validation.py"
+BUF = "megatron_mok/buffer.py"
+AG = "megatron_mok/autograd/functions.py"
+FP8 = "megatron_mok/fp8.py"
+DISP = "megatron_mok/megatron/dispatcher.py"
+CFG = "megatron_mok/megatron/config.py"
+LP = "megatron_mok/cuda/launch_policy.py"
+
+# pytest targets, most likely killer first (-x stops at the first failure)
+CONTRACT = "tests/test_contract.py"
+AUTOGRAD = "tests/test_autograd.py"
+ALIGN = "tests/test_expert_alignment.py"
+RPE = "tests/test_rows_per_expert.py"
+CACHED = "tests/test_cached_dispatch.py"
+STATIC = "tests/test_static_shape.py"
+DETERM = "tests/test_determinism.py"
+ERRORS = "tests/test_errors.py"
+FP8T = "tests/test_fp8_dispatch.py"
+LPT = "tests/test_launch_policy.py"
+MG_INSTALL = "tests/megatron/test_megatron_install.py"
+MG_DISP = "tests/megatron/test_megatron_dispatcher.py"
+REF_ALL = [CONTRACT, AUTOGRAD, CACHED, STATIC, ALIGN, RPE, DETERM]
+
+
+def mg(*names: str) -> List[str]:
+    """Node ids of tests/megatron/test_megatron_dispatcher.py."""
+    return [f"{MG_DISP}::{n}" for n in names]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str               # file, relative to the repository root
+    original: str           # exact snippet; must occur exactly once in the file
+    replacement: str
+    tests: Tuple[str, ...]  # pytest targets that should kill it
+    equivalent: bool = False
+    reason: str = ""        # why an equivalent mutant cannot change behaviour
+
+    @property
+    def line(self) -> Optional[int]:
+        try:
+            with open(os.path.join(ROOT, self.path)) as f:
+                text = f.read()
+        except OSError:
+            return None
+        i = text.find(self.original)
+        return None if i < 0 else text.count("\n", 0, i) + 1
+
+
+def M(name, path, original, replacement, tests, equivalent=False, reason=""):
+    return Mutant(name, path, original, replacement, tuple(tests), equivalent, reason)
+
+
+MUTANTS: List[Mutant] = [
+    # ------------------------------------------------------------------ reference backend
+    M("ref_live_bound", REF,
+      "live = t_ix < counts.view(world, 1, 1)",
+      "live = t_ix <= counts.view(world, 1, 1)",
+      [CONTRACT, RPE], equivalent=True,
+      reason="every rank pads its topk_idx with -1 past T before the all-gather, so slots past "
+             "counts[s] never name a local expert: `mine` excludes them whatever `live` says "
+             "(the mask is belt and braces)"),
+    M("ref_mine_lo", REF, "(all_idx >= lo)", "(all_idx > lo)", [CONTRACT]),
+    M("ref_mine_hi", REF, "(all_idx < lo + num_local_experts)",
+      "(all_idx <= lo + num_local_experts)", [CONTRACT]),
+    M("ref_order_source_first", REF,
+      "key = ((e * world + s) * t_max + t) * topk + k",
+      "key = ((s * num_local_experts + e) * t_max + t) * topk + k", [CONTRACT]),
+    M("ref_order_slot_before_token", REF,
+      "key = ((e * world + s) * t_max + t) * topk + k",
+      "key = ((e * world + s) * topk + k) * t_max + t", [CONTRACT]),
+    M("ref_align_off_by_one", REF,
+      "padded = (counts + alignment - 1) // alignment * alignment",
+      "padded = (counts + alignment) // alignment * alignment", [ALIGN, CONTRACT]),
+    M("ref_capacity_boundary", REF, "over = (counts > rows_per_expert)",
+      "over = (counts >= rows_per_expert)", [RPE]),
+    M("ref_shift_inclusive", REF,
+      "shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(counts, 0) - counts)",
+      "shift = torch.cumsum(padded - counts, 0)", [ALIGN, RPE]),
+    M("ref_task_sort_unstable", REF, "torch.sort(key, stable=True)",
+      "torch.sort(key, stable=False)", [CONTRACT, AUTOGRAD, CACHED, DETERM]),
+    M("ref_combine_slot_order", REF, "for j in range(K):", "for j in reversed(range(K)):",
+      [CONTRACT, AUTOGRAD]),
+    M("ref_combine_unrouted_slot", REF, "live = rows >= 0", "live = rows >= -1",
+      [CONTRACT, AUTOGRAD]),
+    M("ref_combine_no_partial_rounding", REF,
+      "partial = partial.to(b.combine_partial_dtype)", "partial = partial.to(torch.float32)",
+      [CONTRACT, AUTOGRAD]),
+    M("ref_owner_rank_order", REF,
+      "for d in range(W):\n            y[lay.hit[d]]",
+      "for d in reversed(range(W)):\n            y[lay.hit[d]]", [CONTRACT, AUTOGRAD]),
+    M("ref_owner_no_hit_mask", REF,
+      "y[lay.hit[d]] += mine[d][lay.hit[d]].float()", "y += mine[d].float()",
+      [CONTRACT, AUTOGRAD, ALIGN], equivalent=True,
+      reason="a rank holding no row of token t sends a partial of +0.0 for it (the partial "
+             "starts at zeros), and y, a sum from +0.0, is never -0.0 (x + -x is +0.0 in "
+             "round-to-nearest), so adding that +0.0 changes no bit; zero rows and NaN "
+             "padding never reach a partial (task_rows only lists real rows)"),
+    M("ref_hit_dest", REF, "my_idx // b.num_local_experts", "my_idx // b.world_size",
+      [CONTRACT]),
+    M("ref_probs_wrong_slot", REF, "probs[pos] = all_w[row_s, row_t, row_k]",
+      "probs[pos] = all_w[row_s, row_t, 0]", [CONTRACT]),
+    M("ref_prob_grad_wrong_slot", REF, "side[key, lay.row_k[live]] =",
+      "side[key, (lay.row_k[live] + 1) % K] =", [AUTOGRAD]),
+    M("ref_cached_skips_rank0", REF, "live = handle.src_rank[:R] >= 0",
+      "live = handle.src_rank[:R] > 0", [CACHED, AUTOGRAD]),
+    M("ref_task_rows_unpadded", REF,
+      "task_rows = torch.where(task_rows >= 0, pos[task_rows.clamp(min=0)], task_rows)",
+      "task_rows = task_rows", [ALIGN, RPE]),
+    # ------------------------------------------------------------------------ validation
+    M("val_expert_hi", VAL, "hi >= buf.num_experts", "hi > buf.num_experts", [ERRORS]),
+    M("val_expert_lo", VAL, "if lo < -1 or", "if lo < -2 or", [ERRORS]),
+    M("val_tmax_boundary", VAL, "if num_tokens > buf.max_tokens_per_rank:",
+      "if num_tokens >= buf.max_tokens_per_rank:", [ERRORS]),
+    M("val_weights_dtype", VAL, "if topk_weights.dtype != torch.float32:",
+      "if topk_weights.dtype not in (torch.float32, torch.float64):", [ERRORS]),
+    M("val_rpe_alignment_dropped", VAL, "if n % buf.expert_alignment != 0:", "if False:",
+      [RPE]),
+    M("val_rpe_static_boundary", VAL, "total > buf.max_recv_tokens",
+      "total >= buf.max_recv_tokens", [RPE, STATIC]),
+    M("val_fp8_row_boundary", VAL, "if row > token_row:", "if row >= token_row:", [FP8T]),
+    M("val_handle_of_other_buffer", VAL, "if handle.buffer_id != id(buf):", "if False:",
+      [ERRORS, CACHED]),
+    M("val_topk_equals_e", VAL, "not 1 <= topk <= num_experts", "not 1 <= topk < num_experts",
+      [ERRORS, CONTRACT]),
+    # ------------------------------------------------------------------------- Buffer
+    M("buf_out_rows_boundary", BUF, "if num_rows > self.max_recv_tokens:",
+      "if num_rows >= self.max_recv_tokens:", [STATIC]),
+    M("buf_check_values_inverted", BUF, 'check_values=backend.name == "reference"',
+      'check_values=backend.name != "reference"', [ERRORS]),
+    M("buf_partial_dtype_fp16_accepted", BUF, "if partial not in (dtype, torch.float32):",
+      "if partial not in (dtype, torch.float32, torch.float16):", [ERRORS]),
+    # ------------------------------------------------------------------------ autograd
+    M("ag_want_w_of_x", AG, "want_w = ctx.needs_input_grad[3]",
+      "want_w = ctx.needs_input_grad[2]", [AUTOGRAD]),
+    M("ag_prob_grads_dropped", AG,
+      "grad_probs=grad_probs.contiguous() if want_w else None", "grad_probs=None", [AUTOGRAD]),
+    M("ag_fp8_prob_grads_inverted", AG,
+      "if not want_w:\n                return None, None, None, None, None, None",
+      "if want_w:\n                return None, None, None, None, None, None", [FP8T]),
+    # ----------------------------------------------------------------------------- FP8
+    M("fp8_row_align", FP8, "(raw + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN",
+      "(raw + ROW_ALIGN) // ROW_ALIGN * ROW_ALIGN", [FP8T]),
+    M("fp8_quantize_no_abs", FP8, "amax = xv.abs().amax(dim=2)", "amax = xv.amax(dim=2)",
+      [FP8T]),
+    M("fp8_dequantize_wrong_block_scale", FP8, "scales.float().unsqueeze(2)",
+      "scales.float().flip(1).unsqueeze(2)", [FP8T]),
+    M("fp8_unpack_ignores_offset", FP8,
+      "rows.storage_offset() // esize + hidden // esize", "hidden // esize", [FP8T]),
+    M("fp8_in_place_ignores_scale_width", FP8, "if H % ROW_ALIGN or sb % ROW_ALIGN or packed:",
+      "if H % ROW_ALIGN or packed:", [FP8T]),
+    # ----------------------------------------------------------------- Megatron adapter
+    M("mg_topk_largest", DISP, "largest=False", "largest=True", [MG_INSTALL]),
+    M("mg_topk_valid_bound", DISP, "valid = idx < num_experts", "valid = idx <= num_experts",
+      [MG_INSTALL]),
+    M("mg_etp_virtual_order", DISP,
+      "virtual = (ep.unsqueeze(-1) * etp + shard) * num_local_experts",
+      "virtual = (shard * etp + ep.unsqueeze(-1)) * num_local_experts", [MG_INSTALL]),
+    M("mg_dnp_padding_routes_kept", DISP, "routing_map = routing_map & (probs != 0)",
+      "routing_map = routing_map",
+      [MG_INSTALL] + mg("test_drop_and_pad_mok_vs_alltoall_cpu[2-2.0-probs]")),
+    M("mg_rows_forget_ep", DISP, "n = capacity * self.buffer.world_size", "n = capacity",
+      [MG_INSTALL] + mg("test_drop_and_pad_mok_vs_alltoall_cpu[2-0.5-probs]")),
+    M("mg_rows_round_down", DISP, "return -(-n // align) * align", "return n // align * align",
+      [MG_INSTALL] + mg("test_drop_and_pad_mok_vs_alltoall_cpu[1-0.5-probs]")),
+    M("mg_dnp_tpe_int32", DISP, "rows, dtype=torch.long,", "rows, dtype=torch.int32,",
+      [MG_INSTALL] + mg("test_drop_and_pad_mok_vs_alltoall_cpu[1-0.5-probs]")),
+    M("mg_dnp_tpe_on_device", DISP, 'device=res.tokens.device if on_device else "cpu"',
+      "device=res.tokens.device",
+      [MG_INSTALL] + mg("test_drop_and_pad_mok_vs_alltoall_cpu[1-0.5-probs]")),
+    M("mg_probs_dtype_kept", DISP,
+      "probs = probs.to(self._probs_dtype)", "probs = probs",
+      [MG_INSTALL] + mg("test_dispatcher_layout_and_grads_cpu[2-2-bf16]",
+                      "test_dropless_roundtrip_cpu_bf16_topk4")),
+    M("mg_capacity_factor_check_dropped", DISP,
+      "if self.drop_and_pad and self.capacity_factor is None:", "if False:",
+      [MG_INSTALL]),
+    M("mg_tmax_boundary", DISP, "if num_tokens > t_max:", "if num_tokens >= t_max:",
+      [MG_INSTALL] + mg("test_dropless_roundtrip_cpu[1-2]")),
+    M("mg_flex_sms_zero_accepted", DISP, "if int(flex) <= 0:", "if int(flex) < 0:",
+      [MG_INSTALL] + mg("test_layer_num_sms_cpu[1]")),
+    # ----------------------------------------------------------------- Megatron config
+    M("cfg_topk_bound", CFG, "if topk * etp > CUDA_MAX_TOPK:", "if topk * etp >= CUDA_MAX_TOPK:",
+      [MG_INSTALL]),
+    M("cfg_ranks_bound", CFG, "if ranks > CUDA_MAX_RANKS:", "if ranks >= CUDA_MAX_RANKS:",
+      [MG_INSTALL]),
+    M("cfg_reference_bounded", CFG,
+      'if etp > 1 and MokOptions.from_config(config).backend != "reference":', "if etp > 1:",
+      [MG_INSTALL]),
+    M("cfg_empty_scopes_not_whole_layer", CFG,
+      'whole_layer = not scopes or "full" in scopes', 'whole_layer = "full" in scopes',
+      [MG_INSTALL]),
+    M("cfg_tmax_zero_accepted", CFG, "if t_max is not None and t_max <= 0:",
+      "if t_max is not None and t_max < 0:", [MG_INSTALL]),
+    # ---------------------------------------------------------------- launch policy
+    M("lp_pdl_shares_gpu", LP, '(pdl_env[:1] != "0" and not shares_gpu)',
+      '(pdl_env[:1] != "0" and shares_gpu)', [LPT]),
+    M("lp_small_sms_or", LP, "if num_sms is None and not shares_gpu else 0",
+      "if num_sms is None or not shares_gpu else 0", [LPT]),
+    M("lp_small_tokens_threshold", LP, "if small > 0 else -1", "if small >= 0 else -1", [LPT]),
+    M("lp_negative_sms_kept", LP, 'small = max(0, env_int(environ, "MOK_SMALL_CALL_SMS", default_small))',
+      'small = env_int(environ, "MOK_SMALL_CALL_SMS", default_small)', [LPT]),
+]
+
+
+def snippet_problems(root: str = ROOT, mutants: Sequence[Mutant] = MUTANTS) -> List[str]:
+    """Every way the list has rotted: a file gone, a snippet not exactly once in its file, a
+    mutant that changes nothing, a duplicate name, an equivalent mutant without a reason, a
+    test target that does not exist."""
+    problems, names = [], set()
+    for m in mutants:
+        if m.name in names:
+            problems.append(f"{m.name}: duplicate name")
+        names.add(m.name)
+        if m.original == m.replacement:
+            problems.append(f"{m.name}: the replacement is the original")
+        if m.equivalent and not m.reason.strip():
+            problems.append(f"{m.name}: equivalent without a reason")
+        if not m.tests:
+            problems.append(f"{m.name}: no test target")
+        for t in m.tests:
+            if not os.path.isfile(os.path.join(root, t.split("::")[0])):
+                problems.append(f"{m.name}: test target {t} does not exist")
+        try:
+            with open(os.path.join(root, m.path)) as f:
+                text = f.read()
+        except OSError as e:
+            problems.append(f"{m.name}: {m.path}: {e}")
+            continue
+        n = text.count(m.original)
+        if n != 1:
+            problems.append(f"{m.name}: the original snippet occurs {n} times in {m.path}")
+    return problems
+
+
+_IGNORE = shutil.ignore_patterns(".git", ".venv", "venv", "__pycache__", ".pytest_cache", "build",
+                                 "*.so", "*.egg-info", "results", "runs")
+
+
+def _first_failure(output: str) -> str:
+    for pat in (r"^(?:FAILED|ERROR) (\S+)", r"^_{3,} (\S.*?) _{3,}$"):
+        m = re.search(pat, output, re.M)
+        if m:
+            return m.group(1)
+    lines = [ln for ln in output.strip().splitlines() if ln.strip()]
+    return lines[-1][:120] if lines else "(no output)"
+
+
+def run_mutant(m: Mutant, copy_root: str, timeout: float) -> Tuple[str, str, float]:
+    """Apply ``m`` in ``copy_root``, run its targets, restore. Returns (result, detail, seconds)."""
+    path = os.path.join(copy_root, m.path)
+    with open(path) as f:
+        original_text = f.read()
+    if original_text.count(m.original) != 1:
+        return "ERROR", "snippet not found exactly once", 0.0
+    env = dict(os.environ)
+    env["PYTHONPATH"] = copy_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests]
+    t0 = time.time()
+    try:
+        with open(path, "w") as f:
+            f.write(original_text.replace(m.original, m.replacement))
+        try:
+            p = subprocess.run(cmd, cwd=copy_root, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "KILLED", f"timeout after {timeout:.0f} s", time.time() - t0
+    finally:
+        with open(path, "w") as f:
+            f.write(original_text)
+    dt = time.time() - t0
+    if p.returncode == 0:
+        return "SURVIVED", "", dt
+    if p.returncode == 5:           # nothing collected: a bad target, not a kill
+        return "ERROR", "no tests collected", dt
+    return "KILLED", _first_failure(p.stdout), dt
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("prefixes", nargs="*", help="run only mutants whose name starts with one of these")
+    ap.add_argument("--list", action="store_true", help="print the mutants and exit")
+    ap.add_argument("--check", action="store_true", help="check the snippets and exit")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary copy")
+    args = ap.parse_args(argv)
+
+    problems = snippet_problems()
+    if problems:
+        print("the mutant list has rotted:\n  " + "\n  ".join(problems))
+        return 1
+    chosen = [m for m in MUTANTS if not args.prefixes or m.name.startswith(tuple(args.prefixes))]
+    if args.check:
+        print(f"{len(MUTANTS)} mutants, every snippet found exactly once")
+        return 0
+    if args.list:
+        for m in chosen:
+            eq = "  [equivalent]" if m.equivalent else ""
+            print(f"{m.name:36s} {m.path}:{m.line}{eq}\n    - {m.original!r}\n    + {m.replacement!r}")
+        return 0
+
+    tmp = tempfile.mkdtemp(prefix="mok_mutation_")
+    copy_root = os.path.join(tmp, "repo")
+    shutil.copytree(ROOT, copy_root, ignore=_IGNORE)
+    rows, bad = [], []
+    try:
+        for m in chosen:
+            result, detail, dt = run_mutant(m, copy_root, args.timeout)
+            if m.equivalent and result == "SURVIVED":
+                shown = "equivalent"
+            elif m.equivalent and result == "KILLED":
+                shown = "KILLED (marked equivalent: fix the list)"
+                bad.append(m.name)
+            else:
+                shown = result
+                if result != "KILLED":
+                    bad.append(m.name)
+            rows.append((m, shown, detail, dt))
+            print(f"{m.name:36s} {m.path}:{m.line:<5} {shown:10s} {dt:6.1f}s  {detail}", flush=True)
+    finally:
+        if args.keep:
+            print(f"copy kept at {copy_root}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    print("\n| mutant | where | change | result |\n|---|---|---|---|")
+    for m, shown, detail, _ in rows:
+        what = f"`{m.original.strip()[:60]}` -> `{m.replacement.strip()[:60]}`".replace("\n", " ")
+        res = f"{shown} ({detail})" if detail else shown
+        if m.equivalent:
+            res += f": {m.reason}"
+        print(f"| {m.name} | {m.path}:{m.line} | {what} | {res} |")
+    killed = sum(1 for _, s, _, _ in rows if s == "KILLED")
+    equiv = sum(1 for _, s, _, _ in rows if s == "equivalent")
+    print(f"\n{killed} killed, {equiv} equivalent, {len(bad)} not accounted for: {bad}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
