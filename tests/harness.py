@@ -516,6 +516,11 @@ def contract_cases(world_size: int) -> Dict[str, dict]:
         # Rows of one 8-element vector (the width of the FP8 dispatch's prob-gradient combine):
         # the CUDA combine's lane-per-item path; a rank without tokens among them.
         "narrow_rows": spec(_per_rank([13, 0, 10, 7], W), 4 * W, 4, case="mixed", H=8),
+        # Rows of two combine steps (1024 elements) and fewer tokens than warps: the CUDA combine
+        # deals each token to several warps, and those sum the ranks' partials themselves (the
+        # own-partial staging needs a token per warp). Its rank order is then only visible with
+        # 3+ ranks holding a token and float32 rows (mutation audit, benchmarks/NOTES.md item 30).
+        "wide_rows": spec(_per_rank([6, 3, 9, 4], W), 4 * W, 4, case="mixed", H=1024),
     }
 
 
