@@ -272,6 +272,25 @@ def _pytest(tests: Tuple[str, ...], lib: Optional[Path], timeout_s: int) -> Dict
             "seconds": round(time.monotonic() - t0, 1), "tail": out[-1500:]}
 
 
+def pytest_verdict(p: Dict, base_passed: int, timeout_s: int) -> Tuple[str, str]:
+    """(verdict, by / detail) of a mutant's pytest run ``p`` (:func:`_pytest`'s record):
+    - a failed test -> killed by it; a test that failed and then left the process hanging (a
+      kernel still spinning at exit) is still killed by that test;
+    - no failure, but the time limit or a non-zero exit -> killed by the hang / the crash;
+    - passed, but fewer tests passed than with the unmutated library -> invalid (something
+      skipped, so the run proves nothing);
+    - else survived (``by`` empty)."""
+    if p["failed"]:
+        return "killed", p["failed"][0] + (" (then hung at exit)" if p["timed_out"] else "")
+    if p["timed_out"]:
+        return "killed", f"time limit {timeout_s} s (a hang)"
+    if p["rc"] != 0:
+        return "killed", f"pytest rc {p['rc']} (no test named: a crash?)"
+    if p["counts"].get("passed", 0) < base_passed:
+        return "invalid", f"only {p['counts']} against {base_passed} passed"
+    return "survived", ""
+
+
 def _loads(lib: Path) -> Tuple[bool, str]:
     env = dict(os.environ, MOK_CUDA_LIB=str(lib))
     code = "from megatron_mok.cuda import library; library.get(); print('ok')"
@@ -327,17 +346,11 @@ def run(libs: Path, out: Path, mutants: List[Mutant], fuzz_seconds: int) -> int:
             else:
                 p = _pytest(m.tests, lib, m.timeout_s)
                 rec["pytest"] = {k: v for k, v in p.items() if k != "tail"}
-                base_passed = baseline[m.tests]["counts"].get("passed", 0)
-                if p["timed_out"]:
-                    rec["verdict"], rec["by"] = "killed", f"time limit {m.timeout_s} s (a hang)"
-                elif p["rc"] != 0:
-                    rec["verdict"], rec["by"] = "killed", (p["failed"] or [f"pytest rc {p['rc']}"])[0]
-                    if not p["failed"]:
-                        rec["tail"] = p["tail"]
-                elif p["counts"].get("passed", 0) < base_passed:
-                    rec["verdict"], rec["detail"] = "invalid", f"only {p['counts']} against {base_passed} passed"
-                else:
-                    rec["verdict"] = "survived"
+                verdict, why = pytest_verdict(p, baseline[m.tests]["counts"].get("passed", 0), m.timeout_s)
+                rec["verdict"], rec["by" if verdict == "killed" else "detail"] = verdict, why
+                if verdict == "killed" and not p["failed"]:
+                    rec["tail"] = p["tail"]  # a crash or a hang: what it printed
+                if verdict == "survived":
                     if fuzz_seconds > 0:
                         f = _fuzz(lib, fuzz_seconds, out / f"fuzz_{m.name}")
                         rec["fuzz"] = f

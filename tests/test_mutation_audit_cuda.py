@@ -59,3 +59,19 @@ def test_unknown_mutant_names_are_refused():
     with pytest.raises(SystemExit):
         tool._select("not_a_mutant")
     assert [m.name for m in tool._select("wait_never_times_out")] == ["wait_never_times_out"]
+
+
+def test_verdicts_of_a_mutant_run():
+    tool = _tool()
+
+    def rec(rc=0, timed_out=False, failed=(), **counts):
+        return {"rc": rc, "timed_out": timed_out, "failed": list(failed), "counts": counts}
+
+    v = tool.pytest_verdict
+    assert v(rec(1, failed=["t.py::a"], failed_=1), 10, 60) == ("killed", "t.py::a")
+    # s26-4: the loopback timeout test failed, then the process hung at exit (kernels spinning)
+    assert v(rec(None, True, ["t.py::hang"]), 1, 165) == ("killed", "t.py::hang (then hung at exit)")
+    assert v(rec(None, True), 1, 165)[0] == "killed"
+    assert v(rec(-11), 1, 60) == ("killed", "pytest rc -11 (no test named: a crash?)")
+    assert v(rec(0, passed=10), 10, 60) == ("survived", "")
+    assert v(rec(0, passed=3, skipped=7), 10, 60)[0] == "invalid"
