@@ -16,10 +16,11 @@ list marks it ``expected`` with the reason (e.g. a race one GPU cannot provoke).
 snippet must occur exactly once: ``check``), compiles with the Makefile and stores the library
 xz-compressed (``NAME.so.xz``, ~1 MB) with ``manifest.json`` (commit, mutants). ``run`` first
 runs every selection with the unmutated library (``megatron_mok/_lib``; every selection must
-pass, with no GPU test skipped, or the audit stops: a red baseline proves nothing), then each
-mutant: a library that does not load is ``invalid``; pytest failing (or the selection's time
-limit, for a mutant that hangs) is ``killed``; pytest passing with as many tests passed as the
-baseline is ``survived`` unless the fuzzer then finds it. Writes ``DIR/mutation_audit.json`` and
+pass, or the audit stops: a red baseline proves nothing; tests that need 2+ GPUs skip there as
+with the mutants), then each mutant (:func:`pytest_verdict`): a library that does not load is
+``invalid``; a failed test (or the selection's time limit, for a mutant that hangs, or a crash)
+is ``killed``; pytest passing with fewer tests passed than the baseline is ``invalid``, with as
+many ``survived`` unless the fuzzer then finds it. Writes ``DIR/mutation_audit.json`` and
 prints a table; exits 1 when a mutant that is not ``expected`` survived.
 """
 
@@ -147,6 +148,30 @@ MUTANTS: List[Mutant] = [
            (("  if (prev != 0)\n    for (int reader", "  if (prev == ~0ull)\n    for (int reader"),),
            tuple(SAMPLE), "a producer overwrites a ring slot without waiting for its readers to "
            "release the previous generation"),
+    # Added after session 26's device calls (built and CPU-checked; first GPU run: session 27).
+    Mutant("dispatch_split_slice_short", "kernels/dispatch_transfer.cu",
+           (("vec_hi = min(vec_lo + slice, sh.vec_per_row);", "vec_hi = min(vec_lo + slice - 1, sh.vec_per_row);"),),
+           tuple(SAMPLE), "a small dispatch split over warps copies each slice but its last vector"),
+    Mutant("combine_split_last_step_dropped", "kernels/combine_transfer.cu",
+           (("count = (part + 1) * S / P - first;", "count = (part + 1) * S / P - first - (part + 1 == P ? 1 : 0);"),),
+           tuple(SAMPLE), "a combine split over warps never sums the last part's last step (its "
+           "outputs keep old memory)"),
+    Mutant("scan_tile_carry_lost", "layout/dispatch_layout.cu",
+           (("    Store(tmp.store).Store(a + base, v, valid);\n    __syncthreads();\n    carry += total;",
+             "    Store(tmp.store).Store(a + base, v, valid);\n    __syncthreads();\n    carry = total;"),),
+           ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "scan_over_tiles"),
+           "the layout's scan over several tiles carries only the last tile's total"),
+    Mutant("fill_pass_counts_not_reset", "layout/dispatch_fill.cu",
+           (("      for (int x = tid; x < kFillWarps * E_local; x += kFillThreads) warp_row[x] = 0;\n", ""),),
+           ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "fill_in_passes"),
+           "a chunk filled in several passes counts each pass's rows on top of the last pass's"),
+    Mutant("pack_padding_not_zeroed", "kernels/pack_rows.cu",
+           (("(v < a_vec + b_vec ? rb[v - a_vec] : zero);", "(v < a_vec + b_vec ? rb[v - a_vec] : out[v]);"),),
+           tuple(FP8), "the FP8 pack leaves a packed row's padding as the memory held it"),
+    Mutant("ce_stage_scale_plane_off_by_a_row", "kernels/dispatch_transfer.cu",
+           (("copy_into_slots(dst + static_cast<size_t>(C) * a_row,", "copy_into_slots(dst + static_cast<size_t>(C - 1) * a_row,"),),
+           tuple(FP8), "the copy-engine staging puts an FP8 pair's scale rows one token row early "
+           "(over the chunk's last token row)"),
     Mutant("wait_never_times_out", "include/mok/device.h",
            (("if (globaltimer_ns() - start > c.timeout_ns) {",
              "if (false && globaltimer_ns() - start > c.timeout_ns) {"),),
