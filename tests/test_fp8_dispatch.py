@@ -470,6 +470,28 @@ def test_cuda_pack_matches_the_cpu_pack(H, S, scale_dtype, T, monkeypatch):
     assert taken == ([kernel] if T else [])
 
 
+@gpu
+@pytest.mark.parametrize("pad_bytes", (16, 48))
+@pytest.mark.parametrize("T", (1, 37, 1100))
+def test_cuda_pack_rows_zeroes_the_padding_of_dirty_memory(T, pad_bytes):
+    """``mok_pack_rows`` with a packed row wider than the pair (the C ABI allows any
+    ``dst_bytes >= a_bytes + b_bytes``; fp8.pack's own widths never pad on this path): the
+    padding is zero even where the output memory held other bytes (filled with 0xAB first)."""
+    from megatron_mok.cuda import library
+    from megatron_mok.cuda.backend import current_stream_ptr
+    g = torch.Generator().manual_seed(T + pad_bytes)
+    a = torch.randint(0, 256, (T, 64), generator=g, dtype=torch.uint8).cuda()
+    b = torch.randint(0, 256, (T, 32), generator=g, dtype=torch.uint8).cuda()
+    P = 64 + 32 + pad_bytes
+    out = torch.full((T, P), 0xAB, dtype=torch.uint8, device="cuda")
+    lib = library.get()
+    rc = lib.mok_pack_rows(current_stream_ptr(out.device.index), out.data_ptr(), P, a.data_ptr(), 64,
+                           b.data_ptr(), 32, T)
+    assert rc == 0, lib.mok_last_error().decode()
+    want = torch.cat([a, b, torch.zeros(T, pad_bytes, dtype=torch.uint8, device="cuda")], dim=1)
+    assert torch.equal(out, want)
+
+
 def fp8_graph(rank, world_size, block):
     """A static-shape FP8 dispatch (pack included) captured in one CUDA graph, replayed on new
     pairs and routings copied into the captured tensors: every replay's rows byte-checked."""

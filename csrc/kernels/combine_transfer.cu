@@ -103,6 +103,20 @@ __device__ __forceinline__ void produce_row(const HandleArrays& h, const Transfe
   }
 }
 
+// One lane's report that `n` rows of chunk `slot` (generation g, source s's region) are staged;
+// the rows' writes come first. The chunk is complete when `expected` rows arrived: the arrival
+// that completes it resets the count (the slot's next generation counts from zero) and publishes
+// the slot to its one reader, s. Every producer path that deals a chunk's rows to several warps
+// counts them here, so the reset and the publish stay one rule.
+__device__ __forceinline__ void chunk_rows_arrived(int32_t* arrived, const RingView& mine, int64_t slot,
+                                                   uint64_t g, int s, int n, int expected) {
+  __threadfence();
+  if (atomicAdd(arrived + slot, n) + n == expected) {
+    arrived[slot] = 0;
+    ring_slot_publish(mine, slot, g, 1ull << s);
+  }
+}
+
 // Role split (a call larger than the ring): a chunk belongs to one block, which waits for its
 // slot, reduces the chunk's tasks (one warp per task) and publishes it. A slot always belongs to
 // the same block, so its generations are written in order even when the ring wraps in a call.
@@ -209,14 +223,7 @@ __device__ void produce_rows(const CommContext& c, const HandleArrays& h, const 
                       reinterpret_cast<float*>(chunk + c.ws.comb_side_offset) + r * sh.K,
                       first_step, n_steps);
     __syncwarp();
-    if (lane == 0) {
-      __threadfence();
-      const int rows_here = min(sh.C, n - j * sh.C);
-      if (atomicAdd(arrived + slot, 1) + 1 == rows_here * Ps) {
-        arrived[slot] = 0;  // the slot's next generation counts from zero
-        ring_slot_publish(mine, slot, g, 1ull << s);
-      }
-    }
+    if (lane == 0) chunk_rows_arrived(arrived, mine, slot, g, s, 1, min(sh.C, n - j * sh.C) * Ps);
   }
 }
 
@@ -538,14 +545,7 @@ __device__ void produce_rows_streamed(const CommContext& c, const HandleArrays& 
     ++arrivals;
     if (!sh.produce_runs || k + 1 == n_mine || k + 1 == n_first || (q + 1) % sh.C == 0 || q + 1 == n_s) {
       __syncwarp();
-      if (lane == 0) {
-        __threadfence();
-        const int rows_here = min(sh.C, n_s - j * sh.C);
-        if (atomicAdd(arrived + slot, arrivals) + arrivals == rows_here) {
-          arrived[slot] = 0;  // the slot's next generation counts from zero
-          ring_slot_publish(mine, slot, g, 1ull << s);
-        }
-      }
+      if (lane == 0) chunk_rows_arrived(arrived, mine, slot, g, s, arrivals, min(sh.C, n_s - j * sh.C));
       arrivals = 0;
     }
   }
@@ -1058,15 +1058,7 @@ __device__ void produce_narrow(const CommContext& c, const HandleArrays& h, cons
       const int leader = __ffs(todo) - 1;
       const int64_t sl = __shfl_sync(0xffffffffu, slot, leader);
       const unsigned same = __ballot_sync(0xffffffffu, active && slot == sl);
-      if (lane == leader) {
-        __threadfence();
-        const int rows_here = min(sh.C, n_s - j * sh.C);
-        const int n = __popc(same);
-        if (atomicAdd(arrived + slot, n) + n == rows_here) {
-          arrived[slot] = 0;  // the slot's next generation counts from zero
-          ring_slot_publish(mine, slot, g, 1ull << s);
-        }
-      }
+      if (lane == leader) chunk_rows_arrived(arrived, mine, slot, g, s, __popc(same), min(sh.C, n_s - j * sh.C));
       todo &= ~same;
     }
   }
