@@ -8,6 +8,11 @@ or let the script spawn its own ranks:
     python benchmarks/bench_dispatch_combine.py [--nproc 2]
 Without a GPU (or with ``--cpu``) it spawns 2 gloo processes and runs the "cpu smoke": tiny
 shapes, the reference backend, correctness checks only (its times are no claims).
+``--shared-gpu`` runs the ranks as processes sharing the GPUs there are (rank r on
+``cuda:(r % GPUs)``, gloo between them, peers mapped with CUDA IPC): a dry run of the GPU
+suite's code paths at world size 2 where one GPU is lent. No NVLink, the driver time-slices the
+ranks' kernels, so its times are no claims (``timing_claims`` false); DeepEP, the symmetric-memory
+all-to-all and the peer bandwidth are skipped (they need a GPU per rank).
 
 Per shape and system it reports the median per-call time on the slowest rank (>= 50 calls
 after warm-up) of dispatch, cached dispatch, combine and the backward of each; the bytes
@@ -56,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=C.DEFAULT_OUT, help="output directory (default benchmarks/results)")
     p.add_argument("--quick", action="store_true", help=f"shapes {C.QUICK_SHAPES}, short SM sweep")
     p.add_argument("--cpu", action="store_true", help="force the CPU smoke (gloo, reference backend)")
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="ranks share the GPUs there are (gloo, CUDA IPC): a dry run, no timing claims")
     p.add_argument("--nproc", type=int, default=None, help="ranks to spawn when not under torchrun")
     p.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated systems")
@@ -210,7 +217,8 @@ def shape_record(inp: ShapeInputs, peer_bw_gbps) -> dict:
 class Bench:
     def __init__(self, args, rank, world, local_rank, cpu):
         self.args, self.rank, self.world, self.cpu = args, rank, world, cpu
-        self.device = torch.device("cpu") if cpu else torch.device("cuda", local_rank)
+        self.shared = bool(getattr(args, "shared_gpu", False)) and not cpu
+        self.device = torch.device("cpu") if cpu else torch.device("cuda", gpu_of(local_rank, self.shared))
         self.local_rank = local_rank
         self.group = dist.group.WORLD
         self.log = C.Progress(rank)
@@ -265,6 +273,9 @@ class Bench:
         if self.cpu:
             self.systems["deepep"]["reason"] = "needs CUDA"
             self.systems["symm_a2a"]["reason"] = "needs CUDA + NVSHMEM"
+        elif self.shared:
+            self.systems["deepep"]["reason"] = "shared-GPU dry run: needs a GPU per rank"
+            self.systems["symm_a2a"]["reason"] = "shared-GPU dry run: needs a GPU per rank"
         else:
             try:
                 from baselines.deepep import import_deep_ep
@@ -301,6 +312,10 @@ class Bench:
         if self.world == 1:
             self.peer_bw = {"gbps": None, "method": None,
                             "reason": "world size 1: no peer (local copies and layout only)"}
+            return
+        if self.shared:
+            self.peer_bw = {"gbps": None, "method": None,
+                            "reason": "shared-GPU dry run: the ranks share a GPU, no NVLink"}
             return
         n = self.args.peer_bw_bytes // 2
         peer = (self.rank + 1) % self.world
@@ -976,15 +991,21 @@ def gather_checks(bench: Bench):
     return merged
 
 
+def gpu_of(local_rank: int, shared: bool) -> int:
+    """A rank's GPU: its own, or in a shared-GPU dry run the one it shares (``r % GPUs``)."""
+    return local_rank % torch.cuda.device_count() if shared else local_rank
+
+
 def worker(rank, world, local_rank, args, cpu):
     C.set_safe_env()
     args = resolve_config(args, cpu)
+    shared = args.shared_gpu and not cpu
     if cpu:
         backend = "gloo"
         torch.set_num_threads(1)   # two ranks share the CPU: no oversubscription
     else:
-        torch.cuda.set_device(local_rank)
-        backend = "nccl"
+        torch.cuda.set_device(gpu_of(local_rank, shared))
+        backend = "gloo" if shared else "nccl"   # NCCL refuses two ranks on one GPU
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.dist_timeout_s))
     bench = Bench(args, rank, world, local_rank, cpu)
@@ -992,11 +1013,13 @@ def worker(rank, world, local_rank, args, cpu):
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
     dist.barrier()
-    mode = "cpu smoke" if cpu else "gpu"
+    mode = "cpu smoke" if cpu else ("gpu shared (dry run)" if shared else "gpu")
     bench.log(f"bench_dispatch_combine: mode={mode}, {world} ranks ({backend}), shapes {args.shape_names}, "
               f"{args.iters} timed calls after {args.warmup} warm-up, budget {args.budget:.0f}s")
     if cpu:
         bench.log("CPU SMOKE: tiny shapes, reference backend, correctness only -- times are no claims")
+    if shared:
+        bench.log("SHARED-GPU DRY RUN: the ranks time-slice one GPU, no NVLink -- times are no claims")
     info = C.env_info(args.argv, args.commit, world, backend)
     bench.probe_systems()
     if (bench.want("mok") or bench.want("mok_fp8")) and cpu and args.mok_backend == "auto":
@@ -1009,7 +1032,7 @@ def worker(rank, world, local_rank, args, cpu):
         doc = {
             "schema": C.SCHEMA,
             "mode": mode,
-            "timing_claims": not cpu,
+            "timing_claims": not (cpu or shared),
             "complete": final,
             "env": info,
             "config": {"shapes": args.shape_names, "systems": args.system_list, "iters": args.iters,
@@ -1017,7 +1040,7 @@ def worker(rank, world, local_rank, args, cpu):
                        "mok_num_sms": args.mok_num_sms, "deepep_sms": args.deepep_sms, "quick": args.quick,
                        "budget_s": args.budget,
                        "timing": ("per call: host clock after a barrier" if cpu else
-                                  "per call: CUDA events after a device barrier (NCCL all_reduce)")
+                                  f"per call: CUDA events after a device barrier ({backend} all_reduce)")
                        + "; per-call MAX over ranks; median of those", "combine_tol": COMBINE_TOL},
             "peer_bandwidth": bench.peer_bw,
             "systems": bench.systems,
@@ -1044,7 +1067,7 @@ def worker(rank, world, local_rank, args, cpu):
             continue
         bench.run_shape(C.SHAPES_BY_NAME[name], baselines)
         snapshot()
-    if not cpu:
+    if not (cpu or shared):
         bench.run_symm_phase(out_dir)
         snapshot()
     for name in args.shape_names:
@@ -1093,10 +1116,11 @@ def main(argv=None):
     if cpu:
         nproc = args.nproc or 2
     else:
-        nproc = args.nproc or min(2, torch.cuda.device_count())
+        nproc = args.nproc or (2 if args.shared_gpu else min(2, torch.cuda.device_count()))
         if nproc < 1 or (nproc < 2 and args.nproc != 1):
             raise SystemExit("need at least 2 GPUs (or --nproc 1: one GPU, world size 1, no NVLink "
-                             "traffic; or --cpu for the smoke test)")
+                             "traffic; --shared-gpu: a dry run of 2 ranks on one GPU; or --cpu for "
+                             "the smoke test)")
     import torch.multiprocessing as mp
     mp.spawn(_spawn_entry, args=(nproc, C.free_port(), args, cpu), nprocs=nproc, join=True)
 

@@ -69,11 +69,14 @@ class _ProcessGroup:
 
     distributed = True
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device, shared=False):
+        self.device, self.shared = device, shared
 
     def barrier(self):
-        dist.barrier(device_ids=[self.device.index])
+        if self.shared:   # gloo: no device ids
+            dist.barrier()
+        else:
+            dist.barrier(device_ids=[self.device.index])
 
     def exchange(self, obj):
         out = [None] * dist.get_world_size()
@@ -197,6 +200,10 @@ def main(argv=None):
                     help="Buffer num_sms (default: the Buffer's own, 24 for large calls and 64 for "
                          "calls of at most 1024 tokens per rank; a value given applies to every call)")
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--shared-gpu", action="store_true",
+                    help="under torchrun: the ranks share the GPUs there are (rank r on cuda:(r %% GPUs), "
+                         "gloo, peers mapped with CUDA IPC): a dry run of the multi-process path where "
+                         "one GPU is lent; the driver time-slices the ranks, so its times are no claims")
     ap.add_argument("--fp8", action="store_true",
                     help="dispatch FP8 pairs (megatron_mok/fp8.py: 1x128 float32 scales); combine "
                          "takes bf16 rows as always")
@@ -245,10 +252,14 @@ def _info(a, world, backend, note):
 def _main_distributed(a):
     """One rank per process and GPU (torchrun): the small-batch figures on real NVLink."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    dev = torch.device("cuda", local % torch.cuda.device_count() if a.shared_gpu else local)
     torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", device_id=dev)
-    grp = _ProcessGroup(dev)
+    if a.shared_gpu:   # NCCL refuses two ranks on one GPU
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl", device_id=dev)
+    grp = _ProcessGroup(dev, shared=a.shared_gpu)
     cases = []
     for T in (int(v) for v in a.tokens.split(",")):
         t0 = time.time()
@@ -256,9 +267,12 @@ def _main_distributed(a):
         if rank == 0:  # every rank has the same per_rank; one prints and writes
             cases.append(_case(world, T, per_rank, t0, "fp8" if a.fp8 else "bf16"))
     if rank == 0:
-        _write(a, _info(a, world, "nccl", f"{world} processes, one GPU each (torchrun); graph "
-                        "times: device barrier, CUDA events, per call the slowest rank, median"), cases)
-    dist.barrier(device_ids=[dev.index])
+        note = (f"SHARED-GPU DRY RUN, NO TIMING CLAIMS: {world} processes time-slicing "
+                f"{torch.cuda.device_count()} GPU(s) (torchrun, gloo, CUDA IPC)" if a.shared_gpu else
+                f"{world} processes, one GPU each (torchrun)")
+        _write(a, _info(a, world, "gloo" if a.shared_gpu else "nccl", note + "; graph times: device "
+                        "barrier, CUDA events, per call the slowest rank, median"), cases)
+    grp.barrier()
     dist.destroy_process_group()
 
 

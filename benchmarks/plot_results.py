@@ -77,12 +77,22 @@ def _sysname(r) -> str:
     return name
 
 
+def no_claims_label(doc) -> str:
+    """What a run whose times are no claims is (its title's suffix); "" for a timed GPU run."""
+    mode = doc.get("mode")
+    if mode == "cpu smoke":
+        return "CPU SMOKE"
+    if mode == "gpu shared (dry run)":
+        return "SHARED-GPU DRY RUN"
+    return "" if doc.get("timing_claims", True) else "NO TIMING CLAIMS"
+
+
 def markdown(doc) -> str:
     env = doc.get("env", {})
     bw = doc.get("peer_bandwidth", {})
-    cpu = doc.get("mode") == "cpu smoke"
     L = []
-    L.append("# Dispatch / combine benchmark" + (" — CPU SMOKE (no timing claims)" if cpu else ""))
+    label = no_claims_label(doc)
+    L.append("# Dispatch / combine benchmark" + (f" — {label} (no timing claims)" if label else ""))
     L.append("")
     L.append(f"- date {env.get('date')}, commit `{env.get('commit')}`")
     L.append(f"- {env.get('world_size')} ranks, {env.get('gpu_count')} x {env.get('gpu_model')}, "
@@ -168,9 +178,9 @@ def markdown(doc) -> str:
 def summary_text(doc) -> str:
     """A short fixed-width table for the end of the run's output."""
     bw = doc.get("peer_bandwidth", {})
-    cpu = doc.get("mode") == "cpu smoke"
     lines = ["=" * 100,
-             "SUMMARY" + (" (CPU SMOKE: correctness only, times are no claims)" if cpu else "")
+             "SUMMARY" + (f" ({no_claims_label(doc)}: correctness only, times are no claims)"
+                          if no_claims_label(doc) else "")
              + (f" | peer BW {bw['gbps']:.0f} GB/s ({bw.get('method')})" if bw.get("gbps") else "")]
     hdr = f"{'shape':12s} {'system':26s} {'dispatch':>9s} {'cached':>9s} {'combine':>9s} {'d-bwd':>9s} {'c-bwd':>9s} {'floor':>8s} {'xF d/c':>11s} chk"
     lines.append(hdr)
@@ -269,7 +279,7 @@ def plot(doc, path: str) -> Optional[str]:
     env = doc.get("env", {})
     fig.suptitle(f"dispatch/combine, {env.get('world_size')} x {env.get('gpu_model')}, "
                  f"commit {str(env.get('commit'))[:12]}, {env.get('date')}"
-                 + (" — CPU SMOKE" if doc.get("mode") == "cpu smoke" else ""), fontsize=10)
+                 + (f" — {no_claims_label(doc)}" if no_claims_label(doc) else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

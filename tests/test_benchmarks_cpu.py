@@ -215,3 +215,42 @@ def test_small_batch_report_keeps_host_return_times(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Until the call returned" in out and "| 2 | 128 | fp8 | 6.0 | 6.0 | 6.0 | 6.0 |" in out
     assert "| 2 | 128 | fp8 | 11.0 | 11.0 | 11.0 | 11.0 | 11.0 | 11.0 |" in out
+
+
+def test_runs_without_timing_claims_say_so_in_every_rendering(smoke, tmp_path):
+    """The CPU smoke and the shared-GPU dry run (``--shared-gpu``: ranks time-slicing one GPU)
+    carry ``timing_claims`` false, and the table, the summary and the plot's title say what
+    the run was; a timed GPU run's do not."""
+    doc, _, _ = smoke
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import plot_results
+    finally:
+        sys.path.pop(0)
+    shared = dict(doc, mode="gpu shared (dry run)", timing_claims=False)
+    timed = dict(doc, mode="gpu", timing_claims=True)
+    assert plot_results.no_claims_label(doc) == "CPU SMOKE"
+    assert plot_results.no_claims_label(shared) == "SHARED-GPU DRY RUN"
+    assert plot_results.no_claims_label(timed) == ""
+    assert plot_results.no_claims_label(dict(doc, mode="gpu", timing_claims=False)) == "NO TIMING CLAIMS"
+    md = plot_results.markdown(shared).splitlines()[0]
+    assert md == "# Dispatch / combine benchmark — SHARED-GPU DRY RUN (no timing claims)"
+    assert plot_results.markdown(timed).splitlines()[0] == "# Dispatch / combine benchmark"
+    assert "SHARED-GPU DRY RUN: correctness only" in plot_results.summary_text(shared)
+    assert "correctness only" not in plot_results.summary_text(timed)
+
+
+def test_shared_gpu_option_maps_ranks_onto_the_gpus_there_are(monkeypatch):
+    """``--shared-gpu`` puts rank r on ``cuda:(r % GPUs)``; without it rank r is ``cuda:r``."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import bench_dispatch_combine as bdc
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(bdc.torch.cuda, "device_count", lambda: 1)
+    assert [bdc.gpu_of(r, True) for r in range(3)] == [0, 0, 0]
+    assert [bdc.gpu_of(r, False) for r in range(3)] == [0, 1, 2]
+    monkeypatch.setattr(bdc.torch.cuda, "device_count", lambda: 2)
+    assert [bdc.gpu_of(r, True) for r in range(4)] == [0, 1, 0, 1]
+    assert bdc.parse_args(["--shared-gpu"]).shared_gpu is True
+    assert bdc.parse_args([]).shared_gpu is False
