@@ -277,7 +277,10 @@ def plot(doc, path: str) -> Optional[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     env = doc.get("env", {})
-    fig.suptitle(f"dispatch/combine, {env.get('world_size')} x {env.get('gpu_model')}, "
+    ws, ng = env.get("world_size"), env.get("gpu_count")
+    where = (f"{ws} ranks on {ng} x {env.get('gpu_model')}" if ng and ws and ws > ng
+             else f"{ws} x {env.get('gpu_model')}")
+    fig.suptitle(f"dispatch/combine, {where}, "
                  f"commit {str(env.get('commit'))[:12]}, {env.get('date')}"
                  + (f" — {no_claims_label(doc)}" if no_claims_label(doc) else ""), fontsize=10)
     fig.tight_layout()
