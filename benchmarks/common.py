@@ -413,15 +413,19 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bits: floats compared as integers of their size, so -0.0 differs
+    from +0.0 and a NaN equals the same NaN (``torch.equal`` says the opposite of both)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.numel() == 0:
         return True
     if a.dtype.is_floating_point:
-        ia = a.contiguous().view(torch.int16 if a.element_size() == 2 else torch.int32)
-        ib = b.contiguous().view(torch.int16 if b.element_size() == 2 else torch.int32)
-        return bool(torch.equal(ia, ib))
+        it = _SAME_SIZE_INT[a.element_size()]
+        return bool(torch.equal(a.contiguous().view(it), b.contiguous().view(it)))
     return bool(torch.equal(a, b))
 
 

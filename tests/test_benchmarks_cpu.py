@@ -254,3 +254,116 @@ def test_shared_gpu_option_maps_ranks_onto_the_gpus_there_are(monkeypatch):
     assert [bdc.gpu_of(r, True) for r in range(4)] == [0, 1, 0, 1]
     assert bdc.parse_args(["--shared-gpu"]).shared_gpu is True
     assert bdc.parse_args([]).shared_gpu is False
+
+
+def _run_suite_in_process(tmp_path, monkeypatch, corrupt):
+    """The suite's worker in this process (world size 1, gloo, CPU shapes, mok and alltoall)
+    with ``corrupt(mok module)`` applied first; returns its JSON."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import bench_dispatch_combine as bdc
+    finally:
+        sys.path.pop(0)
+    import megatron_mok
+    import torch.distributed as dist
+    corrupt(monkeypatch, megatron_mok)
+    s = __import__("socket").socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    args = bdc.parse_args(["--cpu", "--systems", "mok,alltoall", "--out", str(tmp_path), "--sm-sweep", ""])
+    threads = bdc.torch.get_num_threads()   # the worker sets 1 (ranks sharing a CPU)
+    try:
+        bdc.worker(0, 1, 0, args, cpu=True)
+    finally:
+        bdc.torch.set_num_threads(threads)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with open(tmp_path / f"{STEM}.json") as f:
+        return json.load(f)
+
+
+def _failed(doc, system):
+    return {c["check"] for c in doc["checks"] if c["system"] == system and not c["passed"]}
+
+
+@pytest.mark.skipif(not _have_mok(), reason="megatron_mok package not present")
+def test_suite_gate_passes_an_honest_mok(tmp_path, monkeypatch):
+    """The control for the two tests below: the same in-process run, nothing corrupted."""
+    doc = _run_suite_in_process(tmp_path, monkeypatch, lambda mp, mok: None)
+    assert doc["checks_passed"] is True and len(doc["checks"]) >= 10
+    assert any(s["what"].endswith("mok cuda == reference check") for s in doc["skipped"])
+
+
+@pytest.mark.skipif(not _have_mok(), reason="megatron_mok package not present")
+def test_suite_gate_fails_a_dispatch_that_flips_one_bit(tmp_path, monkeypatch):
+    """Can the suite's correctness gate fail? A mok dispatch whose first received row has its
+    lowest bit flipped (forward only) must fail the bitwise row checks, and the JSON must say
+    the run did not pass."""
+    def corrupt(mp, mok):
+        real = mok.Buffer.dispatch
+
+        def dispatch(self, x, *a, **k):
+            res = real(self, x, *a, **k)
+            if res.tokens.shape[0] and not res.tokens.requires_grad:
+                res.tokens.view(torch.int16)[0, 0] ^= 1
+            return res
+        mp.setattr(mok.Buffer, "dispatch", dispatch)
+
+    import torch
+    doc = _run_suite_in_process(tmp_path, monkeypatch, corrupt)
+    failed = _failed(doc, "mok")
+    assert "dispatch tokens == oracle rows (bitwise)" in failed
+    assert "dispatch tokens == alltoall rows (bitwise)" in failed
+    assert doc["checks_passed"] is False and doc["checks_failed"]
+    assert not _failed(doc, "alltoall")
+
+
+@pytest.mark.skipif(not _have_mok(), reason="megatron_mok package not present")
+def test_suite_gate_fails_a_combine_off_by_one_ulp(tmp_path, monkeypatch):
+    """A mok combine one bf16 ulp off in one element: the bitwise contract check fails even
+    though the tolerance check against alltoall still passes (that is why both exist)."""
+    def corrupt(mp, mok):
+        real = mok.Buffer.combine
+
+        def combine(self, expert_out, handle):
+            y = real(self, expert_out, handle)
+            if y.numel() and not y.requires_grad:
+                y.view(torch.int16).view(-1)[0] += 1
+            return y
+        mp.setattr(mok.Buffer, "combine", combine)
+
+    import torch
+    doc = _run_suite_in_process(tmp_path, monkeypatch, corrupt)
+    failed = _failed(doc, "mok")
+    assert "combine == contract-order oracle (bitwise)" in failed
+    assert "combine ~= alltoall combine (bf16 tol)" not in failed
+    assert doc["checks_passed"] is False
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64", "float8_e4m3fn"])
+def test_bitwise_equal_compares_bits_not_values(dtype):
+    """The suite's bitwise checks: -0.0 is not +0.0, a NaN equals itself, one flipped bit or
+    another dtype or shape is a difference; every float width (FP8 rows among them)."""
+    import torch
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import common as C
+    finally:
+        sys.path.pop(0)
+    dt = getattr(torch, dtype)
+    a = torch.tensor([1.0, 0.0, 2.0, 0.5]).to(dt)
+    assert C.bitwise_equal(a, a.clone())
+    assert not C.bitwise_equal(a, torch.tensor([1.0, -0.0, 2.0, 0.5]).to(dt))
+    flipped = a.clone()
+    it = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    flipped.view(it)[2] ^= 1
+    assert not C.bitwise_equal(a, flipped)
+    if dtype != "float8_e4m3fn":        # (E4M3 has a NaN, but no arithmetic on CPU to make one)
+        nan = torch.tensor([float("nan"), 1.0]).to(dt)
+        assert C.bitwise_equal(nan, nan.clone())
+    assert not C.bitwise_equal(a, a.reshape(2, 2))
+    assert not C.bitwise_equal(a, a.to(torch.float32 if dtype != "float32" else torch.float64))
+    assert C.bitwise_equal(a[:0], a[:0].clone())
