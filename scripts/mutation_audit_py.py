@@ -50,6 +50,10 @@ FP8 = "megatron_mok/fp8.py"
 DISP = "megatron_mok/megatron/dispatcher.py"
 CFG = "megatron_mok/megatron/config.py"
 LP = "megatron_mok/cuda/launch_policy.py"
+MAIN = "megatron_mok/bench.py"
+SUITE = "benchmarks/bench_dispatch_combine.py"
+BCOMMON = "benchmarks/common.py"
+A2A = "benchmarks/baselines/alltoall.py"
 
 # pytest targets, most likely killer first (-x stops at the first failure)
 CONTRACT = "tests/test_contract.py"
@@ -64,6 +68,8 @@ FP8T = "tests/test_fp8_dispatch.py"
 LPT = "tests/test_launch_policy.py"
 MG_INSTALL = "tests/megatron/test_megatron_install.py"
 MG_DISP = "tests/megatron/test_megatron_dispatcher.py"
+MAINT = "tests/test_main_job.py"
+BENCHT = "tests/test_benchmarks_cpu.py"
 REF_ALL = [CONTRACT, AUTOGRAD, CACHED, STATIC, ALIGN, RPE, DETERM]
 
 
@@ -246,6 +252,24 @@ MUTANTS: List[Mutant] = [
     M("lp_small_tokens_threshold", LP, "if small > 0 else -1", "if small >= 0 else -1", [LPT]),
     M("lp_negative_sms_kept", LP, 'small = max(0, env_int(environ, "MOK_SMALL_CALL_SMS", default_small))',
       'small = env_int(environ, "MOK_SMALL_CALL_SMS", default_small)', [LPT]),
+    # ------------------------------------- the correctness gates of the main job and the suite
+    M("main_combine_unchecked", MAIN, "    ok &= torch.equal(y, y_ref)\n", "", [MAINT]),
+    M("main_rows_unchecked", MAIN, "        ok &= torch.equal(res.tokens, all_x[s_t[:, 0], s_t[:, 1]])\n", "",
+      [MAINT]),
+    M("main_failure_exits_zero", MAIN, "    if int(flag) != 0:\n        sys.exit(1)", "    if False:\n        sys.exit(1)",
+      [MAINT]),
+    M("suite_rows_unchecked", SUITE, "ok_t = C.bitwise_equal(tokens, inp.exp_tokens)", "ok_t = True",
+      [BENCHT]),
+    M("suite_combine_contract_unchecked", SUITE,
+      'C.bitwise_equal(y, orc["y_contract"]), f"rel err', 'True, f"rel err', [BENCHT]),
+    M("suite_gate_ignores_failures", SUITE,
+      '"checks_passed": all(c["passed"] for c in checks) and len(checks) > 0,',
+      '"checks_passed": len(checks) > 0,', [BENCHT]),
+    M("bitwise_equal_by_value", BCOMMON, "        it = _SAME_SIZE_INT[a.element_size()]\n"
+      "        return bool(torch.equal(a.contiguous().view(it), b.contiguous().view(it)))\n",
+      "        return bool(torch.equal(a, b))\n", [BENCHT]),
+    M("a2a_counts_own_rank_only", A2A, "return out.view(self.world, *counts.shape)",
+      "return counts.unsqueeze(0).expand(self.world, *counts.shape)", [BENCHT]),
 ]
 
 

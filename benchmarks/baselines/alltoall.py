@@ -158,15 +158,11 @@ class AlltoAllDispatcher:
 
     # ------------------------------------------------------------------ dispatch
     def _all_gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        if self.is_cuda:
-            # A flat output of world x numel: NCCL takes [W, E] as well, gloo (the shared-GPU
-            # dry run) only chunks of the input's own shape.
-            out = counts.new_empty(self.world * counts.numel())
-            dist.all_gather_into_tensor(out, counts.contiguous().view(-1), group=self.group)
-            return out.view(self.world, *counts.shape)
-        outs = [torch.empty_like(counts) for _ in range(self.world)]
-        dist.all_gather(outs, counts.contiguous(), group=self.group)
-        return torch.stack(outs)
+        # A flat output of world x numel: NCCL takes [W, E] as well, gloo (the CPU smoke, the
+        # shared-GPU dry run) only chunks of the input's own shape.
+        out = counts.new_empty(self.world * counts.numel())
+        dist.all_gather_into_tensor(out, counts.contiguous().view(-1), group=self.group)
+        return out.view(self.world, *counts.shape)
 
     def dispatch(self, x: torch.Tensor, routing_map: torch.Tensor,
                  probs: torch.Tensor) -> AlltoAllResult:
