@@ -228,6 +228,10 @@ def _select(names: Optional[str]) -> List[Mutant]:
 
 
 def _commit() -> str:
+    """MOK_COMMIT when set (the device scripts set it: a lent machine's copy of the tree can
+    carry stale git metadata, run s27-4), else git's short HEAD."""
+    if os.environ.get("MOK_COMMIT"):
+        return os.environ["MOK_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()

@@ -9,6 +9,11 @@ pytest summary, the tables the tools print); ``gpu.txt`` (``nvidia-smi --query-g
 leaves a folder of per-tool outputs; the results index wants one file per run that names
 its date, commit, GPU model/count and exact command (METHOD.md), and a hand-assembled file
 is where such fields go missing.
+
+The tools' own JSONs record a commit too (``env.commit``), read from git where they ran; a
+device machine's copy can carry stale git metadata (run s27-4 read 1149b9d in a 0125e0e
+tree). Every embedded ``commit`` that is not ``--commit`` (neither a prefix of the other) is
+listed under ``inner_commits_differ`` and printed as a warning, so such a file says so itself.
 """
 import argparse
 import datetime
@@ -43,6 +48,31 @@ def collect(src, tail):
     return dict(sorted(out.items()))
 
 
+def inner_commit_mismatches(parts, commit):
+    """``{path: value}`` of every ``commit`` field in ``parts`` (nested dicts and lists) whose
+    value is neither a prefix of ``commit`` nor has it as a prefix. Build manifests (a key
+    containing ``manifest``) are skipped: they name the commit their libraries were built at,
+    which may rightly be older."""
+    out = {}
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                p = f"{path}.{k}" if path else str(k)
+                if "manifest" in str(k):
+                    continue
+                if k == "commit" and isinstance(v, str) and v:
+                    if not (v.startswith(commit) or commit.startswith(v)):
+                        out[p] = v
+                else:
+                    walk(v, p)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}[{i}]")
+    walk(parts, "")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("src")
@@ -64,11 +94,17 @@ def main(argv=None):
         "commands": a.command,
         "summary": a.summary,
     }
-    doc.update(collect(a.src, a.tail))
+    parts = collect(a.src, a.tail)
+    differ = inner_commit_mismatches(parts, a.commit)
+    if differ:
+        doc["inner_commits_differ"] = differ
+        print(f"results_json: WARNING: {len(differ)} embedded commit field(s) are not {a.commit}: "
+              + ", ".join(f"{k}={v}" for k, v in list(differ.items())[:5]), file=sys.stderr)
+    doc.update(parts)
     with open(a.dst, "w") as fh:
         json.dump(doc, fh, indent=1)
         fh.write("\n")
-    print(f"wrote {a.dst} ({len(doc) - 6} parts, gpu {doc['gpu']})")
+    print(f"wrote {a.dst} ({len(parts)} parts, gpu {doc['gpu']})")
 
 
 if __name__ == "__main__":

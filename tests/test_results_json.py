@@ -47,3 +47,30 @@ def test_a_missing_folder_is_an_error(tmp_path):
     with pytest.raises(SystemExit, match="no folder"):
         results_json.main([str(tmp_path / "nope"), str(tmp_path / "o.json"), "--commit", "c",
                            "--note", "n", "--command", "x"])
+
+
+def test_embedded_commits_that_are_not_the_runs_are_listed_and_warned(tmp_path, capsys):
+    """A tool's own ``env.commit`` read from a stale git copy (run s27-4) is flagged; a
+    matching one (full hash or short prefix, either way round) is not."""
+    src = _folder(tmp_path)
+    (src / "suite").mkdir()
+    (src / "suite" / "bench.json").write_text(json.dumps(
+        {"env": {"commit": "1149b9d"}, "runs": [{"commit": "0125e0e9f00"}, {"commit": "0125"}]}))
+    dst = tmp_path / "out.json"
+    results_json.main([str(src), str(dst), "--commit", "0125e0e", "--note", "n", "--command", "x"])
+    doc = json.loads(dst.read_text())
+    assert doc["inner_commits_differ"] == {"suite/bench.env.commit": "1149b9d"}
+    assert "WARNING: 1 embedded commit field(s) are not 0125e0e" in capsys.readouterr().err
+    dst2 = tmp_path / "out2.json"
+    results_json.main([str(_folder(tmp_path / "b")), str(dst2), "--commit", "0125e0e", "--note", "n",
+                       "--command", "x"])
+    assert "inner_commits_differ" not in json.loads(dst2.read_text())
+
+
+def test_build_manifests_may_name_older_commits(tmp_path):
+    """A mutant library's manifest names the commit it was built at (rightly older than the
+    run's): not flagged."""
+    assert results_json.inner_commit_mismatches(
+        {"audit": {"commit": "0125e0e", "libs_manifest": {"commit": "521d3a5",
+                                                          "mutants": {"m": {"commit": "521d3a5"}}}}},
+        "0125e0e") == {}
