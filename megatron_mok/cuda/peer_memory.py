@@ -68,12 +68,53 @@ def ipc_plan(keys: Sequence[Tuple[str, str]]) -> Optional[str]:
     return f"ranks {shared} share a GPU"
 
 
-def _local_index_of(uuid: str, fallback: int) -> int:
-    """This process's index of the GPU with ``uuid`` (``fallback`` when it is not visible)."""
+def unreachable_peers(keys: Sequence[Tuple[str, str]], rank: int, local_index, can_access) -> List[int]:
+    """Ranks whose GPU this rank's GPU cannot read directly: on this host, a different GPU,
+    visible in this process (``local_index(uuid)`` gives its index, ``None`` when it is not
+    visible: nothing to ask then), and ``can_access(mine, theirs)`` False (no NVLink or PCIe
+    peer path: ``torch.cuda.can_device_access_peer``). The CUDA backend's kernels load from
+    and store to peers' workspaces, so every pair of its GPUs needs one."""
+    host, uuid = keys[rank]
+    mine = local_index(uuid)
+    if mine is None:
+        return []
+    out = []
+    for r, (h, u) in enumerate(keys):
+        if r == rank or h != host or u == uuid:
+            continue
+        theirs = local_index(u)
+        if theirs is not None and not can_access(mine, theirs):
+            out.append(r)
+    return out
+
+
+def peer_access_error(blocked: Sequence[Sequence[int]], keys: Sequence[Tuple[str, str]]) -> Optional[str]:
+    """The error every rank raises when some rank cannot read a peer's GPU (``blocked[r]``:
+    :func:`unreachable_peers` of rank ``r``, gathered from every rank so that all raise
+    together instead of some waiting for the others in the rendezvous); ``None`` when none."""
+    pairs = [(r, p) for r, ps in enumerate(blocked) for p in (ps or [])]
+    if not pairs:
+        return None
+    shown = ", ".join(f"rank {r} -> rank {p}" for r, p in pairs[:8]) + (" ..." if len(pairs) > 8 else "")
+    return (f"megatron_mok: the CUDA backend needs direct peer access between every pair of its "
+            f"GPUs (its kernels read and write peers' memory over NVLink), and "
+            f"{len(pairs)} pair(s) have none: {shown} (host {keys[pairs[0][0]][0]}; see "
+            "`nvidia-smi topo -m`). Use backend='reference', or Megatron's alltoall dispatcher, "
+            "on these GPUs.")
+
+
+def _visible_index(uuid: str) -> Optional[int]:
+    """This process's index of the GPU with ``uuid``; ``None`` when it is not visible."""
     for i in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(i).uuid) == uuid:
             return i
-    return fallback
+    return None
+
+
+def _local_index_of(uuid: str, fallback: int) -> int:
+    """This process's index of the GPU with ``uuid`` (``fallback`` when it is not visible)."""
+    i = _visible_index(uuid)
+    return fallback if i is None else i
 
 
 class PeerMemory:
@@ -106,6 +147,12 @@ class PeerMemory:
         group = group if group is not None else dist.group.WORLD
         keys: List = [None] * world_size
         dist.all_gather_object(keys, device_key(device), group=group)
+        blocked: List = [None] * world_size
+        dist.all_gather_object(blocked, unreachable_peers(keys, rank, _visible_index,
+                                                          torch.cuda.can_device_access_peer), group=group)
+        problem = peer_access_error(blocked, keys)
+        if problem is not None:
+            raise RuntimeError(problem)
         self.ipc_reason = ipc_plan(keys)
         if self.ipc_reason is not None:
             self._map_with_ipc(nbytes, group, rank, world_size, device, keys)
