@@ -54,6 +54,10 @@ MAIN = "megatron_mok/bench.py"
 SUITE = "benchmarks/bench_dispatch_combine.py"
 BCOMMON = "benchmarks/common.py"
 A2A = "benchmarks/baselines/alltoall.py"
+ERR = "megatron_mok/cuda/errors.py"
+VER = "megatron_mok/megatron/versions.py"
+PM = "megatron_mok/cuda/peer_memory.py"
+LAUNCH = "megatron_mok/launch.py"
 
 # pytest targets, most likely killer first (-x stops at the first failure)
 CONTRACT = "tests/test_contract.py"
@@ -70,6 +74,10 @@ MG_INSTALL = "tests/megatron/test_megatron_install.py"
 MG_DISP = "tests/megatron/test_megatron_dispatcher.py"
 MAINT = "tests/test_main_job.py"
 BENCHT = "tests/test_benchmarks_cpu.py"
+ERRT = "tests/test_device_errors.py"
+BINDT = "tests/test_bindings_constants.py"
+PMT = "tests/test_peer_memory.py"
+MG_ENTRY = "tests/megatron/test_megatron_entrypoints.py"
 REF_ALL = [CONTRACT, AUTOGRAD, CACHED, STATIC, ALIGN, RPE, DETERM]
 
 
@@ -270,6 +278,29 @@ MUTANTS: List[Mutant] = [
       "        return bool(torch.equal(a, b))\n", [BENCHT]),
     M("a2a_counts_own_rank_only", A2A, "return out.view(self.world, *counts.shape)",
       "return counts.unsqueeze(0).expand(self.world, *counts.shape)", [BENCHT]),
+    # -------------------------------------------------- device error reports (host decoding)
+    M("err_word64_sign_extends", ERR, "(int(lo) & 0xFFFFFFFF) | (int(hi) << 32)", "int(lo) | (int(hi) << 32)",
+      [ERRT]),
+    M("err_noted_kind_zero", ERR, "if (noted >> kind) & 1:", "if (noted >> kind) & 1 or kind == 0:", [ERRT]),
+    M("err_row_bytes_unmasked", ERR, "row = 16 * (detail & ((1 << ROW_TWO_SOURCES_BIT) - 1))",
+      "row = 16 * detail", [ERRT, BINDT]),
+    # ------------------------------------------------------------- megatron-core version gate
+    M("ver_rc_digits_kept", VER, "            if not ch.isdigit():\n                break",
+      "            if not ch.isdigit():\n                continue", [MG_INSTALL]),
+    M("ver_max_exclusive", VER, "if MIN_SUPPORTED <= major_minor <= MAX_SUPPORTED:",
+      "if MIN_SUPPORTED <= major_minor < MAX_SUPPORTED:", [MG_INSTALL]),
+    M("ver_skip_env_zero_skips", VER, 'if os.environ.get(SKIP_CHECK_ENV, "") not in ("", "0"):',
+      'if os.environ.get(SKIP_CHECK_ENV, "") not in ("",):', [MG_INSTALL]),
+    # ------------------------------------------------------------------------- peer memory
+    M("pm_cross_host_sharing_allowed", PM, "    if len(hosts) > 1:\n", "    if len(hosts) > 2:\n", [PMT]),
+    M("pm_shared_gpu_asked_for_a_path", PM, "if r == rank or h != host or u == uuid:",
+      "if r == rank or h != host:", [PMT]),
+    M("pm_error_on_no_pairs", PM, "    if not pairs:\n        return None\n", "", [PMT]),
+    # ------------------------------------------------------------------------------ launcher
+    M("launch_path_is_cwd", LAUNCH, "sys.path[0:1] = [os.path.dirname(os.path.abspath(script))]",
+      "sys.path[0:1] = [os.getcwd()]", [MG_ENTRY]),
+    M("launch_rank0_any", LAUNCH, 'return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"',
+      "return True", [MG_ENTRY]),
 ]
 
 

@@ -251,3 +251,19 @@ def test_a_patch_for_every_supported_release():
         for needle in ("'flex', 'mok']", "check_config(self)",
                        'moe_token_dispatcher_type == "mok"', "should_free_input"):
             assert needle in text, (name, needle)
+
+
+def test_launcher_banner_comes_from_rank_zero_only(monkeypatch):
+    """The launcher's one line on stderr is printed by rank 0 (RANK, else LOCAL_RANK, else a
+    single process), not once per rank of a torchrun job."""
+    from megatron_mok import launch
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert launch._is_rank0()
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert not launch._is_rank0()
+    monkeypatch.setenv("RANK", "0")          # RANK wins over LOCAL_RANK
+    assert launch._is_rank0()
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not launch._is_rank0()

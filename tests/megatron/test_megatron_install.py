@@ -232,6 +232,10 @@ def test_version_gate_override(monkeypatch):
     monkeypatch.setenv(versions.SKIP_CHECK_ENV, "1")
     with pytest.warns(UserWarning, match="0.20.0"):
         assert versions.check_supported("0.20.0") == "0.20.0"
+    for off in ("0", ""):                    # set to 0 or empty: the gate stays
+        monkeypatch.setenv(versions.SKIP_CHECK_ENV, off)
+        with pytest.raises(RuntimeError, match="MOK_MEGATRON_SKIP_VERSION_CHECK"):
+            versions.check_supported("0.20.0")
 
 
 def test_options_from_env_and_config(monkeypatch):
