@@ -990,6 +990,17 @@ def gather_checks(bench: Bench):
     return merged
 
 
+def shared_gpu_problem(world: int, gpus: int) -> str | None:
+    """Why ``--shared-gpu`` does not apply (``None``: it does): its labels say the ranks
+    time-slice shared GPUs, which is only true with fewer GPUs than ranks."""
+    if gpus < 1:
+        return "--shared-gpu needs a CUDA GPU (use --cpu for the smoke test)"
+    if gpus >= world:
+        return (f"--shared-gpu is for fewer GPUs than ranks; here {gpus} GPU(s) for {world} ranks "
+                "give each rank its own: run without it (a timed run)")
+    return None
+
+
 def gpu_of(local_rank: int, shared: bool) -> int:
     """A rank's GPU: its own, or in a shared-GPU dry run the one it shares (``r % GPUs``)."""
     return local_rank % torch.cuda.device_count() if shared else local_rank
@@ -999,6 +1010,8 @@ def worker(rank, world, local_rank, args, cpu):
     C.set_safe_env()
     args = resolve_config(args, cpu)
     shared = args.shared_gpu and not cpu
+    if shared and shared_gpu_problem(world, torch.cuda.device_count()):
+        raise SystemExit(shared_gpu_problem(world, torch.cuda.device_count()))
     if cpu:
         backend = "gloo"
         torch.set_num_threads(1)   # two ranks share the CPU: no oversubscription

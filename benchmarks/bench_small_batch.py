@@ -215,6 +215,12 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_small_batch.py needs a CUDA GPU (it times the CUDA backend)")
+    if a.shared_gpu and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        sys.exit("--shared-gpu is for runs under torchrun (processes); without it the ranks are "
+                 "already loopback threads on one GPU")
+    if a.shared_gpu and int(os.environ["WORLD_SIZE"]) <= torch.cuda.device_count():
+        sys.exit(f"--shared-gpu is for fewer GPUs than ranks; {torch.cuda.device_count()} GPU(s) for "
+                 f"{os.environ['WORLD_SIZE']} ranks give each its own: run without it (a timed run)")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if a.fp8_ab:
             sys.exit("--fp8-ab is for single-process runs (world size 1 and loopback ranks)")

@@ -278,7 +278,7 @@ def plot(doc, path: str) -> Optional[str]:
         ax.legend(fontsize=8)
     env = doc.get("env", {})
     ws, ng = env.get("world_size"), env.get("gpu_count")
-    where = (f"{ws} ranks on {ng} x {env.get('gpu_model')}" if ng and ws and ws > ng
+    where = (f"{ws} ranks on {ng} x {env.get('gpu_model')}" if doc.get("mode") == "gpu shared (dry run)"
              else f"{ws} x {env.get('gpu_model')}")
     fig.suptitle(f"dispatch/combine, {where}, "
                  f"commit {str(env.get('commit'))[:12]}, {env.get('date')}"

@@ -8,6 +8,7 @@ gloo ranks) and reads the JSON it writes.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -23,6 +24,18 @@ SMOKE_TIMEOUT_S = 170   # usually ~15 s; generous for loaded CI machines
 
 ENV_FIELDS = ("date", "commit", "command", "torch_version", "gpu_model", "gpu_count", "world_size")
 OPS = ("dispatch", "combine", "dispatch_bwd", "combine_bwd")
+
+
+@contextlib.contextmanager
+def _benchmarks_importable():
+    """``benchmarks/`` on ``sys.path`` for an import, removed after by value (the benchmark
+    modules put their own entries first, so popping index 0 would remove one of theirs)."""
+    path = os.path.join(REPO, "benchmarks")
+    sys.path.insert(0, path)
+    try:
+        yield
+    finally:
+        sys.path.remove(path)
 
 
 def _have_mok() -> bool:
@@ -150,11 +163,8 @@ def test_smoke_all_checks_passed(smoke):
 def test_plot_results_renders_markdown(smoke, tmp_path):
     """plot_results turns the JSON into the table (PNG only where matplotlib exists)."""
     doc, out, _ = smoke
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
+    with _benchmarks_importable():
         import plot_results
-    finally:
-        sys.path.pop(0)
     paths = plot_results.render(doc, str(tmp_path), "again")
     md = open(paths["markdown"]).read()
     assert "| shape | system |" in md
@@ -166,11 +176,8 @@ def test_symm_a2a_phase_skips_shapes_torch_cannot_run(monkeypatch, tmp_path):
     """torch's all_to_all_vdev_2d takes at most 16 experts per rank: shapes with more are
     skipped with that reason and no NVSHMEM child process is started for them (one such
     child hung past its cap on a GPU machine, run s4-4)."""
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
+    with _benchmarks_importable():
         import bench_dispatch_combine as bdc
-    finally:
-        sys.path.pop(0)
 
     def no_child(*a, **k):
         raise AssertionError("a symm_a2a child process was started for shapes it cannot run")
@@ -195,11 +202,8 @@ def test_small_batch_report_keeps_host_return_times(tmp_path, capsys):
     import argparse
     import time
 
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
+    with _benchmarks_importable():
         import bench_small_batch as sb
-    finally:
-        sys.path.pop(0)
 
     ops = ["eager_dispatch", "static_dispatch", "graph_dispatch", "eager_combine", "static_combine",
            "graph_combine"]
@@ -222,11 +226,8 @@ def test_runs_without_timing_claims_say_so_in_every_rendering(smoke, tmp_path):
     carry ``timing_claims`` false, and the table, the summary and the plot's title say what
     the run was; a timed GPU run's do not."""
     doc, _, _ = smoke
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
+    with _benchmarks_importable():
         import plot_results
-    finally:
-        sys.path.pop(0)
     shared = dict(doc, mode="gpu shared (dry run)", timing_claims=False)
     timed = dict(doc, mode="gpu", timing_claims=True)
     assert plot_results.no_claims_label(doc) == "CPU SMOKE"
@@ -242,11 +243,8 @@ def test_runs_without_timing_claims_say_so_in_every_rendering(smoke, tmp_path):
 
 def test_shared_gpu_option_maps_ranks_onto_the_gpus_there_are(monkeypatch):
     """``--shared-gpu`` puts rank r on ``cuda:(r % GPUs)``; without it rank r is ``cuda:r``."""
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
+    with _benchmarks_importable():
         import bench_dispatch_combine as bdc
-    finally:
-        sys.path.pop(0)
     monkeypatch.setattr(bdc.torch.cuda, "device_count", lambda: 1)
     assert [bdc.gpu_of(r, True) for r in range(3)] == [0, 0, 0]
     assert [bdc.gpu_of(r, False) for r in range(3)] == [0, 1, 2]
@@ -259,11 +257,8 @@ def test_shared_gpu_option_maps_ranks_onto_the_gpus_there_are(monkeypatch):
 def _run_suite_in_process(tmp_path, monkeypatch, corrupt):
     """The suite's worker in this process (world size 1, gloo, CPU shapes, mok and alltoall)
     with ``corrupt(mok module)`` applied first; returns its JSON."""
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
+    with _benchmarks_importable():
         import bench_dispatch_combine as bdc
-    finally:
-        sys.path.pop(0)
     import megatron_mok
     import torch.distributed as dist
     corrupt(monkeypatch, megatron_mok)
@@ -348,11 +343,8 @@ def test_bitwise_equal_compares_bits_not_values(dtype):
     """The suite's bitwise checks: -0.0 is not +0.0, a NaN equals itself, one flipped bit or
     another dtype or shape is a difference; every float width (FP8 rows among them)."""
     import torch
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
+    with _benchmarks_importable():
         import common as C
-    finally:
-        sys.path.pop(0)
     dt = getattr(torch, dtype)
     a = torch.tensor([1.0, 0.0, 2.0, 0.5]).to(dt)
     assert C.bitwise_equal(a, a.clone())
@@ -367,3 +359,15 @@ def test_bitwise_equal_compares_bits_not_values(dtype):
     assert not C.bitwise_equal(a, a.reshape(2, 2))
     assert not C.bitwise_equal(a, a.to(torch.float32 if dtype != "float32" else torch.float64))
     assert C.bitwise_equal(a[:0], a[:0].clone())
+
+
+def test_shared_gpu_mode_is_refused_where_every_rank_has_a_gpu():
+    """``--shared-gpu`` labels its run as ranks time-slicing shared GPUs; with a GPU per rank
+    that would be false, so it is refused (and without a GPU it cannot run)."""
+    with _benchmarks_importable():
+        import bench_dispatch_combine as bdc
+    assert bdc.shared_gpu_problem(2, 1) is None
+    assert bdc.shared_gpu_problem(4, 2) is None
+    assert "each rank its own" in bdc.shared_gpu_problem(2, 2)
+    assert "each rank its own" in bdc.shared_gpu_problem(2, 8)
+    assert "needs a CUDA GPU" in bdc.shared_gpu_problem(2, 0)

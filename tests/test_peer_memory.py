@@ -64,7 +64,11 @@ def test_every_rank_raises_the_same_error_naming_the_pairs():
     assert peer_access_error([[], [], []], keys) is None
     assert peer_access_error([None, [], []], keys) is None
     msg = peer_access_error([[2], [], [0]], keys)
-    assert "2 pair(s) have none: rank 0 -> rank 2, rank 2 -> rank 0 (host h" in msg
+    assert "2 pair(s) have none: rank 0 -> rank 2, rank 2 -> rank 0 (host(s) h;" in msg
+    two_hosts = peer_access_error([[1], [], [], []], [("h1", A), ("h1", B), ("h2", A), ("h2", B)])
+    assert "(host(s) h1;" in two_hosts
+    assert "(host(s) h1, h2;" in peer_access_error([[1], [], [3], []],
+                                                   [("h1", A), ("h1", B), ("h2", A), ("h2", B)])
     assert "backend='reference'" in msg and "alltoall" in msg
     many = peer_access_error([[1, 2]] * 3 + [[0]] * 3, keys * 2)
     assert many.count("->") == 8 and many.endswith("GPUs.") and " ..." in many

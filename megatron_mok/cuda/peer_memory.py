@@ -96,11 +96,12 @@ def peer_access_error(blocked: Sequence[Sequence[int]], keys: Sequence[Tuple[str
     if not pairs:
         return None
     shown = ", ".join(f"rank {r} -> rank {p}" for r, p in pairs[:8]) + (" ..." if len(pairs) > 8 else "")
+    hosts = sorted({keys[r][0] for r, _ in pairs})
     return (f"megatron_mok: the CUDA backend needs direct peer access between every pair of its "
-            f"GPUs (its kernels read and write peers' memory over NVLink), and "
-            f"{len(pairs)} pair(s) have none: {shown} (host {keys[pairs[0][0]][0]}; see "
-            "`nvidia-smi topo -m`). Use backend='reference', or Megatron's alltoall dispatcher, "
-            "on these GPUs.")
+            f"GPUs on a host (its kernels read and write peers' memory: NVLink, or PCIe "
+            f"peer-to-peer), and {len(pairs)} pair(s) have none: {shown} (host(s) "
+            f"{', '.join(hosts)}; see `nvidia-smi topo -m`). Use backend='reference', or "
+            "Megatron's alltoall dispatcher, on these GPUs.")
 
 
 def _visible_index(uuid: str) -> Optional[int]:
@@ -147,9 +148,15 @@ class PeerMemory:
         group = group if group is not None else dist.group.WORLD
         keys: List = [None] * world_size
         dist.all_gather_object(keys, device_key(device), group=group)
+        try:
+            mine = unreachable_peers(keys, rank, _visible_index, torch.cuda.can_device_access_peer)
+        except Exception as e:  # noqa: BLE001  (a preflight: never leave the peers in the gather)
+            import warnings
+            warnings.warn(f"megatron_mok: could not check peer access ({type(e).__name__}: {e}); "
+                          "going on without the check")
+            mine = []
         blocked: List = [None] * world_size
-        dist.all_gather_object(blocked, unreachable_peers(keys, rank, _visible_index,
-                                                          torch.cuda.can_device_access_peer), group=group)
+        dist.all_gather_object(blocked, mine, group=group)
         problem = peer_access_error(blocked, keys)
         if problem is not None:
             raise RuntimeError(problem)
