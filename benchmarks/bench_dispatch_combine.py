@@ -218,7 +218,7 @@ class Bench:
     def __init__(self, args, rank, world, local_rank, cpu):
         self.args, self.rank, self.world, self.cpu = args, rank, world, cpu
         self.shared = bool(getattr(args, "shared_gpu", False)) and not cpu
-        self.device = torch.device("cpu") if cpu else torch.device("cuda", gpu_of(local_rank, self.shared))
+        self.device = torch.device("cpu") if cpu else torch.device("cuda", C.gpu_of(local_rank, self.shared))
         self.local_rank = local_rank
         self.group = dist.group.WORLD
         self.log = C.Progress(rank)
@@ -990,33 +990,18 @@ def gather_checks(bench: Bench):
     return merged
 
 
-def shared_gpu_problem(world: int, gpus: int) -> str | None:
-    """Why ``--shared-gpu`` does not apply (``None``: it does): its labels say the ranks
-    time-slice shared GPUs, which is only true with fewer GPUs than ranks."""
-    if gpus < 1:
-        return "--shared-gpu needs a CUDA GPU (use --cpu for the smoke test)"
-    if gpus >= world:
-        return (f"--shared-gpu is for fewer GPUs than ranks; here {gpus} GPU(s) for {world} ranks "
-                "give each rank its own: run without it (a timed run)")
-    return None
-
-
-def gpu_of(local_rank: int, shared: bool) -> int:
-    """A rank's GPU: its own, or in a shared-GPU dry run the one it shares (``r % GPUs``)."""
-    return local_rank % torch.cuda.device_count() if shared else local_rank
-
-
 def worker(rank, world, local_rank, args, cpu):
     C.set_safe_env()
     args = resolve_config(args, cpu)
     shared = args.shared_gpu and not cpu
-    if shared and shared_gpu_problem(world, torch.cuda.device_count()):
-        raise SystemExit(shared_gpu_problem(world, torch.cuda.device_count()))
+    problem = C.shared_gpu_problem(world, torch.cuda.device_count()) if shared else None
+    if problem:
+        raise SystemExit(problem)
     if cpu:
         backend = "gloo"
         torch.set_num_threads(1)   # two ranks share the CPU: no oversubscription
     else:
-        torch.cuda.set_device(gpu_of(local_rank, shared))
+        torch.cuda.set_device(C.gpu_of(local_rank, shared))
         backend = "gloo" if shared else "nccl"   # NCCL refuses two ranks on one GPU
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.dist_timeout_s))

@@ -218,9 +218,10 @@ def main(argv=None):
     if a.shared_gpu and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         sys.exit("--shared-gpu is for runs under torchrun (processes); without it the ranks are "
                  "already loopback threads on one GPU")
-    if a.shared_gpu and int(os.environ["WORLD_SIZE"]) <= torch.cuda.device_count():
-        sys.exit(f"--shared-gpu is for fewer GPUs than ranks; {torch.cuda.device_count()} GPU(s) for "
-                 f"{os.environ['WORLD_SIZE']} ranks give each its own: run without it (a timed run)")
+    problem = (common.shared_gpu_problem(int(os.environ["WORLD_SIZE"]), torch.cuda.device_count())
+               if a.shared_gpu else None)
+    if problem:
+        sys.exit(problem)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if a.fp8_ab:
             sys.exit("--fp8-ab is for single-process runs (world size 1 and loopback ranks)")
@@ -259,7 +260,7 @@ def _main_distributed(a):
     """One rank per process and GPU (torchrun): the small-batch figures on real NVLink."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
-    dev = torch.device("cuda", local % torch.cuda.device_count() if a.shared_gpu else local)
+    dev = torch.device("cuda", common.gpu_of(local, a.shared_gpu))
     torch.cuda.set_device(dev)
     if a.shared_gpu:   # NCCL refuses two ranks on one GPU
         dist.init_process_group("gloo")

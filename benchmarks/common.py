@@ -185,6 +185,23 @@ def env_info(command: List[str], commit_override: Optional[str], world_size: int
     return info
 
 
+def shared_gpu_problem(world: int, gpus: int) -> Optional[str]:
+    """Why ``--shared-gpu`` (ranks as processes sharing the GPUs there are: a dry run) does not
+    apply (``None``: it does): its labels say the ranks time-slice shared GPUs, which is only
+    true with fewer GPUs than ranks."""
+    if gpus < 1:
+        return "--shared-gpu needs a CUDA GPU (use --cpu for the smoke test)"
+    if gpus >= world:
+        return (f"--shared-gpu is for fewer GPUs than ranks; here {gpus} GPU(s) for {world} ranks "
+                "give each rank its own: run without it (a timed run)")
+    return None
+
+
+def gpu_of(local_rank: int, shared: bool) -> int:
+    """A rank's GPU: its own, or in a shared-GPU dry run the one it shares (``r % GPUs``)."""
+    return local_rank % torch.cuda.device_count() if shared else local_rank
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

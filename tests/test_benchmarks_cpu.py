@@ -246,10 +246,10 @@ def test_shared_gpu_option_maps_ranks_onto_the_gpus_there_are(monkeypatch):
     with _benchmarks_importable():
         import bench_dispatch_combine as bdc
     monkeypatch.setattr(bdc.torch.cuda, "device_count", lambda: 1)
-    assert [bdc.gpu_of(r, True) for r in range(3)] == [0, 0, 0]
-    assert [bdc.gpu_of(r, False) for r in range(3)] == [0, 1, 2]
+    assert [bdc.C.gpu_of(r, True) for r in range(3)] == [0, 0, 0]
+    assert [bdc.C.gpu_of(r, False) for r in range(3)] == [0, 1, 2]
     monkeypatch.setattr(bdc.torch.cuda, "device_count", lambda: 2)
-    assert [bdc.gpu_of(r, True) for r in range(4)] == [0, 1, 0, 1]
+    assert [bdc.C.gpu_of(r, True) for r in range(4)] == [0, 1, 0, 1]
     assert bdc.parse_args(["--shared-gpu"]).shared_gpu is True
     assert bdc.parse_args([]).shared_gpu is False
 
@@ -366,8 +366,8 @@ def test_shared_gpu_mode_is_refused_where_every_rank_has_a_gpu():
     that would be false, so it is refused (and without a GPU it cannot run)."""
     with _benchmarks_importable():
         import bench_dispatch_combine as bdc
-    assert bdc.shared_gpu_problem(2, 1) is None
-    assert bdc.shared_gpu_problem(4, 2) is None
-    assert "each rank its own" in bdc.shared_gpu_problem(2, 2)
-    assert "each rank its own" in bdc.shared_gpu_problem(2, 8)
-    assert "needs a CUDA GPU" in bdc.shared_gpu_problem(2, 0)
+    assert bdc.C.shared_gpu_problem(2, 1) is None
+    assert bdc.C.shared_gpu_problem(4, 2) is None
+    assert "each rank its own" in bdc.C.shared_gpu_problem(2, 2)
+    assert "each rank its own" in bdc.C.shared_gpu_problem(2, 8)
+    assert "needs a CUDA GPU" in bdc.C.shared_gpu_problem(2, 0)
