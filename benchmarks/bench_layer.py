@@ -275,8 +275,9 @@ def run(args):
     skipped = {}
     for d in list(wanted):
         name, modes = dispatcher_variant(d)
-        if name == "flex" and flex_unavailable(flex_backend(modes)) is not None:
-            skipped[d] = flex_unavailable(flex_backend(modes))
+        why = flex_unavailable(flex_backend(modes)) if name == "flex" else None
+        if why is not None:
+            skipped[d] = why
         elif name == "flex" and device.type != "cuda":
             skipped[d] = "needs CUDA"
         elif "overlap" in modes and device.type != "cuda":
@@ -317,10 +318,11 @@ def run(args):
                                  **kw, **extra)
         if "high" in modes:
             cfg.moe_mok_comm_stream = "high"     # MOK_COMM_STREAM=high for this layer only
-        if variant_num_sms(modes) is not None and name == "flex":
-            set_flex_num_sms(cfg, flex_backend(modes), variant_num_sms(modes))
-        elif variant_num_sms(modes) is not None:
-            cfg.moe_mok_num_sms = variant_num_sms(modes)   # MOK_NUM_SMS, this layer only
+        n_sms = variant_num_sms(modes)
+        if n_sms is not None and name == "flex":
+            set_flex_num_sms(cfg, flex_backend(modes), n_sms)
+        elif n_sms is not None:
+            cfg.moe_mok_num_sms = n_sms   # MOK_NUM_SMS, this layer only
         if graphs:
             layer = harness.build_moe_transformer_layer(cfg, device=device, dtype=dtype)
             for p in layer.parameters():    # graphed parameters' grads go to main_grad
