@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .cuda.peer_memory import disable_multicast_env
+from .version import source_commit
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -168,7 +169,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
     dist.all_reduce(bw, op=dist.ReduceOp.MIN)
     floor_us = float(xbytes) / (float(bw) * 1e9) * 1e6 if float(bw) > 0 else 0.0
     report = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": _git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": source_commit(),
         "command": " ".join([os.path.basename(sys.executable), "-m", "megatron_mok.bench"] + sys.argv[1:]),
         "world_size": world, "device": torch.cuda.get_device_name(rank) if use_cuda else "cpu",
         "backend": backend_name, "tokens": args.tokens, "hidden": args.hidden,
@@ -198,19 +199,6 @@ def worker(rank: int, world: int, port: int, args) -> None:
     dist.destroy_process_group()
     if int(flag) != 0:
         sys.exit(1)
-
-
-def _git_commit() -> str:
-    # MOK_COMMIT wins (a lent GPU machine may carry a stale copy of .git).
-    if os.environ.get("MOK_COMMIT"):
-        return os.environ["MOK_COMMIT"]
-    try:
-        import subprocess
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001 - no git, no checkout: say so
-        return "unknown"
 
 
 def free_port() -> int:

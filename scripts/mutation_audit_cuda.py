@@ -228,15 +228,14 @@ def _select(names: Optional[str]) -> List[Mutant]:
 
 
 def _commit() -> str:
-    """MOK_COMMIT when set (the device scripts set it: a lent machine's copy of the tree can
-    carry stale git metadata, run s27-4), else git's short HEAD."""
-    if os.environ.get("MOK_COMMIT"):
-        return os.environ["MOK_COMMIT"]
+    """The commit to record (the package's reader: ``MOK_COMMIT`` first, as the device scripts
+    set it, else git's short HEAD)."""
+    sys.path.insert(0, str(ROOT))
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        from megatron_mok.version import source_commit
+    finally:
+        sys.path.remove(str(ROOT))
+    return source_commit()
 
 
 def build(out: Path, mutants: List[Mutant]) -> int:
