@@ -43,8 +43,20 @@ NPROC=${NPROC:-2}
 mkdir -p "$OUT_DIR"
 
 if ! $PY -c "import megatron.core" 2>/dev/null; then
-  echo "[run_gpu_ab] installing megatron-core and test deps from $REPO/.whl"
-  $PY -m pip install --no-index --find-links "$REPO/.whl" -q megatron-core six regex pyyaml pydantic pytest
+  # megatron-core alone, without its dependencies: it needs only torch, numpy and packaging,
+  # which a GPU image has. Asking pip for more (it used to ask for pydantic too) fails where no
+  # registry is reachable and the image lacks one of them (the lent GPU machines, NOTES item 33).
+  # Installed into $REPO/.site (a target folder, not the interpreter's site-packages).
+  if ls "$REPO"/.whl/megatron_core-*.whl >/dev/null 2>&1; then
+    echo "[run_gpu_ab] installing megatron-core from $REPO/.whl into $REPO/.site (no dependencies)"
+    $PY -m pip install -q --no-index --no-deps --no-compile --find-links "$REPO/.whl" \
+      --target "$REPO/.site" megatron-core
+    export PYTHONPATH="$REPO/.site:$PYTHONPATH"
+  else
+    echo "[run_gpu_ab] megatron-core is not importable and $REPO/.whl holds no megatron_core wheel:" \
+         "pip install megatron-core (0.16-0.19), or put its wheel in $REPO/.whl" >&2
+    exit 2
+  fi
 fi
 $PY - <<'EOF' | tee "$OUT_DIR/env.txt"
 import torch, megatron.core, megatron_mok
