@@ -84,5 +84,29 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason="needs megatron-core (pip install megatron-core)"))
 
 
+_GPU_MEMORY_LOG = os.environ.get("MOK_TEST_LOG_GPU_MEMORY", "")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logfinish(nodeid, location):
+    """``MOK_TEST_LOG_GPU_MEMORY=PATH``: after each test, append the GPU memory each process
+    holds (``nvidia-smi``; no CUDA context in this process) to PATH: where a device run's
+    memory goes when tests run one after another (diagnostics, NOTES item 33)."""
+    if not _GPU_MEMORY_LOG:
+        return
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=20).stdout
+    except Exception as e:  # no nvidia-smi: say so in the log, never fail a test over it
+        out = f"nvidia-smi failed: {e}"
+    procs = [line.split(",") for line in out.strip().splitlines() if "," in line]
+    total = sum(int(mib) for _, mib in procs if mib.strip().isdigit())
+    with open(_GPU_MEMORY_LOG, "a") as f:
+        f.write(f"{nodeid}\t{len(procs)} processes\t{total} MiB\t"
+                f"{' '.join(f'{p.strip()}:{m.strip()}' for p, m in procs)}\n")
+
+
 def pytest_sessionfinish(session, exitstatus):
     harness.shutdown_pools()

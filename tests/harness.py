@@ -136,12 +136,29 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, env: Dict[
             except Exception:
                 blob = pickle.dumps(f"<unpicklable result {type(out).__name__}: {out!r:.200}>")
             _destroy_groups_made_since(before)
+            _release_cached_gpu_memory()
             result_q.put((call_id, rank, "ok", blob))
         except BaseException:
+            _release_cached_gpu_memory()
             result_q.put((call_id, rank, "err", traceback.format_exc()))
     try:
         dist.destroy_process_group()
     except Exception:
+        pass
+
+
+def _release_cached_gpu_memory() -> None:
+    """After each call of a pooled rank: give the GPU back what this process's caching
+    allocator keeps (and the CUDA IPC shares its peers have closed). A pool outlives its call,
+    and several pools (world sizes, backends) live at once: in shared-GPU mode every rank of
+    every pool sits on the same GPU, and session 28's dry run of tests/megatron ran that GPU
+    out of memory (a later test could not even create its CUDA context, NOTES item 33)."""
+    if not torch.cuda.is_initialized():
+        return
+    try:
+        torch.cuda.empty_cache()
+        torch.cuda.ipc_collect()
+    except Exception:       # a broken context (a trapped kernel): the pool is torn down anyway
         pass
 
 
