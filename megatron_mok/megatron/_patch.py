@@ -1,6 +1,6 @@
 """What :func:`megatron_mok.megatron.install` changes in the running megatron-core.
 
-Four narrow, reversible changes, all on class or module attributes (no file is edited):
+Five narrow, reversible changes, all on class or module attributes (no file is edited):
 
 1. ``TransformerConfig.moe_token_dispatcher_type``'s field type becomes
    ``Literal['allgather', 'alltoall', 'flex', 'mok']``. Megatron-LM (0.16 - 0.19) derives
@@ -24,12 +24,21 @@ Four narrow, reversible changes, all on class or module attributes (no file is e
    experts as they are, which keep them for theirs. Freeing either would
    corrupt the backward. (A ``mok`` config with ``overlap_moe_expert_parallel_comm`` is also
    validated as ``alltoall``'s, like ``moe_shared_expert_overlap``.)
+5. Megatron-Bridge, when it is (or later gets) imported: its ``CommOverlapConfig`` validates a
+   ``mok`` model config that asks for ``overlap_moe_expert_parallel_comm`` as ``alltoall``'s.
+   Bridge (0.3) asserts the dispatcher is ``alltoall`` or ``flex`` there, in
+   ``training/comm_overlap.py``, before the model config's own ``__post_init__`` (item 2) runs.
+   Bridge is not imported by :func:`install`: a finder on ``sys.meta_path`` patches
+   ``megatron.bridge.training.comm_overlap`` when something imports it (and the module itself
+   at once when it is already imported), so Megatron-LM users pay nothing for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.abc
+import sys
 import threading
 import typing
 from typing import Literal
@@ -199,6 +208,86 @@ def _pg_collection_of(dispatcher):
                                   tp_ep=dispatcher.tp_ep_group)
 
 
+# Item 5 of the module docstring: Megatron-Bridge's comm-overlap validation.
+BRIDGE_COMM_OVERLAP_MODULE = "megatron.bridge.training.comm_overlap"
+
+
+def _patch_bridge_comm_overlap(mod, saved) -> None:
+    """Wrap ``CommOverlapConfig._get_model_comm_overlap_cfgs`` of Bridge's module ``mod``: a
+    ``mok`` model config asking for ``overlap_moe_expert_parallel_comm`` goes through it as
+    ``alltoall``'s (all of Bridge's other checks of the overlap still apply). A Bridge without
+    that method is left as it is."""
+    cls = getattr(mod, "CommOverlapConfig", None)
+    orig = getattr(cls, "_get_model_comm_overlap_cfgs", None) if cls is not None else None
+    if orig is None or getattr(orig, "_mok_patched", False):
+        return
+
+    def _get_model_comm_overlap_cfgs(self, model_cfg, *args, **kwargs):
+        user = getattr(self, "user_comm_overlap_cfg", None)
+        if (getattr(model_cfg, "moe_token_dispatcher_type", None) == DISPATCHER_NAME
+                and getattr(user, "overlap_moe_expert_parallel_comm", None) is True):
+            with _as_dispatcher(model_cfg, "alltoall"):
+                return orig(self, model_cfg, *args, **kwargs)
+        return orig(self, model_cfg, *args, **kwargs)
+
+    _get_model_comm_overlap_cfgs.__wrapped__ = orig
+    _get_model_comm_overlap_cfgs._mok_patched = True
+    cls._get_model_comm_overlap_cfgs = _get_model_comm_overlap_cfgs
+    saved.setdefault("bridge_comm_overlap", []).append((cls, orig))
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs a module's own loader, then patches the module (item 5)."""
+
+    def __init__(self, loader, saved):
+        self._loader, self._saved = loader, saved
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _patch_bridge_comm_overlap(module, self._saved)
+
+
+class _BridgeFinder(importlib.abc.MetaPathFinder):
+    """Finds ``megatron.bridge.training.comm_overlap`` with the other finders and hands back its
+    spec with a loader that patches the module once it has run."""
+
+    def __init__(self, saved):
+        self._saved = saved
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != BRIDGE_COMM_OVERLAP_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader, self._saved)
+                return spec
+        return None
+
+
+def _patch_bridge(saved) -> None:
+    mod = sys.modules.get(BRIDGE_COMM_OVERLAP_MODULE)
+    if mod is not None:
+        _patch_bridge_comm_overlap(mod, saved)
+    finder = _BridgeFinder(saved)
+    sys.meta_path.insert(0, finder)
+    saved["bridge_finder"] = finder
+
+
+def _restore_bridge(saved):
+    finder = saved.get("bridge_finder")
+    if finder is not None and finder in sys.meta_path:
+        sys.meta_path.remove(finder)
+    for cls, orig in saved.get("bridge_comm_overlap", []):
+        cls._get_model_comm_overlap_cfgs = orig
+
+
 def install() -> None:
     if _STATE["installed"]:
         return
@@ -207,6 +296,7 @@ def install() -> None:
     try:
         _patch_moe_layer(saved)
         _patch_free_input(saved)
+        _patch_bridge(saved)
     except Exception:
         _restore(saved)
         raise
@@ -219,6 +309,7 @@ def _restore(saved):
     one failed)."""
     _restore_config(saved)
     _restore_free_input(saved)
+    _restore_bridge(saved)
     if "moe_layer_init" in saved:
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
