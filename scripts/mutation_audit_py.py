@@ -58,6 +58,7 @@ ERR = "megatron_mok/cuda/errors.py"
 VER = "megatron_mok/megatron/versions.py"
 PM = "megatron_mok/cuda/peer_memory.py"
 LAUNCH = "megatron_mok/launch.py"
+PATCH = "megatron_mok/megatron/_patch.py"
 
 # pytest targets, most likely killer first (-x stops at the first failure)
 CONTRACT = "tests/test_contract.py"
@@ -301,6 +302,13 @@ MUTANTS: List[Mutant] = [
       "sys.path[0:1] = [os.getcwd()]", [MG_ENTRY]),
     M("launch_rank0_any", LAUNCH, 'return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"',
       "return True", [MG_ENTRY]),
+    # ------------------------------------------------------- Megatron-Bridge (install item 5)
+    M("bridge_overlap_not_as_alltoall", PATCH,
+      '            with _as_dispatcher(model_cfg, "alltoall"):\n                return orig(self, model_cfg, *args, **kwargs)',
+      '            with contextlib.nullcontext():\n                return orig(self, model_cfg, *args, **kwargs)',
+      [MG_INSTALL]),
+    M("bridge_finder_not_installed", PATCH, "    sys.meta_path.insert(0, finder)\n",
+      "    pass\n", [MG_INSTALL]),
 ]
 
 

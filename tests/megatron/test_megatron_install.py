@@ -218,6 +218,90 @@ def test_ep_overlap_is_refused_without_the_free_rule(monkeypatch):
     assert _patch.free_input_module() is not None
 
 
+def _fake_bridge_source() -> str:
+    """A stand-in for Bridge 0.3's ``training/comm_overlap.py``: the assertion it makes on the
+    dispatcher when the user asks for the 1F1B EP overlap, and the record of what it saw."""
+    return (
+        "SEEN = []\n"
+        "class CommOverlapConfig:\n"
+        "    def __init__(self, overlap):\n"
+        "        self.user_comm_overlap_cfg = type('U', (), {'overlap_moe_expert_parallel_comm': overlap})()\n"
+        "    def _get_model_comm_overlap_cfgs(self, model_cfg, ddp_config=None):\n"
+        "        SEEN.append(model_cfg.moe_token_dispatcher_type)\n"
+        "        if self.user_comm_overlap_cfg.overlap_moe_expert_parallel_comm is True:\n"
+        "            assert model_cfg.moe_token_dispatcher_type in ['alltoall', 'flex'], 'only alltoall or flex'\n"
+        "        return 'cfgs'\n")
+
+
+def test_bridge_comm_overlap_validates_mok_as_alltoall():
+    # Item 5 of _patch's docstring on a stand-in module: with the overlap asked for, a mok model
+    # config passes Bridge's dispatcher assertion as alltoall's and comes back as mok; without
+    # it, Bridge's method sees mok itself; uninstall() restores Bridge's method
+    import types
+
+    from megatron_mok.megatron import _patch
+
+    mod = types.ModuleType("fake_bridge_comm_overlap")
+    exec(_fake_bridge_source(), mod.__dict__)
+    orig = mod.CommOverlapConfig._get_model_comm_overlap_cfgs
+    model = types.SimpleNamespace(moe_token_dispatcher_type="mok")
+    with pytest.raises(AssertionError, match="only alltoall or flex"):
+        mod.CommOverlapConfig(True)._get_model_comm_overlap_cfgs(model)   # Bridge as it is
+    saved = {}
+    _patch._patch_bridge_comm_overlap(mod, saved)
+    _patch._patch_bridge_comm_overlap(mod, saved)                          # not wrapped twice
+    assert mod.CommOverlapConfig._get_model_comm_overlap_cfgs.__wrapped__ is orig
+    mod.SEEN.clear()
+    assert mod.CommOverlapConfig(True)._get_model_comm_overlap_cfgs(model, None) == "cfgs"
+    assert model.moe_token_dispatcher_type == "mok" and mod.SEEN == ["alltoall"]
+    assert mod.CommOverlapConfig(False)._get_model_comm_overlap_cfgs(model) == "cfgs"
+    assert mod.SEEN == ["alltoall", "mok"]
+    other = types.SimpleNamespace(moe_token_dispatcher_type="allgather")   # not ours: Bridge's rule
+    with pytest.raises(AssertionError, match="only alltoall or flex"):
+        mod.CommOverlapConfig(True)._get_model_comm_overlap_cfgs(other)
+    _patch._restore_bridge(saved)
+    assert mod.CommOverlapConfig._get_model_comm_overlap_cfgs is orig
+
+
+@pytest.mark.parametrize("when", ["after_install", "before_install"])
+def test_bridge_module_is_patched_when_imported(when, tmp_path, monkeypatch):
+    # install() imports nothing of Bridge: a finder patches the module when something imports it
+    # later (the docs' order: install(), then Bridge's recipe); a module imported before
+    # install() is patched at once. uninstall() removes the finder and restores the method.
+    import importlib
+    import sys
+    import types
+
+    from megatron_mok.megatron import _patch
+
+    name = f"mok_fake_bridge_{when}"
+    (tmp_path / f"{name}.py").write_text(_fake_bridge_source())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(_patch, "BRIDGE_COMM_OVERLAP_MODULE", name)
+    mm.uninstall()
+    try:
+        mod = importlib.import_module(name) if when == "before_install" else None
+        mm.install()
+        finder = _patch._STATE["saved"]["bridge_finder"]
+        assert finder in sys.meta_path
+        if mod is None:
+            assert name not in sys.modules        # install() did not import it
+            mod = importlib.import_module(name)
+        method = mod.CommOverlapConfig._get_model_comm_overlap_cfgs
+        assert method._mok_patched
+        model = types.SimpleNamespace(moe_token_dispatcher_type="mok")
+        assert mod.CommOverlapConfig(True)._get_model_comm_overlap_cfgs(model) == "cfgs"
+        assert model.moe_token_dispatcher_type == "mok" and mod.SEEN == ["alltoall"]
+        mm.uninstall()
+        assert finder not in sys.meta_path
+        assert mod.CommOverlapConfig._get_model_comm_overlap_cfgs is method.__wrapped__
+    finally:
+        sys.modules.pop(name, None)
+        mm.uninstall()
+        monkeypatch.undo()
+        mm.install()
+
+
 def test_version_gate():
     assert versions.parse_version("0.19.2rc1") == (0, 19, 2)
     assert versions.parse_version("0.16") == (0, 16, 0)
