@@ -43,6 +43,8 @@ PY=${PYTHON:-python}
 NPROC=${NPROC:-2}
 mkdir -p "$OUT_DIR"
 
+# A megatron-core this script installed before (below) is used again.
+[ -d "$REPO/.site/megatron" ] && export PYTHONPATH="$REPO/.site:$PYTHONPATH"
 if ! $PY -c "import megatron.core" 2>/dev/null; then
   # megatron-core alone, without its dependencies: it needs only torch, numpy and packaging,
   # which a GPU image has. Asking pip for more (it used to ask for pydantic too) fails where no
@@ -50,7 +52,7 @@ if ! $PY -c "import megatron.core" 2>/dev/null; then
   # Installed into $REPO/.site (a target folder, not the interpreter's site-packages).
   if ls "$REPO"/.whl/megatron_core-*.whl >/dev/null 2>&1; then
     echo "[run_gpu_ab] installing megatron-core from $REPO/.whl into $REPO/.site (no dependencies)"
-    $PY -m pip install -q --no-index --no-deps --no-compile --find-links "$REPO/.whl" \
+    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --find-links "$REPO/.whl" \
       --target "$REPO/.site" megatron-core
     export PYTHONPATH="$REPO/.site:$PYTHONPATH"
   else
