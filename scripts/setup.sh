@@ -12,6 +12,14 @@
 #   MOK_SKIP_DEPS=1              install no dependencies, only the project (offline machines)
 #   MOK_TORCH_SPEC=torch==2.13.0 the torch to install when none is importable
 #   MOK_MEGATRON_CORE_SPEC=megatron-core==0.16.1  (CI runs 0.16.x; 0.19.x is also supported)
+#   MOK_SETUP_BRIDGE=0           do not install Megatron-Bridge. By default, when the installed
+#                                megatron-core is 0.16.x (Bridge 0.3.1's range: it pins
+#                                megatron-core<0.17), megatron-bridge==0.3.1 is installed with
+#                                --no-deps (its full requirements pull TransformerEngine, ModelOpt,
+#                                ...) plus the few packages its config / model-provider paths
+#                                import (transformers<5, omegaconf, hydra-core, ...), with torch,
+#                                megatron-core and numpy held at their installed versions. Used by
+#                                tests/megatron/test_megatron_bridge.py (skipped without it).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -49,6 +57,41 @@ if [ "${MOK_SKIP_DEPS:-0}" != "1" ]; then
     fi
     # torch is already there, so megatron-core's plain `torch` requirement installs nothing more.
     "${PIP[@]}" -q "${DEPS[@]}"
+
+    # Megatron-Bridge (see MOK_SETUP_BRIDGE above). Its dependencies go in first and
+    # megatron-bridge itself last, so a present `megatron.bridge` means the set is complete.
+    BRIDGE_STATE="$("$PY" - <<'PYEOF'
+import importlib.metadata as md, importlib.util
+try:
+    core = md.version("megatron-core")
+except md.PackageNotFoundError:
+    core = ""
+if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.bridge") is not None:
+    print("installed " + md.version("megatron-bridge"))
+elif core.startswith("0.16."):
+    print("install")
+else:
+    print("skip megatron-core " + (core or "missing") + " is outside Megatron-Bridge 0.3.1's range (0.16.x)")
+PYEOF
+)"
+    if [ "${MOK_SETUP_BRIDGE:-1}" = "0" ]; then
+        echo "[setup] Megatron-Bridge: skipped (MOK_SETUP_BRIDGE=0)"
+    elif [ "${BRIDGE_STATE%% *}" = "installed" ]; then
+        echo "[setup] Megatron-Bridge ${BRIDGE_STATE#installed } already installed"
+    elif [ "$BRIDGE_STATE" = "install" ]; then
+        echo "[setup] installing Megatron-Bridge 0.3.1 (--no-deps) and what its configs import"
+        # Hold torch, megatron-core and numpy where they are: pip fails rather than change them.
+        BRIDGE_PINS="$(mktemp)"
+        "$PY" -c 'import importlib.metadata as md
+for d in ("torch", "megatron-core", "numpy"):
+    print(f"{d}=={md.version(d)}")' > "$BRIDGE_PINS"
+        "${PIP[@]}" -q -c "$BRIDGE_PINS" "transformers<5" "huggingface-hub<1.0" "omegaconf>=2.3" \
+            "hydra-core>1.3,<=1.3.2" pyyaml rich tqdm regex six einops
+        "${PIP[@]}" -q -c "$BRIDGE_PINS" --no-deps "megatron-bridge==0.3.1"
+        rm -f "$BRIDGE_PINS"
+    else
+        echo "[setup] Megatron-Bridge: skipped (${BRIDGE_STATE#skip })"
+    fi
 fi
 
 if [ -f setup.py ] || [ -f pyproject.toml ]; then
