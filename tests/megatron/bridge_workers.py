@@ -344,7 +344,8 @@ def _recipe_order() -> dict:
             # The command-line override (run_recipe.py: `model.moe_token_dispatcher_type=mok`),
             # which Bridge applies to the config the recipe returned.
             cfg = qwen3_30b_a3b_pretrain_config()
-            process_config_with_overrides(cfg, cli_overrides=["model.moe_token_dispatcher_type=mok"])
+            process_config_with_overrides(
+                cfg, cli_overrides=["model.moe_token_dispatcher_type=mok"])
             _shrink(cfg)
             out["mok_cli_override"] = _outcome(lambda: _update(cfg))
         with _gpu_properties(7, "Tesla V100-SXM2-32GB"):

@@ -78,7 +78,7 @@ def world2():
 
 @pytest.fixture(scope="module")
 def world1():
-    """World size 1: nothing installed first, then ``install()`` (bridge_workers docstring)."""
+    """World size 1: nothing installed first, then ``install()`` (``without_then_with_install``)."""
     return run_distributed(BW.without_then_with_install, 1, fresh=True)[0]
 
 
