@@ -59,6 +59,7 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("MOK_TEST_TIMEOUT", "180"))
 _STARTUP_TIMEOUT_S = float(os.environ.get("MOK_TEST_STARTUP_TIMEOUT", "180"))
 SHARED_GPU = os.environ.get("MOK_TEST_SHARED_GPU", "") == "1"
 _RANK_DEVICE_ENV = "MOK_TEST_RANK_DEVICE"
+_EXIT_GRACE_S = 10.0   # how long ranks told to stop get to exit before they are killed
 
 
 def gpus_for(world_size: int) -> bool:
@@ -284,20 +285,28 @@ class _Pool:
             raise DistributedTestError("\n".join(lines))
         return [results[r] for r in range(self.world_size)]
 
-    def close(self, force: bool = False) -> None:
-        if not force:
-            for q in self.task_qs:
-                try:
-                    q.put(None)
-                except Exception:
-                    pass
-            for p in self.procs:
-                p.join(timeout=10)
+    def ask_to_stop(self) -> None:
+        """Tell every rank to leave its loop (it then destroys its process group and exits)."""
+        for q in self.task_qs:
+            try:
+                q.put(None)
+            except Exception:
+                pass
+
+    def reap(self, deadline: float) -> None:
+        """Wait for the ranks until ``deadline`` (``time.monotonic()``), then kill the rest."""
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=10)
         self.procs = []
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            self.ask_to_stop()
+        self.reap(time.monotonic() + (0.0 if force else _EXIT_GRACE_S))
 
 
 _POOLS: Dict[Tuple[int, str], _Pool] = {}
@@ -397,10 +406,19 @@ def capture_in_turn(rank: int, world_size: int, capture):
     return out
 
 
-def shutdown_pools() -> None:
-    """End every pooled rank (called at the end of the pytest session)."""
-    for key in list(_POOLS):
-        _POOLS.pop(key).close(force=False)
+def shutdown_pools(grace_s: float = None) -> None:
+    """End every pooled rank (called at the end of the pytest session): every pool is asked to
+    stop first, then all get one shared ``grace_s`` (default 10 s) to exit before the rest are
+    killed. One pool after another, each with its own grace, took up to 20 s a rank whose exit
+    hung; a session with many pools could then outlast a device call's limit after its last
+    test (session 28's s28-2 reached 100% and did not exit within the call; NOTES item 33)."""
+    grace_s = _EXIT_GRACE_S if grace_s is None else grace_s
+    pools = [_POOLS.pop(key) for key in list(_POOLS)]
+    for pool in pools:
+        pool.ask_to_stop()
+    deadline = time.monotonic() + grace_s
+    for pool in pools:
+        pool.reap(deadline)
 
 
 # ------------------------------------------------------------------------------ seeded inputs

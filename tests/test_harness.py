@@ -96,6 +96,33 @@ def test_unpicklable_function_is_a_clear_error():
         run_distributed(lambda rank, ws: rank, 1)
 
 
+def _exit_hangs(rank, world_size):
+    # a non-daemon thread that outlives the rank's loop: the process cannot exit when told to
+    import threading
+
+    threading.Thread(target=time.sleep, args=(120,), daemon=False).start()
+    return os.getpid()
+
+
+def test_shutdown_gives_all_pools_one_grace_then_kills():
+    # Two pools whose ranks cannot exit: shutdown_pools asks every pool to stop, then gives them
+    # all ONE grace period before it kills them (one pool after another, each with its own grace,
+    # took up to 20 s a stuck rank). Every rank process is gone afterwards.
+    import harness
+
+    harness.shutdown_pools(grace_s=0)            # start from no pools
+    pids = run_distributed(_exit_hangs, 2) + run_distributed(_exit_hangs, 3)
+    procs = [p for pool in harness._POOLS.values() for p in pool.procs]
+    assert sorted(p.pid for p in procs) == sorted(pids) and len(procs) == 5
+    t0 = time.monotonic()
+    harness.shutdown_pools(grace_s=2.0)
+    elapsed = time.monotonic() - t0
+    assert not harness._POOLS
+    assert not any(p.is_alive() for p in procs)
+    assert elapsed < 2.0 + 1.5, f"shutdown took {elapsed:.1f} s for 5 stuck ranks with a 2 s grace"
+    assert run_distributed(_rank_info, 2, "after") == [(r, 2, r, 2, "after") for r in range(2)]
+
+
 # --------------------------------------------------------------------------- seeded inputs
 @pytest.mark.parametrize("case", CASES)
 def test_make_inputs_is_seeded_and_matches_its_case(case):
