@@ -249,6 +249,9 @@ class _PatchingLoader(importlib.abc.Loader):
         self._loader.exec_module(module)
         _patch_bridge_comm_overlap(module, self._saved)
 
+    def __getattr__(self, name):   # get_source, get_resource_reader, ...: the module's own loader
+        return getattr(self._loader, name)
+
 
 class _BridgeFinder(importlib.abc.MetaPathFinder):
     """Finds ``megatron.bridge.training.comm_overlap`` with the other finders and hands back its

@@ -289,6 +289,8 @@ def test_bridge_module_is_patched_when_imported(when, tmp_path, monkeypatch):
             mod = importlib.import_module(name)
         method = mod.CommOverlapConfig._get_model_comm_overlap_cfgs
         assert method._mok_patched
+        # the module's loader still answers what tools ask of it (tracebacks read the source)
+        assert "class CommOverlapConfig" in mod.__loader__.get_source(name)
         model = types.SimpleNamespace(moe_token_dispatcher_type="mok")
         assert mod.CommOverlapConfig(True)._get_model_comm_overlap_cfgs(model) == "cfgs"
         assert model.moe_token_dispatcher_type == "mok" and mod.SEEN == ["alltoall"]
