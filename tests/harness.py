@@ -406,7 +406,7 @@ def capture_in_turn(rank: int, world_size: int, capture):
     return out
 
 
-def shutdown_pools(grace_s: float = None) -> None:
+def shutdown_pools(grace_s: Optional[float] = None) -> None:
     """End every pooled rank (called at the end of the pytest session): every pool is asked to
     stop first, then all get one shared ``grace_s`` (default 10 s) to exit before the rest are
     killed. One pool after another, each with its own grace, took up to 20 s a rank whose exit
