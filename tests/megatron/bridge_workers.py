@@ -111,6 +111,9 @@ def _prepare(install: bool):
     """Shims, then ``install()`` (or ``uninstall()``: a fresh process has nothing installed,
     but the control must not depend on that), then the project's CPU-run patches."""
     warnings.filterwarnings("ignore")
+    # Nothing here may reach the Hugging Face Hub (CI reaches only package registries): a
+    # stray lookup fails at once instead of retrying over the network.
+    os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
     os.environ.pop("MOK_BACKEND", None)
     os.environ.pop("MOK_MAX_TOKENS_PER_RANK", None)
     cpu_bridge_shims()
