@@ -137,11 +137,11 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, env: Dict[
             except Exception:
                 blob = pickle.dumps(f"<unpicklable result {type(out).__name__}: {out!r:.200}>")
             _destroy_groups_made_since(before)
-            _release_cached_gpu_memory()
-            result_q.put((call_id, rank, "ok", blob))
+            reply = (call_id, rank, "ok", blob)
         except BaseException:
-            _release_cached_gpu_memory()
-            result_q.put((call_id, rank, "err", traceback.format_exc()))
+            reply = (call_id, rank, "err", traceback.format_exc())
+        _release_cached_gpu_memory()      # before the reply: the next call may start at once
+        result_q.put(reply)
     try:
         dist.destroy_process_group()
     except Exception:
