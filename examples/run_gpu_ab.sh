@@ -94,8 +94,10 @@ for stage in "${STAGES[@]}"; do
       set +e
       # Interrupted with SIGINT (pytest still prints its summary and writes the JUnit file) at
       # MOK_TESTS_LIMIT_S: tests/megatron whole ran past 7 minutes as a shared-GPU dry run
-      # (NOTES item 33); a shorter selection: PYTEST_ADDOPTS='-m "gpu or multigpu"'.
-      MOK_TEST_TIMEOUT=240 timeout -s INT -k 30 "${MOK_TESTS_LIMIT_S:-540}" \
+      # (NOTES item 33); a shorter selection: PYTEST_ADDOPTS='-m "gpu or multigpu"'. A pytest
+      # still alive 60 s after its last test lists its live children and thread stacks and
+      # exits 86 (tests/exit_watchdog.py: s28-2 reached 100 % and did not exit).
+      MOK_TEST_EXIT_WATCHDOG_S=${MOK_TEST_EXIT_WATCHDOG_S:-60} MOK_TEST_TIMEOUT=240 timeout -s INT -k 30 "${MOK_TESTS_LIMIT_S:-540}" \
         $PY -m pytest "$REPO/tests/megatron" -q -rs \
         --junitxml "$OUT_DIR/tests/megatron.xml" 2>&1 | tee "$OUT_DIR/tests/pytest.txt"
       set -e

@@ -108,5 +108,14 @@ def pytest_runtest_logfinish(nodeid, location):
                 f"{' '.join(f'{p.strip()}:{m.strip()}' for p, m in procs)}\n")
 
 
+_EXIT_WATCHDOG_S = float(os.environ.get("MOK_TEST_EXIT_WATCHDOG_S", "0") or 0)
+
+
 def pytest_sessionfinish(session, exitstatus):
+    # ``MOK_TEST_EXIT_WATCHDOG_S=N``: a process still alive N s from here (the pools' shutdown,
+    # the summary and the interpreter's exit included) reports its live children and thread
+    # stacks and exits 86 (tests/exit_watchdog.py; s28-2 reached 100 % and did not exit).
+    if _EXIT_WATCHDOG_S > 0:
+        import exit_watchdog
+        exit_watchdog.arm(_EXIT_WATCHDOG_S)
     harness.shutdown_pools()

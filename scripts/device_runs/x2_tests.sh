@@ -30,7 +30,7 @@ else
 fi
 awk -v s=$SHARD -v n=$NSHARDS '(NR - 1) % n == s' $R/all_ids.txt > $R/ids.txt
 echo "$(wc -l < $R/ids.txt) of $(wc -l < $R/all_ids.txt) selected tests (shard $SHARD of $NSHARDS)"
-timeout -k 10 $LIMIT python3 -m pytest -v -p no:cacheprovider $(cat $R/ids.txt) > $R/tests.log 2>&1
+MOK_TEST_EXIT_WATCHDOG_S=${MOK_TEST_EXIT_WATCHDOG_S:-60} timeout -k 10 $LIMIT python3 -m pytest -v -p no:cacheprovider $(cat $R/ids.txt) > $R/tests.log 2>&1
 echo "tests rc=$?"
 grep -E "PASSED|FAILED|ERROR|SKIPPED" $R/tests.log | grep "::" | sed 's/ .*//' > $R/done.txt
 grep -v -x -F -f $R/done.txt $R/ids.txt > $R/not_run.txt
