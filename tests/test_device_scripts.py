@@ -1,0 +1,183 @@
+"""The first 2-GPU calls' scripts ask only for what exists (CPU; no GPU, nothing runs).
+
+scripts/device_runs/x2_suite.sh and x2_tests.sh were written for a 2-GPU machine that has not
+been lent since they were written (scripts/device_runs/README.md). A flag renamed in a benchmark
+since then, or a pytest selection that no longer matches a test, would cost a whole device call
+on that machine. Here every ``python3 SCRIPT ARGS`` command of x2_suite.sh (all of its A/B
+variants) goes through its script's own argument parser (and the script's own checks after it,
+where the script has a ``parse_args(argv)`` function), and every pytest selection of the two
+scripts must select tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS = os.path.join(REPO, "scripts", "device_runs")
+
+
+def _joined_lines(path: str):
+    """The script's lines with backslash continuations joined."""
+    return open(path).read().replace("\\\n", " ").splitlines()
+
+
+def _suite_commands():
+    """``(name, script or -m module, args)`` of every ``step NAME LIMIT python3 ...`` of
+    x2_suite.sh, its shell variables replaced by values they take there."""
+    subs = {
+        "$R": "/tmp/r", "$C": "0123abc", "$i": "1", "${v}": "0", "$v": "0", "${mode}": "dropless",
+        "$disp": "alltoall,flex,mok",
+    }
+    out = []
+    for line in _joined_lines(os.path.join(RUNS, "x2_suite.sh")):
+        m = re.search(r"\bstep (\S+) \d+ python3 (.*)$", line)
+        if not m:
+            continue
+        name, cmd = m.groups()
+        variants = [cmd]
+        if '${extra[@]+"${extra[@]}"}' in cmd:      # AB=6: with and without drop-and-pad
+            variants = [cmd.replace('${extra[@]+"${extra[@]}"}', x) for x in ("", "--drop-and-pad 1.0")]
+        for cmd in variants:
+            for k in sorted(subs, key=len, reverse=True):
+                cmd = cmd.replace(k, subs[k])
+            assert "$" not in cmd, f"x2_suite.sh step {name}: a variable this test does not know: {cmd}"
+            argv = shlex.split(cmd)
+            for j, a in enumerate(argv):             # "...; fi", "...; done": the command ends
+                if a.endswith(";"):
+                    argv = argv[:j] + [a[:-1]]
+                    break
+            if argv[:2] == ["-m", "torch.distributed.run"]:
+                assert argv[2:4] == ["--nproc-per-node", "2"], argv
+                argv = argv[4:]
+            out.append((name, argv))
+    return out
+
+
+SUITE_COMMANDS = _suite_commands()
+
+# Parses each command in one process: a script with a ``parse_args(argv)`` function is imported
+# and that function called (its checks after argparse run too); any other script or module runs
+# as __main__ with argparse's parse_args made to stop right after parsing.
+_DRIVER = textwrap.dedent("""
+    import argparse, contextlib, io, json, os, runpy, sys
+    class Parsed(Exception):
+        pass
+    orig = argparse.ArgumentParser.parse_args
+    def parse_only(self, args=None, namespace=None):
+        orig(self, args, namespace)
+        raise Parsed()
+    results = []
+    for name, argv in json.loads(sys.argv[1]):
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                if argv[0] == "-m":
+                    sys.argv = [argv[1]] + argv[2:]
+                    argparse.ArgumentParser.parse_args = parse_only
+                    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+                else:
+                    path = os.path.join(os.getcwd(), argv[0])
+                    sys.path.insert(0, os.path.dirname(path))
+                    sys.argv = argv
+                    mod = runpy.run_path(path, run_name="parse_only_check")
+                    if callable(mod.get("parse_args")):
+                        argparse.ArgumentParser.parse_args = orig
+                        mod["parse_args"](argv[1:])
+                        raise Parsed()
+                    argparse.ArgumentParser.parse_args = parse_only
+                    runpy.run_path(path, run_name="__main__")
+            results.append([name, "no argument parser reached"])
+        except Parsed:
+            results.append([name, "ok"])
+        except SystemExit as e:
+            results.append([name, f"exit {e.code}: {err.getvalue().strip()[-500:]}"])
+        except Exception as e:
+            results.append([name, f"{type(e).__name__}: {e}"[:500]])
+        finally:
+            argparse.ArgumentParser.parse_args = orig
+    print("RESULTS " + json.dumps(results))
+""")
+
+
+def _parse_all(commands):
+    r = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(commands)], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULTS ")]
+    assert line, f"the parse driver failed: {r.stderr[-3000:]}"
+    return json.loads(line[0][len("RESULTS "):])
+
+
+def test_the_suite_script_has_commands_for_every_ab_variant():
+    names = {name for name, _ in SUITE_COMMANDS}
+    # the suite, main job, small batches, and the A/Bs' own python steps (AB=3..9)
+    for expected in ("suite", "main_job", "small_batch", "host_ab_launch", "layer_$i", "align",
+                     "layer_graphs_$i", "layer_etp_$i", "expert_tp_tests"):
+        assert expected in names, (expected, sorted(names))
+
+
+def test_every_python_command_of_x2_suite_parses():
+    commands = [[n, a] for n, a in SUITE_COMMANDS if a[:2] != ["-m", "pytest"]]
+    results = _parse_all(commands)
+    assert len(results) == len(commands)
+    bad = [(n, r) for n, r in results if r != "ok"]
+    assert not bad, bad
+
+
+def test_a_wrong_flag_fails_the_check():
+    # the check itself: a flag the script does not take, and a value its own checks refuse
+    results = _parse_all([
+        ["typo", ["benchmarks/bench_layer.py", "--dispatchrs", "mok"]],
+        ["bad value", ["benchmarks/bench_layer.py", "--dispatchers", "mok:overlapped"]],
+        ["module typo", ["-m", "megatron_mok.bench", "--jsn", "x.json"]],
+        ["fine", ["-m", "megatron_mok.bench", "--json", "x.json"]],
+    ])
+    verdicts = dict(results)
+    assert verdicts["typo"].startswith("exit 2") and "--dispatchrs" in verdicts["typo"], verdicts
+    assert verdicts["bad value"].startswith("exit 2"), verdicts
+    assert verdicts["module typo"].startswith("exit 2"), verdicts
+    assert verdicts["fine"] == "ok", verdicts
+
+
+def _collect(args):
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+                       + args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    return [x for x in r.stdout.splitlines() if "::" in x]
+
+
+@pytest.mark.parametrize("select,world", [("not alternative_schedules", 2),
+                                          ("alternative_schedules_match_reference", 2),
+                                          ("alternative_schedules_wrap_the_ring", 2),
+                                          ("not alternative_schedules", 4)])
+def test_x2_tests_selections_select_tests(select, world):
+    # x2_tests.sh's SELECT values (core, schedules, rings) and its WORLD filter, as it runs them
+    text = open(os.path.join(RUNS, "x2_tests.sh")).read()
+    assert f'K="{select}"' in text, "x2_tests.sh's selections changed: update this test"
+    ids = [i for i in _collect(["-m", "multigpu", "-k", select, "tests/test_cuda_backend.py",
+                                "tests/test_fp8_dispatch.py"])
+           if re.search(rf"-{world}\]$|\[{world}\]$", i)]
+    assert len(ids) >= 10, (select, world, len(ids))
+
+
+def test_x2_suite_expert_tp_selection_selects_the_two_gpu_tests():
+    line = [x for x in _joined_lines(os.path.join(RUNS, "x2_suite.sh")) if "expert_tp_tests" in x
+            and "pytest" in x][0]
+    k = re.search(r'-k "([^"]+)"', line).group(1)
+    ids = _collect(["tests/megatron/test_megatron_dispatcher.py", "-k", k])
+    assert len(ids) >= 1, k
+    assert all("expert_tensor_parallel_gpu" in i for i in ids), ids
+
+
+def test_step3_selects_the_gpu_tests_of_tests_megatron():
+    # step 3 of the first 2-GPU call: PYTEST_ADDOPTS='-m "gpu or multigpu"' over tests/megatron
+    ids = _collect(["-m", "gpu or multigpu", "tests/megatron"])
+    assert len(ids) >= 25, len(ids)
+    assert any("test_example_ep_overlap_gpu" in i for i in ids)
