@@ -179,6 +179,64 @@ MUTANTS: List[Mutant] = [
            "a wait for a peer that never comes spins forever instead of raising the timeout error "
            "(the loopback test reports a hang after its own 120 s)",
            timeout_s=165),
+    # Added in session 29 (built and CPU-checked; first GPU run: session 29).
+    Mutant("streamed_produce_rows_reversed", "kernels/combine_transfer.cu",
+           (("        caddr = ring.sum_rows(acc, caddr, n_rows);",
+             "        for (int jj = n_rows - 1; jj >= 0; --jj) ring.sum_rows(acc, ring.next(caddr, jj), 1);\n"
+             "        caddr = ring.next(caddr, n_rows);"),),
+           tuple(SAMPLE), "the streamed produce phase sums a task's expert rows last row first: a "
+           "partial not bitwise the contract's (fp32 rows, 3+ rows of a token on one rank)"),
+    Mutant("held_rows_batch_reversed", "include/mok/row_sum.h",
+           (("    for (int r = 0; r < kBatch; ++r) {\n      const bool live = b + r < h.n && h.row[b + r] < row_cap;\n"
+             "#pragma unroll\n      for (int u = 0; u < kU; ++u)\n        if (live && group_live(v0, u, H)) add_raw",
+             "    for (int r = kBatch - 1; r >= 0; --r) {\n      const bool live = b + r < h.n && h.row[b + r] < row_cap;\n"
+             "#pragma unroll\n      for (int u = 0; u < kU; ++u)\n        if (live && group_live(v0, u, H)) add_raw"),),
+           ("tests/test_cuda_loopback.py", "-k",
+            "(loopback_matches_reference and wide_rows) or split_over_warps or combine_role_split"),
+           "a task's held rows (produce_row: calls split over warps, the role split) are summed in "
+           "reverse order within each load batch (2 rows for fp32, 4 for 16-bit rows)",
+           timeout_s=300),
+    Mutant("fill_prob_from_next_slot", "layout/dispatch_fill.cu",
+           (("      wt = w[static_cast<size_t>(t0) * K + i];",
+             "      wt = w[static_cast<size_t>(t0) * K + i - i % K + (i % K + 1) % K];"),),
+           ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "world_size_1 or graph_rows_per_expert"),
+           "a dispatched row's prob is the one of the next top-k slot of its token (k + 1 mod K)"),
+    Mutant("scan_last_expert_count_short", "layout/dispatch_layout.cu",
+           (("const int next = e + 1 < E ? h.chunk_rows[HandleArrays::group(c.ws.cfg, e + 1, 0, 0)] : rows;",
+             "const int next = e + 1 < E ? h.chunk_rows[HandleArrays::group(c.ws.cfg, e + 1, 0, 0)] : rows - 1;"),),
+           ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "world_size_1 or graph_rows_per_expert"),
+           "tokens_per_expert of the last local expert is one short (R itself stays right)"),
+    Mutant("fill_skips_pdl_wait", "layout/dispatch_fill.cu",
+           (("  pdl_wait_then_release_dependents();  // before the first read of the layout's results",
+             "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900\n"
+             "  asm volatile(\"griddepcontrol.launch_dependents;\" ::: \"memory\");  // no griddepcontrol.wait\n"
+             "#endif"),),
+           ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "world_size_1 or graph_rows_per_expert"),
+           "the fill no longer waits for the layout kernel before it (programmatic dependent launch): "
+           "where layout and fill are queued back to back with PDL on (world size 1, static shape, "
+           "graphs, rows_per_expert) it reads the counts while the layout still writes them"),
+    Mutant("ring_publish_relaxed_no_fence", "include/mok/ring.h",
+           (("  __threadfence_system();\n  st_release_sys(r.ready + slot, ready);",
+             "  *reinterpret_cast<volatile uint64_t*>(r.ready + slot) = ready;  // no fence, no release"),),
+           tuple(SAMPLE), "a ring slot's ready flag is published with a relaxed store and no fence: a "
+           "reader may see the flag before the block's staged rows",
+           expected="a memory-ordering race one GPU can hardly provoke: every loopback rank's stores "
+           "and loads meet in the same L2, and the window between the block's row stores landing and "
+           "thread 0's flag store (after __syncthreads) is far shorter than a reader's flag poll plus "
+           "its pull; the combine's writers also fence before their arrival count. Guarded by review "
+           "(the release rule of ring.h) and by runs over NVLink, not by the one-GPU tests"),
+    Mutant("dispatch_chunk_released_by_any_task", "kernels/dispatch_transfer.cu",
+           (("      if (atomicAdd(done, 1) + 1 == h.chunk_tasks[s * sh.cpc + j]) {",
+             "      if (atomicAdd(done, 1) + 1 >= 1) {"),),
+           ("tests/test_cuda_loopback.py", "-k", "(loopback_ring_wraps and 3-) or dispatch_release_per_task"),
+           "per-task release (calls larger than the ring): every finished task releases its chunk, so "
+           "the producer may restage a slot while other warps still pull the chunk's other tasks",
+           timeout_s=300),
+    Mutant("streamed_prob_grad_slot_by_position", "kernels/combine_transfer.cu",
+           (("        if (h.task_k[static_cast<size_t>(task) * sh.K + kk] == lane && row < a.row_cap) val = grad_probs[row];",
+             "        if (kk == lane && row < a.row_cap) val = grad_probs[row];"),),
+           tuple(SAMPLE), "the streamed produce phase (full-width rows) stages a row's prob gradient "
+           "under its position in the task (expert order) instead of its top-k slot"),
 ]
 
 

@@ -51,9 +51,15 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
   int* warp_row = expert_row + E_local;            // [kFillWarps][E_local] counts, then first rows
   int* slot_e = warp_row + kFillWarps * E_local;   // [C * K] local expert of slot (j, k), or -1
   int* slot_row = slot_e + C * K;                  // [C * K] its row, or -1
-  if (tid == 0) stop = aborted(c);
-
   char* peer = c.peers.base[s];
+  // The layout kernel before this one acquired the peer's routing slot (meta_ready) and the
+  // kernel boundary carries that to this grid; one acquire of our own (the value is already
+  // there, so it cannot wait) makes the fill's plain, L1-cached reads of the peer's routing
+  // below correct by the memory model alone, not by the boundary's L1 invalidation
+  // (session 29's memory-model review, B3). Another warp than `stop`'s, so the two loads
+  // overlap; both before the barrier, which orders them before every thread's reads.
+  if (tid == 0) stop = aborted(c);
+  if (tid == kWarpSize) (void)ld_acquire_sys(ws.meta_ready_at(peer) + slot);
   const int32_t* idx = ws.meta_idx_at(peer, slot);
   const float* w = ws.meta_weights_at(peer, slot);
   const int lo = c.rank * E_local;

@@ -2,7 +2,7 @@
 # Session 29's one-GPU calls (benchmarks/NOTES.md, "Session 29").
 #
 #   bash scripts/device_runs/s29_1gpu.sh COMMIT step3 [LIMIT_S]
-#   bash scripts/device_runs/s29_1gpu.sh COMMIT audit ONLY [LIMIT_S]
+#   bash scripts/device_runs/s29_1gpu.sh COMMIT audit ONLY [LIMIT_S] [FUZZ_S]
 #
 # step3: step 3 of the first 2-GPU call exactly as scripts/device_runs/README.md writes it
 #   (`PYTEST_ADDOPTS='-m "gpu or multigpu"' bash examples/run_gpu_ab.sh OUT tests`: the GPU
@@ -11,7 +11,9 @@
 #   the exit watchdog (tests/exit_watchdog.py, 60 s): a pytest that does not exit lists its live
 #   children and thread stacks and exits 86. Carry .whl and megatron_mok/_lib.
 # audit: the CUDA mutation audit (scripts/mutation_audit_cuda.py run) of the mutants named in
-#   ONLY (comma-separated; built on the CPU machine into .mutants, carried), baseline first.
+#   ONLY (comma-separated; built on the CPU machine into .mutants, carried), baseline first;
+#   then the fuzzer on the unmutated library for FUZZ_S seconds (default 0: none), world sizes
+#   up to 4, a seed from the clock (recorded in its JSON).
 C=${1:?commit}; PART=${2:?step3|audit}
 . "$(dirname "$0")/common.sh"
 case "$PART" in
@@ -30,10 +32,15 @@ case "$PART" in
     sort -t$'\t' -k3 -n -r $R/gpu_memory.tsv 2>/dev/null | cut -f1,3 | sed 's/.*:://' | head -5
     ;;
   audit)
-    ONLY=${3:?mutant names}; LIMIT=${4:-560}
+    ONLY=${3:?mutant names}; LIMIT=${4:-560}; FUZZ=${5:-0}
     timeout -k 10 $LIMIT python3 scripts/mutation_audit_cuda.py run --libs .mutants --out $R/audit \
       --only "$ONLY" --fuzz-seconds 30 > $R/audit.log 2>&1
     echo "[mutation audit] rc=$?"; grep -E "^\[|^==" $R/audit.log | cut -c1-260
+    if [ "$FUZZ" -gt 0 ]; then
+      timeout -k 10 $((FUZZ + 60)) python3 scripts/fuzz_dispatch.py --device cuda --seconds $FUZZ \
+        --max-world 4 --out $R/fuzz > $R/fuzz.log 2>&1
+      echo "[fuzz] rc=$?"; tail -4 $R/fuzz.log
+    fi
     ;;
 esac
 cd $OUT && tar czf r.tgz r && rm -rf r

@@ -41,6 +41,9 @@ __device__ inline bool ring_slot_acquire_warp(const CommContext& c, const RingVi
       if ((prev_readers >> reader) & 1)
         ok = ok && wait_geq(c, r.released + static_cast<size_t>(reader) * r.num_chunks + slot, prev,
                             reader, what, static_cast<int64_t>(g));
+  // A vote orders no memory: the warp barrier puts every lane's acquire before every lane's
+  // stores into the slot that follow (session 29's memory-model review, B2; free).
+  __syncwarp();
   return __all_sync(0xffffffffu, ok);
 }
 
