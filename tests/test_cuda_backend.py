@@ -95,14 +95,16 @@ def ring_chunk_bytes(H, K, elem=2, partial_elem=2):
     return C * H * elem, C * H * partial_elem + C * K * 4
 
 
-def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, require_big=True, **buffer_kw):
+def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, require_big=True,
+               dtype=torch.bfloat16, K=4, **buffer_kw):
     """``calls`` dispatch/combine calls of varying size through a ring of ``chunks`` chunks
     (wraps many times); one call larger than the whole ring (``require_big``; otherwise one
     call of T_max tokens); each checked bitwise against the reference, with a full backward
-    every 50th call."""
+    every 50th call. ``E = 4 x world_size`` experts, top-``K``, rows of ``dtype``."""
     dev = rank_device(rank)
-    H, K, E, dtype = 256, 4, 4 * world_size, torch.bfloat16
-    disp, comb = ring_chunk_bytes(H, K)
+    H, E = 256, 4 * world_size
+    elem = torch.tensor([], dtype=dtype).element_size()
+    disp, comb = ring_chunk_bytes(H, K, elem, elem)
     ring = chunks * max(disp, comb)
     buf = mok_buffer(E, H, K, T_max, dtype, backend, dev, ring_bytes=ring, timeout_s=30, **buffer_kw)
     ref = mok_buffer(E, H, K, T_max, dtype, "reference", dev)
@@ -114,7 +116,7 @@ def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, re
         T_all = [int(v) for v in torch.randint(0, min(300, T_max + 1), (world_size,), generator=g)]
         if i == big_call:
             T_all = [T_max] * world_size                       # T_max * H * 2 bytes > ring
-            assert T_max * H * 2 > ring or not require_big
+            assert T_max * H * elem > ring or not require_big
         inputs = make_inputs(1000 + i, world_size, T_all, E, H, K, dtype, case=cases[i % 4], device=dev)
         tag = f"call {i} T={T_all} rank {rank}"
         if i % 50 == 7 or i == big_call:

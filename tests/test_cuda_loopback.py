@@ -65,6 +65,17 @@ def test_loopback_ring_wraps(world_size, calls, t_max):
 
 
 @gpu
+def test_loopback_ring_wraps_fp32_many_rows_per_rank():
+    # float32 rows and top-8 of 8 experts at W = 2 (4 per rank): most tokens have 4 rows on a
+    # rank, and most calls are larger than the 3-chunk ring, so the combine runs its role split,
+    # whose producers sum a task's rows in load batches (row_sum.h); fp32 sums of 4 values show
+    # any change of that order, which the bf16 ring-wrap tests round away (the mutant
+    # held_rows_batch_reversed survived them and died only by the fuzzer, NOTES item 36).
+    rows, ring = run_loopback(_ring_wrap, 2, 40, "cuda", 3, 600, True, torch.float32, 8, timeout=300)[0]
+    assert rows * 256 * 4 > 4 * ring, "the ring did not wrap"
+
+
+@gpu
 @pytest.mark.parametrize("world_size", (2, 3))
 @pytest.mark.parametrize("name", ("random", "t_max_exact", "t0_on_rank0", "all_to_one_expert",
                                   "experts_without_rows", "k16_duplicates"))
