@@ -3,6 +3,7 @@
 #
 #   bash scripts/device_runs/s29_1gpu.sh COMMIT step3 [LIMIT_S]
 #   bash scripts/device_runs/s29_1gpu.sh COMMIT audit ONLY [LIMIT_S] [FUZZ_S]
+#   bash scripts/device_runs/s29_1gpu.sh COMMIT chain
 #
 # step3: step 3 of the first 2-GPU call exactly as scripts/device_runs/README.md writes it
 #   (`PYTEST_ADDOPTS='-m "gpu or multigpu"' bash examples/run_gpu_ab.sh OUT tests`: the GPU
@@ -14,7 +15,11 @@
 #   ONLY (comma-separated; built on the CPU machine into .mutants, carried), baseline first;
 #   then the fuzzer on the unmutated library for FUZZ_S seconds (default 0: none), world sizes
 #   up to 4, a seed from the clock (recorded in its JSON).
-C=${1:?commit}; PART=${2:?step3|audit}
+# chain: device time of item 37's two changes (NOTES): scripts/profile_graph_chain.py (W = 1,
+#   graph-replayed static calls at 128, 512 and 4096 tokens) with the session's starting library
+#   (.base_lib, built from 661cd20's csrc and carried) and this tree's, one process each,
+#   alternating twice.
+C=${1:?commit}; PART=${2:?step3|audit|chain}
 . "$(dirname "$0")/common.sh"
 case "$PART" in
   step3)
@@ -41,6 +46,14 @@ case "$PART" in
         --max-world 4 --out $R/fuzz > $R/fuzz.log 2>&1
       echo "[fuzz] rc=$?"; tail -4 $R/fuzz.log
     fi
+    ;;
+  chain)
+    BASE_LIB=$PWD/.base_lib/libmok_cuda.so
+    for i in 1 2; do for v in base new; do
+      with_lib $v timeout -k 10 200 python3 scripts/profile_graph_chain.py --out $R/chain_${v}_$i \
+        --tokens 128,512,4096 --rounds 2 --commit $C > $R/chain_${v}_$i.log 2>&1
+      echo "[chain $v $i] rc=$?"; sed -n '/medians over rounds/,/^$/p' $R/chain_${v}_$i.log
+    done; done
     ;;
 esac
 cd $OUT && tar czf r.tgz r && rm -rf r
