@@ -5,9 +5,9 @@ machine, and then pytest did not exit before the call's limit: nothing said what
 for. ``arm(seconds)`` (called by tests/conftest.py at the end of the pytest session when
 ``MOK_TEST_EXIT_WATCHDOG_S`` is set) starts a daemon thread: if the process is still alive
 ``seconds`` later, it prints to stderr the child processes still alive (pid, state, command
-line, from /proc) and every Python thread's stack (``faulthandler``), kills those children (left alive they hold
-the GPU, and the write end of a ``pytest | tee`` pipe), then ends the process with
-:data:`EXIT_CODE`. The thread covers the stages of interpreter exit that still run Python
+line, from /proc) and every Python thread's stack (``faulthandler``), kills those children
+(left alive they hold the GPU, and the write end of a ``pytest | tee`` pipe), then ends the
+process with :data:`EXIT_CODE`. The thread covers the stages of interpreter exit that still run Python
 (joining non-daemon threads, ``atexit`` handlers such as multiprocessing's join of its
 children); ``faulthandler.dump_traceback_later`` is armed a little later as a backstop for a
 hang after those (it dumps the stacks and exits 1).
@@ -31,7 +31,8 @@ _BACKSTOP_EXTRA_S = 15.0  # faulthandler's own watchdog fires this much after th
 
 def children(pid: int = 0) -> List[str]:
     """One line per live child process of ``pid`` (default: this process) and their children:
-    ``pid state command line``; empty where /proc is not readable."""
+    ``pid state command line``; empty where /proc is not readable. Zombies (exited, not yet
+    reaped) are left out: they hold nothing."""
     pid = pid or os.getpid()
     out: List[str] = []
     try:
@@ -45,7 +46,8 @@ def children(pid: int = 0) -> List[str]:
                 stat = f.read()
             # "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'
             state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
-            parent_of[int(e)] = (int(ppid), state)
+            if state not in "ZX":
+                parent_of[int(e)] = (int(ppid), state)
         except (OSError, ValueError):
             continue
     todo = [pid]
