@@ -683,6 +683,57 @@ def _missing_peer(rank, world_size, timeout_s):
         done()
 
 
+def _lagging_reader(rank, world_size, timeout_s, lag_s):
+    """The memory-model review's B1 (NOTES item 37), world size 2: rank 1's host stalls
+    ``lag_s`` between its first call's layout and its transfer launch (its staged rows not yet
+    published); rank 0's first transfer times out waiting for them, and in rank 0's second call
+    the copy-engine staging, queued behind a slot check that gives up after the abort, overwrites
+    the ring slot rank 1 has not read yet. Returns what each rank saw: rank 1 the source of the
+    rows it received from rank 0 (its call 1 rows, its call 2 rows, or neither) and its error,
+    rank 0 its error."""
+    import megatron_mok.cuda.bindings as bindings
+    dev = rank_device(rank)
+    E, H, K, T = 2 * world_size, 64, 2, 64          # one 64-token chunk per rank and call
+    buf = mok_buffer(E, H, K, T, torch.bfloat16, "cuda", dev, timeout_s=timeout_s)
+    be = buf._get_backend("cuda")
+    calls = [make_inputs(seed, world_size, [T] * world_size, E, H, K, torch.bfloat16, device=dev)
+             for seed in (11, 12)]
+    if not be.ce_stage:
+        return {"skipped": "no copy-engine staging on this Buffer"}
+    if rank == 0:
+        buf.dispatch(*calls[0][0])                 # its transfer times out in the background
+        try:
+            buf.dispatch(*calls[1][0])
+            buf.check_errors()
+            return {"error": None}
+        except RuntimeError as e:
+            return {"error": str(e)[:300]}
+    launch = be._launch
+    def stalled(steps, *args, **kwargs):
+        if steps & bindings.STEP_TRANSFER and not stalled.done:
+            stalled.done = True
+            time.sleep(lag_s)                       # the host stall: its rows are not published
+        return launch(steps, *args, **kwargs)
+    stalled.done = False
+    be._launch = stalled
+    try:
+        res = buf.dispatch(*calls[0][1])
+        sync_device()
+        from_0 = (res.src_rank == 0).nonzero().flatten()
+        got = res.tokens[from_0]
+        src = res.src_token[from_0].long()
+        seen = ("call 1" if torch.equal(got, calls[0][0][0][src]) else
+                "call 2" if torch.equal(got, calls[1][0][0][src]) else "neither")
+    except RuntimeError as e:
+        return {"rows_from_0": None, "error": str(e)[:300]}
+    try:
+        buf.check_errors()
+        err = None
+    except RuntimeError as e:
+        err = str(e)[:300]
+    return {"rows_from_0": seen, "n_rows_from_0": int(from_0.numel()), "error": err}
+
+
 def _peer_mapping(rank, world_size):
     """How this rank's Buffer mapped its peers: (IPC reason or None, pointers, own pointer)."""
     buf = mok_buffer(2 * world_size, 64, 2, 32, torch.bfloat16, "cuda", rank_device(rank))
