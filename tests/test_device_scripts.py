@@ -132,6 +132,33 @@ def test_every_python_command_of_x2_suite_parses():
     assert not bad, bad
 
 
+def _script_args(path, script, subs):
+    """The arguments a shell script passes to ``script`` (up to a redirection or the line's
+    end), continuations joined and ``subs`` applied."""
+    line = [x for x in _joined_lines(path) if re.search(re.escape(script) + r'"? +--', x)][0]
+    rest = line.split(script, 1)[1].lstrip('"').split(">")[0]
+    for k in sorted(subs, key=len, reverse=True):
+        rest = rest.replace(k, subs[k])
+    assert "$" not in rest, rest
+    return [script] + shlex.split(rest)
+
+
+def test_the_other_scripts_python_commands_parse():
+    # what the first 2-GPU calls run through bash: the stage A/Bs (x2_suite.sh AB=1, 2) and
+    # run_gpu_ab.sh's bench stage
+    commands = [
+        ["ab_libraries", _script_args(os.path.join(REPO, "scripts", "ab_libraries.sh"),
+                                      "scripts/profile_stages.py",
+                                      {'"$t"': "128", '"$OUT/$name"': "/tmp/x"})],
+        ["run_gpu_ab bench", _script_args(os.path.join(REPO, "examples", "run_gpu_ab.sh"),
+                                          "benchmarks/bench_layer.py",
+                                          {'"$OUT_DIR/bench"': "/tmp/x"})],
+    ]
+    assert [a[1:3] for _, a in commands] == [["--tokens", "128"], ["--out-dir", "/tmp/x"]], commands
+    results = _parse_all(commands)
+    assert [r for _, r in results] == ["ok", "ok"], results
+
+
 def test_a_wrong_flag_fails_the_check():
     # the check itself: a flag the script does not take, and a value its own checks refuse
     results = _parse_all([
