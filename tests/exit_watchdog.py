@@ -23,47 +23,59 @@ import signal
 import sys
 import threading
 import time
-from typing import List
+from typing import Dict, List, Tuple
 
 EXIT_CODE = 86            # "the tests ended (see their summary), the process did not exit"
 _BACKSTOP_EXTRA_S = 15.0  # faulthandler's own watchdog fires this much after the thread's
 
 
-def children(pid: int = 0) -> List[str]:
-    """One line per live child process of ``pid`` (default: this process) and their children:
-    ``pid state command line``; empty where /proc is not readable. Zombies (exited, not yet
-    reaped) are left out: they hold nothing."""
-    pid = pid or os.getpid()
-    out: List[str] = []
+def live_processes() -> Dict[int, Tuple[str, int, int]]:
+    """``{pid: (state, parent pid, process group)}`` of every process that is not a zombie
+    (exited, not yet reaped: it holds nothing); empty where /proc is not readable."""
+    out: Dict[int, Tuple[str, int, int]] = {}
     try:
         entries = [e for e in os.listdir("/proc") if e.isdigit()]
     except OSError:
         return out
-    parent_of = {}
     for e in entries:
         try:
             with open(f"/proc/{e}/stat") as f:
                 stat = f.read()
-            # "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'
-            state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
-            if state not in "ZX":
-                parent_of[int(e)] = (int(ppid), state)
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces, so split after its ')'
+            state, ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
         except (OSError, ValueError):
             continue
-    todo = [pid]
+        if state not in "ZX":
+            out[int(e)] = (state, int(ppid), int(pgrp))
+    return out
+
+
+def _descendants(pid: int) -> List[Tuple[int, str]]:
+    """``(pid, state)`` of every live child of ``pid`` and of their children, parents first."""
+    kids_of: Dict[int, List[Tuple[int, str]]] = {}
+    for c, (state, ppid, _) in sorted(live_processes().items()):
+        kids_of.setdefault(ppid, []).append((c, state))
+    out, todo = [], [pid]
     while todo:
-        p = todo.pop()
-        for c, (ppid, state) in sorted(parent_of.items()):
-            if ppid != p:
-                continue
-            try:
-                with open(f"/proc/{c}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            except OSError:
-                cmd = "?"
-            out.append(f"{c} {state} {cmd[:300]}")
+        for c, state in kids_of.get(todo.pop(), []):
+            out.append((c, state))
             todo.append(c)
     return out
+
+
+def _describe(pid: int, state: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        cmd = "?"
+    return f"{pid} {state} {cmd[:300]}"
+
+
+def children(pid: int = 0) -> List[str]:
+    """One line per live child process of ``pid`` (default: this process) and their children:
+    ``pid state command line``; empty where /proc is not readable."""
+    return [_describe(c, state) for c, state in _descendants(pid or os.getpid())]
 
 
 def _fire(seconds: float) -> None:
@@ -72,10 +84,10 @@ def _fire(seconds: float) -> None:
     try:
         err.write(f"\n[exit watchdog] the process has not exited {seconds:g} s after the end of "
                   f"the test session (MOK_TEST_EXIT_WATCHDOG_S); exiting with {EXIT_CODE}.\n")
-        kids = children()
+        kids = _descendants(os.getpid())
         err.write(f"[exit watchdog] {len(kids)} child process(es) alive:\n")
-        for line in kids:
-            err.write(f"  {line}\n")
+        for c, state in kids:
+            err.write(f"  {_describe(c, state)}\n")
         err.write("[exit watchdog] Python threads (their stacks follow, by id):\n")
         for t in threading.enumerate():
             err.write(f"  0x{t.ident or 0:016x} {t.name!r} daemon={t.daemon}\n")
@@ -83,10 +95,10 @@ def _fire(seconds: float) -> None:
         faulthandler.dump_traceback(file=err, all_threads=True)
         # The children go too: left alive they would hold the GPU and the output pipe (a
         # `pytest | tee` would wait for them).
-        for line in kids:
+        for c, _ in kids:
             try:
-                os.kill(int(line.split()[0]), signal.SIGKILL)
-            except (OSError, ValueError):
+                os.kill(c, signal.SIGKILL)
+            except OSError:
                 pass
         err.write(f"[exit watchdog] killed the {len(kids)} child process(es).\n")
         err.flush()

@@ -57,16 +57,7 @@ def test_a_non_daemon_thread_that_never_ends_is_reported_and_the_process_exits()
 def _alive_in_group(pgid: int, delay_s: float = 0.5):
     """The pids of process group ``pgid`` that are alive (not zombies) ``delay_s`` from now."""
     time.sleep(delay_s)
-    alive = set()
-    for e in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{e}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] not in "ZX":    # state, ppid, pgrp
-            alive.add(int(e))
-    return alive
+    return {p for p, (_, _, pgrp) in exit_watchdog.live_processes().items() if pgrp == pgid}
 
 
 def test_a_child_process_that_never_ends_is_listed_and_killed():
