@@ -103,7 +103,7 @@ def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, re
     every 50th call. ``E = 4 x world_size`` experts, top-``K``, rows of ``dtype``."""
     dev = rank_device(rank)
     H, E = 256, 4 * world_size
-    elem = torch.tensor([], dtype=dtype).element_size()
+    elem = dtype.itemsize
     disp, comb = ring_chunk_bytes(H, K, elem, elem)
     ring = chunks * max(disp, comb)
     buf = mok_buffer(E, H, K, T_max, dtype, backend, dev, ring_bytes=ring, timeout_s=30, **buffer_kw)
@@ -115,7 +115,7 @@ def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, re
     for i in range(calls):
         T_all = [int(v) for v in torch.randint(0, min(300, T_max + 1), (world_size,), generator=g)]
         if i == big_call:
-            T_all = [T_max] * world_size                       # T_max * H * 2 bytes > ring
+            T_all = [T_max] * world_size                       # T_max * H * elem bytes > ring
             assert T_max * H * elem > ring or not require_big
         inputs = make_inputs(1000 + i, world_size, T_all, E, H, K, dtype, case=cases[i % 4], device=dev)
         tag = f"call {i} T={T_all} rank {rank}"

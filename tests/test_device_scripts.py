@@ -30,9 +30,19 @@ def _joined_lines(path: str):
     return open(path).read().replace("\\\n", " ").splitlines()
 
 
+def _substitute(text: str, subs: dict, where: str) -> str:
+    """``text`` with the shell variables ``subs`` names replaced (longest first, so a short name
+    never cuts into a longer one); any variable left is this test's gap, not the script's."""
+    for k in sorted(subs, key=len, reverse=True):
+        text = text.replace(k, subs[k])
+    assert "$" not in text, f"{where}: a variable this test does not know: {text}"
+    return text
+
+
 def _suite_commands():
-    """``(name, script or -m module, args)`` of every ``step NAME LIMIT python3 ...`` of
-    x2_suite.sh, its shell variables replaced by values they take there."""
+    """``(name, argv)`` of every ``step NAME LIMIT python3 ...`` of x2_suite.sh (argv: the
+    script or ``-m module``, then its arguments), its shell variables replaced by values they
+    take there."""
     subs = {
         "$R": "/tmp/r", "$C": "0123abc", "$i": "1", "${v}": "0", "$v": "0", "${mode}": "dropless",
         "$disp": "alltoall,flex,mok",
@@ -47,10 +57,7 @@ def _suite_commands():
         if '${extra[@]+"${extra[@]}"}' in cmd:      # AB=6: with and without drop-and-pad
             variants = [cmd.replace('${extra[@]+"${extra[@]}"}', x) for x in ("", "--drop-and-pad 1.0")]
         for cmd in variants:
-            for k in sorted(subs, key=len, reverse=True):
-                cmd = cmd.replace(k, subs[k])
-            assert "$" not in cmd, f"x2_suite.sh step {name}: a variable this test does not know: {cmd}"
-            argv = shlex.split(cmd)
+            argv = shlex.split(_substitute(cmd, subs, f"x2_suite.sh step {name}"))
             for j, a in enumerate(argv):             # "...; fi", "...; done": the command ends
                 if a.endswith(";"):
                     argv = argv[:j] + [a[:-1]]
@@ -137,10 +144,7 @@ def _script_args(path, script, subs):
     end), continuations joined and ``subs`` applied."""
     line = [x for x in _joined_lines(path) if re.search(re.escape(script) + r'"? +--', x)][0]
     rest = line.split(script, 1)[1].lstrip('"').split(">")[0]
-    for k in sorted(subs, key=len, reverse=True):
-        rest = rest.replace(k, subs[k])
-    assert "$" not in rest, rest
-    return [script] + shlex.split(rest)
+    return [script] + shlex.split(_substitute(rest, subs, f"{path}: {script}"))
 
 
 def test_the_other_scripts_python_commands_parse():
