@@ -49,8 +49,8 @@ def test_error_codes_match_the_kernels_enum():
     config = _read("include/mok/config.h")
     codes = dict((int(v), n) for n, v in re.findall(r"\b(k[A-Za-z]+) = (\d+),\s*//", config)
                  if n in ("kTimeout", "kBadExpert", "kRecvOverflow", "kAborted", "kConfigMismatch",
-                          "kExpertOverflow"))
-    assert len(codes) == 6, codes
+                          "kExpertOverflow", "kPeerStopped"))
+    assert len(codes) == 7, codes
     assert set(errors.ERROR_CODES) == set(codes)
     assert codes[backend.BAD_EXPERT] == "kBadExpert"
     assert codes[backend.EXPERT_OVERFLOW] == "kExpertOverflow"

@@ -52,3 +52,10 @@ def test_timeout_names_the_other_waits_the_rank_gave_up():
     # waits_noted is read unsigned: a high-word bit (no kind uses it) must not turn into a
     # negative mask with every low bit set
     assert abandoned_waits([1, 0, 0, 0, 0, 0, 0, -2**31], [0] * 32) == []
+
+
+def test_peer_stopped_names_both_ranks_and_the_generation():
+    # kPeerStopped (config.h): the reader found the source's slot poisoned (NOTES item 37, B1)
+    msg = describe([7, 1, 0, 3, 42, 0, 0, 0], 60.0, None)
+    assert "rank 1: rank 0 stopped after an error of its own" in msg
+    assert "generation 42" in msg and "not valid" in msg and "can no longer be used" in msg

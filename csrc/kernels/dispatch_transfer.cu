@@ -178,6 +178,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         if (!wait_geq(c, theirs.ready + slot, dispatch_ready_min(g), s, kWaitDispatchReady,
                       static_cast<int64_t>(g), &ready))
           return;
+        if (ready == kReadyPoisoned) {  // the source stopped; its staging may overwrite the chunk
+          report_error(c, kPeerStopped, s, kWaitDispatchReady, static_cast<int64_t>(g));
+          return;
+        }
         // The source staged this chunk's rows in its own row format (ring.h, dispatch_ready).
         if (dispatch_ready_format(ready) != sh.row_format) {
           report_error(c, kConfigMismatch, s, kMismatchRowBytes, dispatch_ready_format(ready));
@@ -390,14 +394,30 @@ bool dispatch_call_fits_ring(const Workspace& ws) {
 // generation (recorded by its publisher) must have released it. One warp per slot in turn; a
 // ring used only by copy-engine calls never wraps within a call, and its previous readers are
 // the peers' pulls of an earlier call, which need nothing from this rank any more.
+//
+// When the rank has aborted, or a check gives up, the copy behind this kernel still runs (a
+// kernel cannot cancel it), and a peer that has not read the slots' previous generation yet
+// would read the copy's rows as if they were the ones it waits for, with no error of its own
+// (NOTES item 37, B1; test_loopback_lagging_reader_*). So the slots are poisoned first: their
+// `ready` becomes kReadyPoisoned (release store, before the copy in stream order), and a reader
+// that comes to them later reports kPeerStopped instead of reading. A reader already past its
+// wait when the copy lands is not covered (it would have to stall for the whole timeout in the
+// middle of its kernel).
 __global__ void __launch_bounds__(kStageAcquireThreads) stage_acquire_kernel(CommContext c, int n_chunks, int cpc) {
   pdl_wait_then_release_dependents();
-  if (aborted(c)) return;
   RingView mine = RingView::dispatch(c.ws, c.local());
   const uint64_t g0 = c.counters()->disp_seq * static_cast<uint64_t>(cpc);  // labels an error only
   const int n_warps = blockDim.x / kWarpSize;
-  for (int j = threadIdx.x / kWarpSize; j < n_chunks; j += n_warps)
-    if (!ring_slot_acquire_warp(c, mine, j, g0 + j, kWaitDispatchReleased)) return;
+  bool ok = !aborted(c);
+  for (int j = threadIdx.x / kWarpSize; ok && j < n_chunks; j += n_warps)
+    ok = ring_slot_acquire_warp(c, mine, j, g0 + j, kWaitDispatchReleased);
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  if (!ok) failed = 1;                              // a benign race: every writer stores 1
+  __syncthreads();
+  if (!failed) return;
+  for (int j = threadIdx.x; j < n_chunks; j += blockDim.x) st_release_sys(mine.ready + j, kReadyPoisoned);
 }
 
 // Rows [0, num_tokens) of one source, `row` bytes each, into the slots from `dst` on (slot j's

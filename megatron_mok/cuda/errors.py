@@ -9,6 +9,7 @@ ERROR_CODES = {
     4: "aborted",
     5: "configuration mismatch",
     6: "expert overflow",
+    7: "peer stopped",
 }
 
 # A configuration mismatch's subject (csrc/include/mok/config.h ConfigMismatch), in `what`.
@@ -99,4 +100,9 @@ def describe(report, timeout_s: float, max_recv_tokens, abandoned=()) -> str:
         return (f"megatron_mok: rank {rank}: local expert {peer} received {detail} rows, more than "
                 f"rows_per_expert={what}; its rows past {what} were dropped (not written, not "
                 "combined). The capacity must hold every routed row.")
+    if code == 7:
+        return (f"megatron_mok: rank {rank}: rank {peer} stopped after an error of its own (see "
+                f"its message) while this rank had not yet read its staged tokens (dispatch ring "
+                f"generation {detail}); they may have been overwritten, so this rank did not read "
+                "them and this call's outputs are not valid. This Buffer can no longer be used.")
     return f"megatron_mok: rank {rank}: {kind} (peer {peer}, wait kind {what}, detail {detail})"

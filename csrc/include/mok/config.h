@@ -118,6 +118,9 @@ enum ErrorCode : int32_t {
                         // numbers of transfers): a protocol error
   kExpertOverflow = 6,  // rows_per_expert: a local expert received more rows (peer = the
                         // expert, what = N, detail = its rows); the rows past N are dropped
+  kPeerStopped = 7,     // a peer's dispatch ring slot says the peer stopped after an error and
+                        // its copy-engine staging may have overwritten the chunk (ring.h,
+                        // kReadyPoisoned; peer = it, detail = the chunk's generation)
 };
 
 // What a kConfigMismatch is about (the error report's `what`; mirrored in errors.py).

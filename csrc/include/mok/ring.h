@@ -103,5 +103,11 @@ __device__ inline uint64_t dispatch_ready(uint64_t g, int32_t row_format) {
 __device__ inline uint64_t dispatch_ready_min(uint64_t g) { return (g + 1) << kRowTagBits; }
 // The row format staged with a dispatch slot whose wait ended on `ready`.
 __device__ inline int32_t dispatch_ready_format(uint64_t ready) { return static_cast<int32_t>(ready & kRowTagMask); }
+// What a producer stores in its dispatch slots' `ready` when its copy-engine staging is about to
+// run without the slots' previous readers having released them (it aborted, or the check timed
+// out: a kernel cannot cancel the copy queued behind it; NOTES item 37, B1). Above every
+// generation, so a reader's wait for any generation ends on it; no row format has this tag, so
+// the reader reports kPeerStopped instead of reading rows the copy may be overwriting.
+constexpr uint64_t kReadyPoisoned = ~0ull;
 
 }  // namespace mok
