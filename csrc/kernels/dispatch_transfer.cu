@@ -408,7 +408,8 @@ __global__ void __launch_bounds__(kStageAcquireThreads) stage_acquire_kernel(Com
   RingView mine = RingView::dispatch(c.ws, c.local());
   const uint64_t g0 = c.counters()->disp_seq * static_cast<uint64_t>(cpc);  // labels an error only
   const int n_warps = blockDim.x / kWarpSize;
-  bool ok = !aborted(c);
+  // One answer per warp: every lane of it must take the warp-wide check below together.
+  bool ok = __shfl_sync(0xffffffffu, aborted(c) ? 0 : 1, 0) != 0;
   for (int j = threadIdx.x / kWarpSize; ok && j < n_chunks; j += n_warps)
     ok = ring_slot_acquire_warp(c, mine, j, g0 + j, kWaitDispatchReleased);
   __shared__ int failed;
