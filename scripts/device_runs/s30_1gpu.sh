@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Session 30's one-GPU calls (benchmarks/NOTES.md, item 37 and "Session 30").
+#
+#   bash scripts/device_runs/s30_1gpu.sh COMMIT b1 [FUZZ_S]
+#   bash scripts/device_runs/s30_1gpu.sh COMMIT chain
+#   bash scripts/device_runs/s30_1gpu.sh COMMIT variant NAME [FUZZ_S]
+#
+# b1: validation of the B1 fix (NOTES item 37: a copy-engine staging that runs after a failed
+#   or aborted slot check poisons its slots; a later reader reports kPeerStopped): item 37's
+#   pytest selection (the lagging reader, the missing-peer tests, the regression sample), the
+#   audit's narrow and FP8 selections, then the fuzzer for FUZZ_S seconds (default 180; world
+#   sizes up to 4, a seed from the clock, recorded in its JSON).
+# chain: device time with and without the fix: scripts/profile_graph_chain.py (W = 1, graph-
+#   replayed static calls at 128, 512 and 4096 tokens) with main's library before the fix
+#   (.base_lib, carried) and this tree's, one process each, alternating twice.
+# variant: the regression sample and the fuzzer on a library built with a build knob
+#   (.variants/NAME/libmok_cuda.so, carried; e.g. B4's MOK_POLL_RELAXED=1).
+C=${1:?commit}; PART=${2:?b1|chain|variant}
+. "$(dirname "$0")/common.sh"
+B1_K="lagging or missing_peer or one_rank or world_size_1 or (loopback_matches_reference and 3]) or loopback_static_shape or loopback_cached or (loopback_ring_wraps and 3-)"
+fuzz() {  # fuzz SECONDS NAME
+  [ "$1" -gt 0 ] || return 0
+  timeout -k 10 $(($1 + 60)) python3 scripts/fuzz_dispatch.py --device cuda --seconds $1 \
+    --max-world 4 --out $R/$2 > $R/$2.log 2>&1
+  echo "[fuzz $2] rc=$?"; tail -4 $R/$2.log
+}
+case "$PART" in
+  b1)
+    FUZZ=${3:-180}; t0=$SECONDS
+    timeout -k 10 300 python3 -m pytest -q -rfE tests/test_cuda_backend.py tests/test_cuda_loopback.py \
+      tests/test_fp8_dispatch.py -k "$B1_K" --junitxml=$R/b1.xml > $R/b1.log 2>&1
+    echo "[b1 selection] rc=$? in $((SECONDS - t0)) s"; tail -3 $R/b1.log; grep -E "FAILED|ERROR" $R/b1.log | head
+    grep -A3 "lagging" $R/b1.log | head -8
+    t0=$SECONDS
+    timeout -k 10 200 python3 -m pytest -q -rfE tests/test_fp8_dispatch.py tests/test_cuda_loopback.py \
+      tests/test_cuda_backend.py -k "prob_grads_only or narrow_rows or (fp8 and (cuda or loopback))" \
+      --junitxml=$R/narrow_fp8.xml > $R/narrow_fp8.log 2>&1
+    echo "[narrow + fp8] rc=$? in $((SECONDS - t0)) s"; tail -2 $R/narrow_fp8.log; grep -E "FAILED|ERROR" $R/narrow_fp8.log | head
+    fuzz $FUZZ fuzz
+    ;;
+  chain)
+    BASE_LIB=$PWD/.base_lib/libmok_cuda.so
+    for i in 1 2; do for v in base new; do
+      with_lib $v timeout -k 10 200 python3 scripts/profile_graph_chain.py --out $R/chain_${v}_$i \
+        --tokens 128,512,4096 --rounds 2 --commit $C > $R/chain_${v}_$i.log 2>&1
+      echo "[chain $v $i] rc=$?"; sed -n '/medians over rounds/,/^$/p' $R/chain_${v}_$i.log
+    done; done
+    ;;
+  variant)
+    NAME=${3:?variant name}; FUZZ=${4:-120}; t0=$SECONDS
+    export MOK_CUDA_LIB=$PWD/.variants/$NAME/libmok_cuda.so
+    timeout -k 10 300 python3 -m pytest -q -rfE tests/test_cuda_backend.py tests/test_cuda_loopback.py \
+      tests/test_fp8_dispatch.py -k "$B1_K" --junitxml=$R/$NAME.xml > $R/$NAME.log 2>&1
+    echo "[$NAME selection] rc=$? in $((SECONDS - t0)) s"; tail -3 $R/$NAME.log; grep -E "FAILED|ERROR" $R/$NAME.log | head
+    fuzz $FUZZ fuzz_$NAME
+    ;;
+esac
+cd $OUT && tar czf r.tgz r && rm -rf r
