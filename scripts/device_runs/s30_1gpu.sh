@@ -2,7 +2,7 @@
 # Session 30's one-GPU calls (benchmarks/NOTES.md, item 37 and "Session 30").
 #
 #   bash scripts/device_runs/s30_1gpu.sh COMMIT b1 [FUZZ_S]
-#   bash scripts/device_runs/s30_1gpu.sh COMMIT chain
+#   bash scripts/device_runs/s30_1gpu.sh COMMIT timing
 #   bash scripts/device_runs/s30_1gpu.sh COMMIT variant NAME [FUZZ_S]
 #
 # b1: validation of the B1 fix (NOTES item 37: a copy-engine staging that runs after a failed
@@ -10,12 +10,14 @@
 #   pytest selection (the lagging reader, the missing-peer tests, the regression sample), the
 #   audit's narrow and FP8 selections, then the fuzzer for FUZZ_S seconds (default 180; world
 #   sizes up to 4, a seed from the clock, recorded in its JSON).
-# chain: device time with and without the fix: scripts/profile_graph_chain.py (W = 1, graph-
-#   replayed static calls at 128, 512 and 4096 tokens) with main's library before the fix
-#   (.base_lib, carried) and this tree's, one process each, alternating twice.
+# timing: device time with and without the fix, main's library before it (.base_lib, carried)
+#   against this tree's, one process each, alternating twice: scripts/profile_graph_chain.py
+#   (W = 1, graph-replayed static calls at 128, 512 and 4096 tokens: the reader's one more
+#   compare) and the eager full call of bench_dispatch_combine.py (W = 1, mok only, 128 and
+#   4096 tokens: the copy-engine staging's slot check, which static calls do not run).
 # variant: the regression sample and the fuzzer on a library built with a build knob
 #   (.variants/NAME/libmok_cuda.so, carried; e.g. B4's MOK_POLL_RELAXED=1).
-C=${1:?commit}; PART=${2:?b1|chain|variant}
+C=${1:?commit}; PART=${2:?b1|timing|variant}
 . "$(dirname "$0")/common.sh"
 B1_K="lagging or missing_peer or one_rank or world_size_1 or (loopback_matches_reference and 3]) or loopback_static_shape or loopback_cached or (loopback_ring_wraps and 3-)"
 fuzz() {  # fuzz SECONDS NAME
@@ -38,12 +40,16 @@ case "$PART" in
     echo "[narrow + fp8] rc=$? in $((SECONDS - t0)) s"; tail -2 $R/narrow_fp8.log; grep -E "FAILED|ERROR" $R/narrow_fp8.log | head
     fuzz $FUZZ fuzz
     ;;
-  chain)
+  timing)
     BASE_LIB=$PWD/.base_lib/libmok_cuda.so
     for i in 1 2; do for v in base new; do
-      with_lib $v timeout -k 10 200 python3 scripts/profile_graph_chain.py --out $R/chain_${v}_$i \
+      with_lib $v timeout -k 10 120 python3 scripts/profile_graph_chain.py --out $R/chain_${v}_$i \
         --tokens 128,512,4096 --rounds 2 --commit $C > $R/chain_${v}_$i.log 2>&1
       echo "[chain $v $i] rc=$?"; sed -n '/medians over rounds/,/^$/p' $R/chain_${v}_$i.log
+      with_lib $v timeout -k 10 120 python3 benchmarks/bench_dispatch_combine.py --nproc 1 \
+        --shapes t128,dsv3 --systems mok --sm-sweep "" --no-bwd --iters 100 --budget-s 60 \
+        --out $R/eager_${v}_$i --commit $C > $R/eager_${v}_$i.log 2>&1
+      echo "[eager $v $i] rc=$?"; grep -E "^(t128|dsv3) +mok" $R/eager_${v}_$i.log | head -4
     done; done
     ;;
   variant)
@@ -55,4 +61,4 @@ case "$PART" in
     fuzz $FUZZ fuzz_$NAME
     ;;
 esac
-cd $OUT && tar czf r.tgz r && rm -rf r
+cd $OUT && tar czf r_$PART.tgz r && rm -rf r

@@ -103,6 +103,13 @@ constexpr unsigned kPollSleepMinNs = 32;
 #define MOK_POLL_SLEEP_MAX_NS 1024
 #endif
 constexpr unsigned kPollSleepMaxNs = MOK_POLL_SLEEP_MAX_NS;
+// 1: a spin-wait's polls after the first are relaxed loads and only the poll that sees the
+// target is followed by an acquire (one L1 invalidation per wait, not one per poll: the
+// memory-ordering review's B4, NOTES item 37). Off until a 2-GPU A/B shows what it gives (a
+// one-GPU run cannot: its waits are short and its ranks share one L2).
+#ifndef MOK_POLL_RELAXED
+#define MOK_POLL_RELAXED 0
+#endif
 
 // Error codes written to Workspace::error (first one wins); mirrored in Python
 // (megatron_mok/cuda/errors.py).

@@ -228,7 +228,14 @@ __device__ inline bool wait_geq(const CommContext& c, const uint64_t* flag, uint
   for (int polls = 1;; ++polls) {
     __nanosleep(sleep_ns);
     sleep_ns = min(sleep_ns * 2, kPollSleepMaxNs);
+#if MOK_POLL_RELAXED
+    v = ld_relaxed_sys(flag);
+    // The flag only grows (a generation, or the poison above them all), so the acquire that
+    // orders this thread's later reads after the publisher's writes still sees >= target.
+    if (v >= target) v = ld_acquire_sys(flag);
+#else
     v = ld_acquire_sys(flag);
+#endif
     if (v >= target) {
       if (seen != nullptr) *seen = v;
       return true;
