@@ -238,6 +238,19 @@ MUTANTS: List[Mutant] = [
              "        if (kk == lane && row < a.row_cap) val = grad_probs[row];"),),
            tuple(SAMPLE), "the streamed produce phase (full-width rows) stages a row's prob gradient "
            "under its position in the task (expert order) instead of its top-k slot"),
+    # The B1 fix (NOTES item 37): a copy-engine staging after a failed or aborted slot check.
+    Mutant("stage_poison_skipped", "kernels/dispatch_transfer.cu",
+           (("  if (!failed) return;\n  for (int j = threadIdx.x; j < n_chunks; j += blockDim.x) "
+             "st_release_sys(mine.ready + j, kReadyPoisoned);",
+             "  (void)failed;"),),
+           ("tests/test_cuda_loopback.py", "-k", "lagging"),
+           "a staging check that failed or found the rank aborted does not poison its slots: a "
+           "reader lagging past the timeout takes the copy's rows (its peer's next call) silently"),
+    Mutant("reader_poison_as_rows", "kernels/dispatch_transfer.cu",
+           (("        if (ready == kReadyPoisoned) {", "        if (false && ready == kReadyPoisoned) {"),),
+           ("tests/test_cuda_loopback.py", "-k", "lagging"),
+           "a reader whose wait ends on a poisoned slot does not say its peer stopped (it goes on "
+           "to the row-format check, which reports a configuration mismatch instead)"),
 ]
 
 

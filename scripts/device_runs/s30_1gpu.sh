@@ -4,6 +4,7 @@
 #   bash scripts/device_runs/s30_1gpu.sh COMMIT b1 [FUZZ_S]
 #   bash scripts/device_runs/s30_1gpu.sh COMMIT timing
 #   bash scripts/device_runs/s30_1gpu.sh COMMIT variant NAME [FUZZ_S]
+#   bash scripts/device_runs/s30_1gpu.sh COMMIT stages
 #
 # b1: validation of the B1 fix (NOTES item 37: a copy-engine staging that runs after a failed
 #   or aborted slot check poisons its slots; a later reader reports kPeerStopped): item 37's
@@ -15,9 +16,14 @@
 #   (W = 1, graph-replayed static calls at 128, 512 and 4096 tokens: the reader's one more
 #   compare) and the eager full call of bench_dispatch_combine.py (W = 1, mok only, 128 and
 #   4096 tokens: the copy-engine staging's slot check, which static calls do not run).
+# stages: the same A/B as timing's eager half, by stage (scripts/profile_stages.py under
+#   torchrun at W = 1, all SMs, 128 and 4096 tokens, base and new alternating twice): its
+#   "transfer only" is the cached eager dispatch, copy-engine staging and its check kernel
+#   included, CUDA-event timed over 50 calls in one process, where s30-2's eager figures at 128
+#   tokens moved by a few us between processes, the unchanged combine's too.
 # variant: the regression sample and the fuzzer on a library built with a build knob
 #   (.variants/NAME/libmok_cuda.so, carried; e.g. B4's MOK_POLL_RELAXED=1).
-C=${1:?commit}; PART=${2:?b1|timing|variant}
+C=${1:?commit}; PART=${2:?b1|timing|stages|variant}
 . "$(dirname "$0")/common.sh"
 B1_K="lagging or missing_peer or one_rank or world_size_1 or (loopback_matches_reference and 3]) or loopback_static_shape or loopback_cached or (loopback_ring_wraps and 3-)"
 fuzz() {  # fuzz SECONDS NAME
@@ -51,6 +57,15 @@ case "$PART" in
         --out $R/eager_${v}_$i --commit $C > $R/eager_${v}_$i.log 2>&1
       echo "[eager $v $i] rc=$?"; grep -E "^(t128|dsv3) +mok" $R/eager_${v}_$i.log | head -4
     done; done
+    ;;
+  stages)
+    BASE_LIB=$PWD/.base_lib/libmok_cuda.so
+    for i in 1 2; do for t in 128 4096; do for v in base new; do
+      with_lib $v timeout -k 10 90 python3 -m torch.distributed.run --nproc-per-node 1 \
+        scripts/profile_stages.py --tokens $t --sms 132 --iters 50 \
+        --out $R/stages_${v}_t${t}_$i > $R/stages_${v}_t${t}_$i.log 2>&1
+      echo "[stages $v t$t $i] rc=$?"; grep -E "^\| 132 " $R/stages_${v}_t${t}_$i.log | head -2
+    done; done; done
     ;;
   variant)
     NAME=${3:?variant name}; FUZZ=${4:-120}; t0=$SECONDS
