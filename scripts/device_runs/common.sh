@@ -14,3 +14,9 @@ with_lib() {  # with_lib base|new CMD...: the base runs with MOK_CUDA_LIB=$BASE_
 install_wheels() {  # install_wheels DIR TARGET: the wheels carried in DIR (no registry there) into TARGET
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl
 }
+
+graph_chain() {  # graph_chain base|new I LIMIT_S: profile_graph_chain.py (W = 1; 128, 512, 4096 tokens) with that library, printing its medians
+    with_lib $1 timeout -k 10 $3 python3 scripts/profile_graph_chain.py --out $R/chain_$1_$2 \
+      --tokens 128,512,4096 --rounds 2 --commit $C > $R/chain_$1_$2.log 2>&1
+    echo "[chain $1 $2] rc=$?"; sed -n '/medians over rounds/,/^$/p' $R/chain_$1_$2.log
+}

@@ -50,9 +50,7 @@ case "$PART" in
   chain)
     BASE_LIB=$PWD/.base_lib/libmok_cuda.so
     for i in 1 2; do for v in base new; do
-      with_lib $v timeout -k 10 200 python3 scripts/profile_graph_chain.py --out $R/chain_${v}_$i \
-        --tokens 128,512,4096 --rounds 2 --commit $C > $R/chain_${v}_$i.log 2>&1
-      echo "[chain $v $i] rc=$?"; sed -n '/medians over rounds/,/^$/p' $R/chain_${v}_$i.log
+      graph_chain $v $i 200
     done; done
     ;;
 esac

@@ -49,9 +49,7 @@ case "$PART" in
   timing)
     BASE_LIB=$PWD/.base_lib/libmok_cuda.so
     for i in 1 2; do for v in base new; do
-      with_lib $v timeout -k 10 120 python3 scripts/profile_graph_chain.py --out $R/chain_${v}_$i \
-        --tokens 128,512,4096 --rounds 2 --commit $C > $R/chain_${v}_$i.log 2>&1
-      echo "[chain $v $i] rc=$?"; sed -n '/medians over rounds/,/^$/p' $R/chain_${v}_$i.log
+      graph_chain $v $i 120
       with_lib $v timeout -k 10 120 python3 benchmarks/bench_dispatch_combine.py --nproc 1 \
         --shapes t128,dsv3 --systems mok --sm-sweep "" --no-bwd --iters 100 --budget-s 60 \
         --out $R/eager_${v}_$i --commit $C > $R/eager_${v}_$i.log 2>&1
