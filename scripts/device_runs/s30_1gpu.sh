@@ -5,6 +5,7 @@
 #   bash scripts/device_runs/s30_1gpu.sh COMMIT timing
 #   bash scripts/device_runs/s30_1gpu.sh COMMIT variant NAME [FUZZ_S]
 #   bash scripts/device_runs/s30_1gpu.sh COMMIT stages
+#   bash scripts/device_runs/s30_1gpu.sh COMMIT kernels
 #
 # b1: validation of the B1 fix (NOTES item 37: a copy-engine staging that runs after a failed
 #   or aborted slot check poisons its slots; a later reader reports kPeerStopped): item 37's
@@ -21,9 +22,13 @@
 #   "transfer only" is the cached eager dispatch, copy-engine staging and its check kernel
 #   included, CUDA-event timed over 50 calls in one process, where s30-2's eager figures at 128
 #   tokens moved by a few us between processes, the unchanged combine's too.
+# kernels: the same A/B by kernel (scripts/profile_kernels_1gpu.py --fp8: each kernel's median
+#   device time from the torch profiler over 50 calls, bf16 and FP8 dispatches, cached and eager,
+#   128 and 4096 tokens, W = 1), base and new alternating twice: the staging check kernel's own
+#   duration, which s30-2 and s30-3's event timings could not resolve between processes.
 # variant: the regression sample and the fuzzer on a library built with a build knob
 #   (.variants/NAME/libmok_cuda.so, carried; e.g. B4's MOK_POLL_RELAXED=1).
-C=${1:?commit}; PART=${2:?b1|timing|stages|variant}
+C=${1:?commit}; PART=${2:?b1|timing|stages|kernels|variant}
 . "$(dirname "$0")/common.sh"
 B1_K="lagging or missing_peer or one_rank or world_size_1 or (loopback_matches_reference and 3]) or loopback_static_shape or loopback_cached or (loopback_ring_wraps and 3-)"
 fuzz() {  # fuzz SECONDS NAME
@@ -64,6 +69,14 @@ case "$PART" in
         --out $R/stages_${v}_t${t}_$i > $R/stages_${v}_t${t}_$i.log 2>&1
       echo "[stages $v t$t $i] rc=$?"; grep -E "^\| 132 " $R/stages_${v}_t${t}_$i.log | head -2
     done; done; done
+    ;;
+  kernels)
+    BASE_LIB=$PWD/.base_lib/libmok_cuda.so
+    for i in 1 2; do for v in base new; do
+      with_lib $v timeout -k 10 120 python3 scripts/profile_kernels_1gpu.py --fp8 --tokens 128,4096 \
+        --iters 50 > $R/kernels_${v}_$i.log 2>&1
+      echo "[kernels $v $i] rc=$?"; grep -E "median us|stage_acquire|dispatch_transfer|Memcpy" $R/kernels_${v}_$i.log | head -40
+    done; done
     ;;
   variant)
     NAME=${3:?variant name}; FUZZ=${4:-120}; t0=$SECONDS
