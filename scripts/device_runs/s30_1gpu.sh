@@ -16,16 +16,16 @@
 #   against this tree's, one process each, alternating twice: scripts/profile_graph_chain.py
 #   (W = 1, graph-replayed static calls at 128, 512 and 4096 tokens: the reader's one more
 #   compare) and the eager full call of bench_dispatch_combine.py (W = 1, mok only, 128 and
-#   4096 tokens: the copy-engine staging's slot check, which static calls do not run).
+#   4096 tokens). Written to time the staging's slot check too, but a world of one rank stages
+#   nothing (backend.py _stage_copy; found in s30-4), so at W = 1 neither half runs it.
 # stages: the same A/B as timing's eager half, by stage (scripts/profile_stages.py under
 #   torchrun at W = 1, all SMs, 128 and 4096 tokens, base and new alternating twice): its
-#   "transfer only" is the cached eager dispatch, copy-engine staging and its check kernel
-#   included, CUDA-event timed over 50 calls in one process, where s30-2's eager figures at 128
-#   tokens moved by a few us between processes, the unchanged combine's too.
+#   "transfer only" is the cached eager dispatch, CUDA-event timed over 50 calls in one process
+#   (at W = 1 without any staging: see timing).
 # kernels: the same A/B by kernel (scripts/profile_kernels_1gpu.py --fp8: each kernel's median
 #   device time from the torch profiler over 50 calls, bf16 and FP8 dispatches, cached and eager,
-#   128 and 4096 tokens, W = 1), base and new alternating twice: the staging check kernel's own
-#   duration, which s30-2 and s30-3's event timings could not resolve between processes.
+#   128 and 4096 tokens, W = 1), base and new alternating twice: the reader's kernel
+#   (dispatch_transfer_kernel) without host noise; it showed that W = 1 runs no staging check.
 # variant: the regression sample and the fuzzer on a library built with a build knob
 #   (.variants/NAME/libmok_cuda.so, carried; e.g. B4's MOK_POLL_RELAXED=1).
 C=${1:?commit}; PART=${2:?b1|timing|stages|kernels|variant}
