@@ -20,3 +20,10 @@ graph_chain() {  # graph_chain base|new I LIMIT_S: profile_graph_chain.py (W = 1
       --tokens 128,512,4096 --rounds 2 --commit $C > $R/chain_$1_$2.log 2>&1
     echo "[chain $1 $2] rc=$?"; sed -n '/medians over rounds/,/^$/p' $R/chain_$1_$2.log
 }
+
+fuzz() {  # fuzz SECONDS NAME: the fuzzer (world sizes up to 4, a seed from the clock) into $R/NAME; 0 seconds: nothing
+    [ "$1" -gt 0 ] || return 0
+    timeout -k 10 $(($1 + 60)) python3 scripts/fuzz_dispatch.py --device cuda --seconds $1 \
+      --max-world 4 --out $R/$2 > $R/$2.log 2>&1
+    echo "[fuzz $2] rc=$?"; tail -4 $R/$2.log
+}

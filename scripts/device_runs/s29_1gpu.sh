@@ -41,11 +41,7 @@ case "$PART" in
     timeout -k 10 $LIMIT python3 scripts/mutation_audit_cuda.py run --libs .mutants --out $R/audit \
       --only "$ONLY" --fuzz-seconds 30 > $R/audit.log 2>&1
     echo "[mutation audit] rc=$?"; grep -E "^\[|^==" $R/audit.log | cut -c1-260
-    if [ "$FUZZ" -gt 0 ]; then
-      timeout -k 10 $((FUZZ + 60)) python3 scripts/fuzz_dispatch.py --device cuda --seconds $FUZZ \
-        --max-world 4 --out $R/fuzz > $R/fuzz.log 2>&1
-      echo "[fuzz] rc=$?"; tail -4 $R/fuzz.log
-    fi
+    fuzz $FUZZ fuzz
     ;;
   chain)
     BASE_LIB=$PWD/.base_lib/libmok_cuda.so

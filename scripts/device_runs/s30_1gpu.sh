@@ -31,18 +31,17 @@
 C=${1:?commit}; PART=${2:?b1|timing|stages|kernels|variant}
 . "$(dirname "$0")/common.sh"
 B1_K="lagging or missing_peer or one_rank or world_size_1 or (loopback_matches_reference and 3]) or loopback_static_shape or loopback_cached or (loopback_ring_wraps and 3-)"
-fuzz() {  # fuzz SECONDS NAME
-  [ "$1" -gt 0 ] || return 0
-  timeout -k 10 $(($1 + 60)) python3 scripts/fuzz_dispatch.py --device cuda --seconds $1 \
-    --max-world 4 --out $R/$2 > $R/$2.log 2>&1
-  echo "[fuzz $2] rc=$?"; tail -4 $R/$2.log
+BASE_LIB=$PWD/.base_lib/libmok_cuda.so   # the base side of timing, stages and kernels (with_lib)
+selection() {  # selection NAME: item 37's pytest selection into $R/NAME.{log,xml}
+  local t0=$SECONDS
+  timeout -k 10 300 python3 -m pytest -q -rfE tests/test_cuda_backend.py tests/test_cuda_loopback.py \
+    tests/test_fp8_dispatch.py -k "$B1_K" --junitxml=$R/$1.xml > $R/$1.log 2>&1
+  echo "[$1 selection] rc=$? in $((SECONDS - t0)) s"; tail -3 $R/$1.log; grep -E "FAILED|ERROR" $R/$1.log | head
 }
 case "$PART" in
   b1)
-    FUZZ=${3:-180}; t0=$SECONDS
-    timeout -k 10 300 python3 -m pytest -q -rfE tests/test_cuda_backend.py tests/test_cuda_loopback.py \
-      tests/test_fp8_dispatch.py -k "$B1_K" --junitxml=$R/b1.xml > $R/b1.log 2>&1
-    echo "[b1 selection] rc=$? in $((SECONDS - t0)) s"; tail -3 $R/b1.log; grep -E "FAILED|ERROR" $R/b1.log | head
+    FUZZ=${3:-180}
+    selection b1
     grep -A3 "lagging" $R/b1.log | head -8
     t0=$SECONDS
     timeout -k 10 200 python3 -m pytest -q -rfE tests/test_fp8_dispatch.py tests/test_cuda_loopback.py \
@@ -52,7 +51,6 @@ case "$PART" in
     fuzz $FUZZ fuzz
     ;;
   timing)
-    BASE_LIB=$PWD/.base_lib/libmok_cuda.so
     for i in 1 2; do for v in base new; do
       graph_chain $v $i 120
       with_lib $v timeout -k 10 120 python3 benchmarks/bench_dispatch_combine.py --nproc 1 \
@@ -62,7 +60,6 @@ case "$PART" in
     done; done
     ;;
   stages)
-    BASE_LIB=$PWD/.base_lib/libmok_cuda.so
     for i in 1 2; do for t in 128 4096; do for v in base new; do
       with_lib $v timeout -k 10 90 python3 -m torch.distributed.run --nproc-per-node 1 \
         scripts/profile_stages.py --tokens $t --sms 132 --iters 50 \
@@ -71,7 +68,6 @@ case "$PART" in
     done; done; done
     ;;
   kernels)
-    BASE_LIB=$PWD/.base_lib/libmok_cuda.so
     for i in 1 2; do for v in base new; do
       with_lib $v timeout -k 10 120 python3 scripts/profile_kernels_1gpu.py --fp8 --tokens 128,4096 \
         --iters 50 > $R/kernels_${v}_$i.log 2>&1
@@ -79,11 +75,9 @@ case "$PART" in
     done; done
     ;;
   variant)
-    NAME=${3:?variant name}; FUZZ=${4:-120}; t0=$SECONDS
+    NAME=${3:?variant name}; FUZZ=${4:-120}
     export MOK_CUDA_LIB=$PWD/.variants/$NAME/libmok_cuda.so
-    timeout -k 10 300 python3 -m pytest -q -rfE tests/test_cuda_backend.py tests/test_cuda_loopback.py \
-      tests/test_fp8_dispatch.py -k "$B1_K" --junitxml=$R/$NAME.xml > $R/$NAME.log 2>&1
-    echo "[$NAME selection] rc=$? in $((SECONDS - t0)) s"; tail -3 $R/$NAME.log; grep -E "FAILED|ERROR" $R/$NAME.log | head
+    selection $NAME
     fuzz $FUZZ fuzz_$NAME
     ;;
 esac
