@@ -240,9 +240,9 @@ MUTANTS: List[Mutant] = [
            "under its position in the task (expert order) instead of its top-k slot"),
     # The B1 fix (NOTES item 37): a copy-engine staging after a failed or aborted slot check.
     Mutant("stage_poison_skipped", "kernels/dispatch_transfer.cu",
-           (("  if (!failed) return;\n  for (int j = threadIdx.x; j < n_chunks; j += blockDim.x) "
+           (("  if (!__syncthreads_or(!ok)) return;\n  for (int j = threadIdx.x; j < n_chunks; j += blockDim.x) "
              "st_release_sys(mine.ready + j, kReadyPoisoned);",
-             "  (void)failed;"),),
+             "  (void)__syncthreads_or(!ok);"),),
            ("tests/test_cuda_loopback.py", "-k", "lagging"),
            "a staging check that failed or found the rank aborted does not poison its slots: a "
            "reader lagging past the timeout takes the copy's rows (its peer's next call) silently"),
@@ -251,6 +251,13 @@ MUTANTS: List[Mutant] = [
            ("tests/test_cuda_loopback.py", "-k", "lagging"),
            "a reader whose wait ends on a poisoned slot does not say its peer stopped (it goes on "
            "to the row-format check, which reports a configuration mismatch instead)"),
+    # NOTES item 41: the re-read of each source's slot 0 before the call's release.
+    Mutant("ce_recheck_skipped", "kernels/dispatch_transfer.cu",
+           (("  if (sh.ce_recheck) {\n    for (int s = threadIdx.x % kWarpSize;",
+             "  if (false) {\n    for (int s = threadIdx.x % kWarpSize;"),),
+           ("tests/test_cuda_loopback.py", "-k", "past_its_waits"),
+           "a reader whose waits all ended before its peer's failed staging poisoned and overwrote "
+           "the chunk it was reading returns the mix of both calls' rows without an error"),
 ]
 
 

@@ -734,6 +734,68 @@ def _lagging_reader(rank, world_size, timeout_s, lag_s):
     return {"rows_from_0": seen, "n_rows_from_0": int(from_0.numel()), "error": err}
 
 
+def _reader_past_its_wait(rank, world_size, timeout_s, tokens, reader_sms):
+    """NOTES item 41, world size 2, one staged chunk per call (the test sets MOK_CHUNK_TOKENS to
+    ``tokens``): rank 0's ``tokens`` tokens all go to rank 1's experts (8 rows each), rank 1's
+    one token to rank 0's. Rank 1 (static shape, ``reader_sms`` SMs, so its pull is long) waits
+    for the chunk once per warp at the start, then reads it for tens of milliseconds. Meanwhile
+    rank 0 (timeout ``timeout_s``) makes a second call; its layout gives up waiting for rank 1's
+    second routing, and its copy-engine staging, queued behind a slot check that finds the rank
+    aborted, overwrites the chunk rank 1 is still reading. Every wait of rank 1 ended before the
+    poison, so only the re-read before its release can tell. Returns rank 1's rows' source
+    (call 1, call 2, neither), its error and its call's time; rank 0's error."""
+    from megatron_mok import loopback
+    dev = rank_device(rank)
+    E, H, K = 16, 7168, 8
+    ring = 2 * tokens * H * 2 + (8 << 20)               # one chunk of each ring fits
+    g = torch.Generator(device=dev).manual_seed(41)
+    # Rank 0's two calls (every rank makes them, to compare): all tokens to experts 8..15.
+    calls = [torch.randn(tokens, H, generator=g, device=dev).to(torch.bfloat16) for _ in range(2)]
+    hub = loopback.current()
+    if rank == 0:
+        buf = mok_buffer(E, H, K, tokens, torch.bfloat16, "cuda", dev, timeout_s=timeout_s,
+                         max_recv_tokens=K, ring_bytes=ring)
+        if not buf._get_backend("cuda").ce_stage:
+            return {"skipped": "no copy-engine staging on this Buffer"}
+        idx = torch.arange(8, 16, device=dev).repeat(tokens, 1)
+        w = torch.rand(tokens, K, generator=g, device=dev)
+        hub.barrier()                              # rank 1's call is queued (static: no host sync)
+        buf.dispatch(calls[0], idx, w)
+        buf.dispatch(calls[1], idx, w)             # its layout times out: rank 1 never calls again
+        try:
+            buf.check_errors()
+            out = {"error": None}
+        except RuntimeError as e:
+            out = {"error": str(e)[:300]}
+        hub.barrier()                              # keep this workspace until rank 1 is done with it
+        return out
+    buf = mok_buffer(E, H, K, tokens, torch.bfloat16, "cuda", dev, num_sms=reader_sms,
+                     max_recv_tokens=tokens * K, ring_bytes=ring)
+    if not buf._get_backend("cuda").ce_stage:
+        return {"skipped": "no copy-engine staging on this Buffer"}
+    x = torch.randn(1, H, generator=g, device=dev).to(torch.bfloat16)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    res = buf.dispatch(x, torch.arange(0, 8, device=dev).view(1, K), torch.rand(1, K, generator=g, device=dev))
+    end.record()
+    hub.barrier()
+    sync_device()
+    from_0 = (res.src_rank == 0).nonzero().flatten()
+    got = res.tokens[from_0]
+    src = res.src_token[from_0].long()
+    seen = ("call 1" if torch.equal(got, calls[0][src]) else
+            "call 2" if torch.equal(got, calls[1][src]) else "neither")
+    try:
+        buf.check_errors()
+        err = None
+    except RuntimeError as e:
+        err = str(e)[:300]
+    out = {"rows_from_0": seen, "n_rows_from_0": int(from_0.numel()), "error": err,
+           "call_ms": start.elapsed_time(end)}
+    hub.barrier()
+    return out
+
+
 def _peer_mapping(rank, world_size):
     """How this rank's Buffer mapped its peers: (IPC reason or None, pointers, own pointer)."""
     buf = mok_buffer(2 * world_size, 64, 2, 32, torch.bfloat16, "cuda", rank_device(rank))

@@ -19,7 +19,7 @@ import torch
 
 from harness import _buffer, contract_cases, run_loopback
 from test_cuda_backend import (ALT_SCHEDULES, _alignment_big_layout, _alignment_vs_reference, CASE_NAMES, FILL_PASS_CONFIGS, SPLIT_SCHEDULES, _fill_passes_calls, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
-                               _lagging_reader, _missing_peer, _overflow_cuda, _repeats_and_sms, _ring_wrap,
+                               _lagging_reader, _missing_peer, _reader_past_its_wait, _overflow_cuda, _repeats_and_sms, _ring_wrap,
                                _ring_reused_every_call, _scan_tiles_calls, _speculative_calls, _speculative_mismatch,
                                _split_calls, _static_cuda, _streamed_produce_calls,
                                _fixed_rows_vs_reference, _rows_overflow, _rows_overflow_on_rank0_only)
@@ -76,6 +76,27 @@ def test_loopback_lagging_reader_never_gets_the_next_calls_rows_silently():
     assert "time" in (out[0]["error"] or "").lower(), out          # rank 0 raised its timeout
     assert out[1]["rows_from_0"] != "call 2", out
     assert "rank 0 stopped after an error" in (out[1]["error"] or ""), out
+
+
+@gpu
+def test_loopback_reader_past_its_waits_never_returns_overwritten_rows_silently(monkeypatch):
+    # NOTES item 41: rank 1's warps all passed their waits before rank 0 gave up and its copy
+    # overwrote the chunk they were reading. Without the re-read before the release (s31, on the
+    # library before it) rank 1 returned a mix of both calls' rows and no error.
+    monkeypatch.setenv("MOK_CHUNK_TOKENS", "16384")
+    out = run_loopback(_reader_past_its_wait, 2, 0.01, 16384, 1, timeout=120)
+    if "skipped" in out[0]:
+        pytest.skip(out[0]["skipped"])
+    print(f"rank 1's call {out[1]['call_ms']:.1f} ms, its rows {out[1]['rows_from_0']}, "
+          f"its error {out[1]['error']!r}; rank 0's error {out[0]['error']!r}")
+    assert "time" in (out[0]["error"] or "").lower(), out          # rank 0 gave up
+    assert out[1]["n_rows_from_0"] == 16384 * 8, out
+    if out[1]["error"] is None:
+        # Either the copy landed while rank 1 read (the bug) or rank 1's pull ended before rank 0
+        # gave up (the test did not provoke the race: its pull must outlast rank 0's timeout).
+        assert out[1]["rows_from_0"] == "call 1", f"rank 1 returned overwritten rows silently: {out}"
+        pytest.fail(f"rank 1's call ({out[1]['call_ms']:.1f} ms) ended before rank 0's timeout: {out}")
+    assert "rank 0 stopped after an error" in out[1]["error"], out
 
 
 @gpu

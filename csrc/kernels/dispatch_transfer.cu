@@ -36,6 +36,7 @@ struct DispatchShape {
   CallSlots slots;  // this call's ring slots (N set by the host, the rest at kernel start)
   bool release_at_end;  // the call fits in the ring: chunks are released by the grid's last warp
   bool ce_staged;       // the copy engine staged my chunks into slots [0, chunks): fixed slots
+  bool ce_recheck;      // ce_staged: re-read each source's slot 0 before the release (item 41)
   bool task_runs;       // pulling warps take runs of consecutive (virtual) tasks, not every n-th
   bool split;           // a call with fewer tasks than pulling warps deals each task's row to
                         // several warps, a slice each (release_at_end calls; MOK_DISPATCH_SPLIT=0)
@@ -248,6 +249,10 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
       if (atomicAdd(done, 1) + 1 == h.chunk_tasks[s * sh.cpc + j]) {
         *done = 0;  // reset before the release: the next generation counts from zero
         __threadfence_system();
+        // The chunk's re-read (release_call_chunks says why), here per chunk: its tasks' reads
+        // come before it through their fences and this count.
+        if (sh.ce_recheck && ld_acquire_sys(theirs.ready + slot) == kReadyPoisoned)
+          report_error(c, kPeerStopped, s, kWaitDispatchReady, static_cast<int64_t>(g));
         st_release_sys(theirs.released + static_cast<size_t>(c.rank) * N + slot, g + 1);
       }
     }
@@ -309,8 +314,28 @@ __device__ void publish_ce_staged(const CommContext& c, const HandleArrays& h, c
 // (waiting for the task's stores) and an atomic round trip per remote task on the pull's path
 // (NOTES #30). Only when the call fits in the ring: a slot is then written once per call, and
 // the source's next staging of it comes with a later call.
+//
+// With copy-engine staging it first re-reads, once per source it read from, that source's slot 0
+// (NOTES item 41): a source whose next staging gave up waiting for my release (it timed out, or
+// it had aborted) poisoned its slots before its copy overwrote them, and my warps may have been
+// past their waits, reading, when the copy landed. The poison comes before the copy in stream
+// order, and every row read of this call comes before these loads (each warp's fence before its
+// count, the count this warp saw, begin_call_release's fence), so rows the copy wrote are seen
+// only if the poison is seen too: then the call's rows are not valid, and it says so (kPeerStopped)
+// instead of returning them. Slot 0 stands for every slot: a staging poisons all the slots it
+// copies into, and every copy starts at slot 0. Only such a staging can write a slot I have not
+// released: one whose check passes waited for my release, and SM staging stops on a failed check.
+// One remote load per source, in parallel across lanes (W <= 64): about one NVLink round trip.
 __device__ void release_call_chunks(const CommContext& c, const HandleArrays& h, const DispatchShape& sh) {
   if (!begin_call_release(c)) return;
+  if (sh.ce_recheck) {
+    for (int s = threadIdx.x % kWarpSize; s < c.world; s += kWarpSize) {
+      if (s == c.rank || h.task_off[s + 1] == h.task_off[s]) continue;  // read nothing of s
+      const RingView theirs = RingView::dispatch(c.ws, c.peers.base[s]);
+      if (ld_acquire_sys(theirs.ready) == kReadyPoisoned)
+        report_error(c, kPeerStopped, s, kWaitDispatchReady, static_cast<int64_t>(sh.gen(0)));
+    }
+  }
   for (int idx = threadIdx.x % kWarpSize; idx < c.world * sh.cpc; idx += kWarpSize) {
     const int s = idx / sh.cpc, j = idx - s * sh.cpc;
     if (s == c.rank || h.chunk_tasks[idx] == 0) continue;  // not a reader of that chunk
@@ -375,6 +400,9 @@ cudaError_t launch_dispatch_transfer(const CommContext& c, const HandleArrays& h
   // MOK_DISPATCH_RELEASE_AT_END=0 keeps the per-task release accounting (A/B; tests cover both).
   sh.release_at_end = sh.cpc <= sh.slots.N && !env_off("MOK_DISPATCH_RELEASE_AT_END");
   sh.ce_staged = (t.mode & kTransferCeStaged) != 0;
+  // MOK_DISPATCH_RECHECK=0 leaves out item 41's re-read (A/B of its cost only: a reader past its
+  // waits then takes rows a failed peer's staging overwrote without an error).
+  sh.ce_recheck = sh.ce_staged && !env_off("MOK_DISPATCH_RECHECK");
   // MOK_DISPATCH_TASK_RUNS=0 keeps every n-th task with copy-engine staging too (A/B; tested).
   sh.task_runs = sh.ce_staged && !env_off("MOK_DISPATCH_TASK_RUNS");
   // MOK_DISPATCH_SPLIT=0: one warp per task whatever the call size (A/B; tested). Only when
@@ -401,8 +429,8 @@ bool dispatch_call_fits_ring(const Workspace& ws) {
 // (NOTES item 37, B1; test_loopback_lagging_reader_*). So the slots are poisoned first: their
 // `ready` becomes kReadyPoisoned (release store, before the copy in stream order), and a reader
 // that comes to them later reports kPeerStopped instead of reading. A reader already past its
-// wait when the copy lands is not covered (it would have to stall for the whole timeout in the
-// middle of its kernel).
+// wait when the copy lands finds the poison when it re-reads slot 0 before its release
+// (release_call_chunks, NOTES item 41).
 __global__ void __launch_bounds__(kStageAcquireThreads) stage_acquire_kernel(CommContext c, int n_chunks, int cpc) {
   pdl_wait_then_release_dependents();
   RingView mine = RingView::dispatch(c.ws, c.local());
@@ -412,12 +440,8 @@ __global__ void __launch_bounds__(kStageAcquireThreads) stage_acquire_kernel(Com
   bool ok = __shfl_sync(0xffffffffu, aborted(c) ? 0 : 1, 0) != 0;
   for (int j = threadIdx.x / kWarpSize; ok && j < n_chunks; j += n_warps)
     ok = ring_slot_acquire_warp(c, mine, j, g0 + j, kWaitDispatchReleased);
-  __shared__ int failed;
-  if (threadIdx.x == 0) failed = 0;
-  __syncthreads();
-  if (!ok) failed = 1;                              // a benign race: every writer stores 1
-  __syncthreads();
-  if (!failed) return;
+  // Did any warp's check fail? One answer for the whole block (a barrier, so every thread is here).
+  if (!__syncthreads_or(!ok)) return;
   for (int j = threadIdx.x; j < n_chunks; j += blockDim.x) st_release_sys(mine.ready + j, kReadyPoisoned);
 }
 
