@@ -380,3 +380,23 @@ def test_dispatch_launch_rows_per_expert_must_be_a_multiple_of_the_alignment():
         assert "num_producers" in lib.mok_last_error().decode()
     finally:
         lib.mok_destroy(ctx)
+
+
+def test_a_chunk_past_the_routing_kernels_shared_memory_is_refused_at_create():
+    # Such a chunk failed at its first dispatch with "dispatch layout launch: invalid argument"
+    # (s31-1, MOK_CHUNK_TOKENS=16384 at top-8). The message names the largest chunk that fits;
+    # that one is accepted, one token more is not, and the limit shrinks with topk.
+    import re
+    lib = library.get()
+    assert not _create(lib, chunk=16384)
+    msg = lib.mok_last_error().decode()
+    assert "MOK_CHUNK_TOKENS" in msg and "shared memory" in msg, msg
+    most = int(re.search(r"at most (\d+) tokens per chunk", msg).group(1))
+    assert 1000 < most < 16384, msg
+    ok = _create(lib, chunk=most)
+    assert ok, lib.mok_last_error().decode()
+    lib.mok_destroy(ok)
+    assert not _create(lib, chunk=most + 1)
+    assert not _create(lib, chunk=most, topk=16)
+    assert not _create(lib, chunk=most, e_local=128 + 128)      # the experts' tables share it
+    assert not _create(lib, e_local=0) and "num_local_experts" in lib.mok_last_error().decode()

@@ -83,7 +83,7 @@ def test_loopback_reader_past_its_waits_never_returns_overwritten_rows_silently(
     # NOTES item 41: rank 1's warps all passed their waits before rank 0 gave up and its copy
     # overwrote the chunk they were reading. Without the re-read before the release (s31, on the
     # library before it) rank 1 returned a mix of both calls' rows and no error.
-    monkeypatch.setenv("MOK_CHUNK_TOKENS", "16384")
+    monkeypatch.setenv("MOK_CHUNK_TOKENS", "512")
     out = run_loopback(_reader_past_its_wait, 2, 0.01, 16384, 1, timeout=120)
     if "skipped" in out[0]:
         pytest.skip(out[0]["skipped"])
@@ -234,6 +234,18 @@ def test_loopback_layout_fill_in_passes_matches_reference(K, chunk_tokens, world
     if chunk_tokens is not None:  # every loopback rank is a thread of this process
         monkeypatch.setenv("MOK_CHUNK_TOKENS", chunk_tokens)
     run_loopback(_fill_passes_calls, world_size, K, chunk_tokens, timeout=300)
+
+
+@gpu
+@pytest.mark.parametrize("fused", (True, False))
+def test_loopback_chunks_past_48k_of_shared_memory_match_reference(fused, monkeypatch):
+    # 2048-token chunks at top-8: the count kernel's tables (E_local + C * K ints) are 64 KiB,
+    # past the 48 KiB a kernel gets without asking; the unfused layout did not ask (s31-1 found
+    # "dispatch layout launch: invalid argument" with larger chunks).
+    monkeypatch.setenv("MOK_CHUNK_TOKENS", "2048")
+    if not fused:
+        monkeypatch.setenv("MOK_LAYOUT_FUSED", "0")
+    run_loopback(_fill_passes_calls, 2, 8, "2048", timeout=300)
 
 
 @gpu

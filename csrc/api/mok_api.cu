@@ -212,6 +212,19 @@ MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int part
     fail("expert_alignment must be in [1, 1024]");
     return nullptr;
   }
+  if (num_local_experts < 1) { fail("num_local_experts must be >= 1"); return nullptr; }
+  // A chunk's routing tables live in one block's shared memory (the layout's and the fill's).
+  if (routing_smem_bytes(num_local_experts, chunk_tokens, topk) > kMaxDynamicSmem) {
+    int most = 0;  // the largest chunk that fits with these experts and topk (0: none)
+    while (routing_smem_bytes(num_local_experts, most + 1, topk) <= kMaxDynamicSmem) ++most;
+    fail("chunk_tokens " + std::to_string(chunk_tokens) + " with topk " + std::to_string(topk) + " and " +
+         std::to_string(num_local_experts) + " local experts needs " +
+         std::to_string(routing_smem_bytes(num_local_experts, chunk_tokens, topk)) +
+         " bytes of shared memory in the routing kernels, over the " + std::to_string(kMaxDynamicSmem) +
+         " a block can have: at most " + std::to_string(most) +
+         " tokens per chunk here (MOK_CHUNK_TOKENS)");
+    return nullptr;
+  }
   auto* ctx = new MokContext();
   WorkspaceConfig cfg{};
   cfg.world_size = world;

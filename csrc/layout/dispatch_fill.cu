@@ -209,6 +209,12 @@ __global__ void __launch_bounds__(kFillThreads) fill_kernel(CommContext c, Handl
 
 }  // namespace
 
+// The layout's publish (C masks) and count (E_local + C * K ints) need less than this:
+// 8 * C * K + 4 * E_local * (1 + kFillWarps) bytes covers both.
+size_t routing_smem_bytes(int num_local_experts, int chunk_tokens, int topk) {
+  return fill_smem_ints(num_local_experts, chunk_tokens, topk) * sizeof(int);
+}
+
 cudaError_t launch_dispatch_fill(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
                                  const RowOutputs& out, cudaStream_t s) {
   const int cpc = HandleArrays::chunks_per_call(c.ws.cfg);

@@ -457,6 +457,9 @@ cudaError_t launch_dispatch_layout(const CommContext& c, const HandleArrays& h,
     if (cudaError_t e = allow_dynamic_smem(layout_fused_kernel, smem)) return e;
     return launch_kernel(c, layout_fused_kernel, dim3(cpc, c.world), kLayoutThreads, smem, s, c, h, r, out);
   }
+  // Past 48 KiB a kernel must ask for its shared memory (chunks of ~1500 tokens at top-8).
+  if (cudaError_t e = allow_dynamic_smem(publish_kernel, publish_smem)) return e;
+  if (cudaError_t e = allow_dynamic_smem(count_kernel, count_smem)) return e;
   if (cudaError_t e = launch_kernel(c, publish_kernel, cpc, kLayoutThreads, publish_smem, s, c, h, r)) return e;
   if (cudaError_t e = launch_kernel(c, count_kernel, dim3(cpc, c.world), kLayoutThreads, count_smem, s, c, h, r))
     return e;

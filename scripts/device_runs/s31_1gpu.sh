@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Session 31's one-GPU calls (benchmarks/NOTES.md, items 41 and 42).
+# Session 31's one-GPU calls (benchmarks/NOTES.md, items 41-43).
 #
 #   bash scripts/device_runs/s31_1gpu.sh COMMIT recheck [FUZZ_S]
+#   bash scripts/device_runs/s31_1gpu.sh COMMIT chunks
 #
 # recheck: item 41's re-read before a copy-engine-staged call's release, and item 42's
 #   stage_acquire_kernel barrier. (1) The new loopback test three times with this tree's library
@@ -12,7 +13,10 @@
 #   regression sample); (4) the W = 2 error-path process tests, two processes sharing the GPU
 #   over CUDA IPC (MOK_TEST_SHARED_GPU=1), where the staging check and the re-read run; (5) the
 #   fuzzer for FUZZ_S seconds (default 90).
-C=${1:?commit}; PART=${2:?recheck}
+#
+# chunks: item 43's loopback test (2048-token chunks, fused and unfused layout) with this tree's
+#   library, then with .base_lib's (carried), where the unfused case is predicted to fail.
+C=${1:?commit}; PART=${2:?recheck|chunks}
 . "$(dirname "$0")/common.sh"
 NEW_TEST="tests/test_cuda_loopback.py::test_loopback_reader_past_its_waits_never_returns_overwritten_rows_silently"
 case "$PART" in
@@ -42,6 +46,16 @@ case "$PART" in
       $(cat $R/shared_gpu_ids.txt) > $R/shared_gpu.log 2>&1
     echo "[shared-GPU W=2 error paths] rc=$? in $((SECONDS - t0)) s"; tail -2 $R/shared_gpu.log; grep -E "FAILED|ERROR" $R/shared_gpu.log | head
     fuzz $FUZZ fuzz
+    ;;
+  chunks)
+    # Item 43: 2048-token chunks (64 KiB of count tables), fused and unfused layout, with this
+    # tree's library and with .base_lib's (carried; its unfused layout never asked for > 48 KiB).
+    BASE_LIB=$PWD/.base_lib/libmok_cuda.so
+    for v in new base; do
+      with_lib $v timeout -k 10 200 python3 -m pytest -q -rfE tests/test_cuda_loopback.py \
+        -k chunks_past_48k > $R/chunks_$v.log 2>&1
+      echo "[chunks $v] rc=$?"; tail -2 $R/chunks_$v.log; grep -E "FAILED|invalid argument" $R/chunks_$v.log | head -4
+    done
     ;;
 esac
 cd $OUT && tar czf r_$PART.tgz r && rm -rf r

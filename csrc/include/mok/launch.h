@@ -56,6 +56,10 @@ cudaError_t launch_dispatch_layout(const CommContext& c, const HandleArrays& h,
                                    const RoutingArgs& r, const RowOutputs& out, cudaStream_t s);
 // Whether launch_dispatch_layout fuses publish, count and scan into one kernel (NOTES #45).
 bool layout_is_fused(const WorkspaceConfig& cfg, bool speculative);
+// Dynamic shared memory, in bytes, of the routing kernel that needs the most per chunk (the
+// fill's tables; the layout's are smaller): mok_create refuses a configuration past
+// kMaxDynamicSmem, which would otherwise fail at its first launch with "invalid argument".
+size_t routing_smem_bytes(int num_local_experts, int chunk_tokens, int topk);
 // Fill the per-row outputs and the task lists, then release the routing slots.
 cudaError_t launch_dispatch_fill(const CommContext& c, const HandleArrays& h, const RoutingArgs& r,
                                  const RowOutputs& out, cudaStream_t s);
