@@ -739,7 +739,7 @@ def _reader_past_its_wait(rank, world_size, timeout_s, tokens, reader_sms):
     each), rank 1's one token to rank 0's. Rank 1 (static shape, ``reader_sms`` SMs, so its pull
     is long) waits for its chunks at the start, then reads them for tens of milliseconds: with one
     SM its 32 warps each take a run of ``tokens / 32`` consecutive tokens, one chunk when the test
-    sets MOK_CHUNK_TOKENS to that (512 for 16384 tokens), so each warp waits once. Meanwhile
+    sets MOK_CHUNK_TOKENS to that (1024 for 32768 tokens), so each warp waits once. Meanwhile
     rank 0 (timeout ``timeout_s``) makes a second call; its layout gives up waiting for rank 1's
     second routing, and its copy-engine staging, queued behind a slot check that finds the rank
     aborted, overwrites the chunk rank 1 is still reading. Every wait of rank 1 ended before the

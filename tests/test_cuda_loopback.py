@@ -83,20 +83,23 @@ def test_loopback_reader_past_its_waits_never_returns_overwritten_rows_silently(
     # NOTES item 41: rank 1's warps all passed their waits before rank 0 gave up and its copy
     # overwrote the chunk they were reading. Without the re-read before the release (s31, on the
     # library before it) rank 1 returned a mix of both calls' rows and no error.
-    monkeypatch.setenv("MOK_CHUNK_TOKENS", "512")
-    out = run_loopback(_reader_past_its_wait, 2, 0.01, 16384, 1, timeout=120)
+    # 32768 tokens on 1 SM: ~40 ms of pull against rank 0's 10 ms timeout (16384 took 20-36 ms,
+    # s31-2); 1024-token chunks, so each of the 32 pulling warps waits once, at its start.
+    monkeypatch.setenv("MOK_CHUNK_TOKENS", "1024")
+    out = run_loopback(_reader_past_its_wait, 2, 0.01, 32768, 1, timeout=120)
     if "skipped" in out[0]:
         pytest.skip(out[0]["skipped"])
     print(f"rank 1's call {out[1]['call_ms']:.1f} ms, its rows {out[1]['rows_from_0']}, "
           f"its error {out[1]['error']!r}; rank 0's error {out[0]['error']!r}")
     assert "time" in (out[0]["error"] or "").lower(), out          # rank 0 gave up
-    assert out[1]["n_rows_from_0"] == 16384 * 8, out
+    assert out[1]["n_rows_from_0"] == 32768 * 8, out
     if out[1]["error"] is None:
         # Either the copy landed while rank 1 read (the bug) or rank 1's pull ended before rank 0
         # gave up (the test did not provoke the race: its pull must outlast rank 0's timeout).
         assert out[1]["rows_from_0"] == "call 1", f"rank 1 returned overwritten rows silently: {out}"
         pytest.fail(f"rank 1's call ({out[1]['call_ms']:.1f} ms) ended before rank 0's timeout: {out}")
     assert "rank 0 stopped after an error" in out[1]["error"], out
+    assert "while this rank was reading" in out[1]["error"], out     # found at the release
 
 
 @gpu

@@ -59,3 +59,15 @@ def test_peer_stopped_names_both_ranks_and_the_generation():
     msg = describe([7, 1, 0, 3, 42, 0, 0, 0], 60.0, None)
     assert "rank 1: rank 0 stopped after an error of its own" in msg
     assert "generation 42" in msg and "not valid" in msg and "can no longer be used" in msg
+
+
+def test_peer_stopped_found_at_the_release_says_the_rows_were_being_read():
+    # NOTES item 41: the re-read before a copy-engine-staged call's release reports kPeerStopped
+    # with `what` = the release's wait kind: the rows were read, and may have been overwritten.
+    from megatron_mok.cuda.errors import PEER_STOPPED_WHILE_READ
+    msg = describe([7, 1, 0, PEER_STOPPED_WHILE_READ, 42, 0, 0, 0], 60.0, None)
+    assert "rank 1: rank 0 stopped after an error of its own" in msg
+    assert "while this rank was reading" in msg and "under this rank's reads" in msg
+    assert "generation 42" in msg and "not valid" in msg and "can no longer be used" in msg
+    assert "did not read them" not in msg
+    assert "did not read them" in describe([7, 1, 0, 3, 42, 0, 0, 0], 60.0, None)

@@ -252,7 +252,7 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
         // The chunk's re-read (release_call_chunks says why), here per chunk: its tasks' reads
         // come before it through their fences and this count.
         if (sh.ce_recheck && ld_acquire_sys(theirs.ready + slot) == kReadyPoisoned)
-          report_error(c, kPeerStopped, s, kWaitDispatchReady, static_cast<int64_t>(g));
+          report_error(c, kPeerStopped, s, kWaitDispatchReleased, static_cast<int64_t>(g));
         st_release_sys(theirs.released + static_cast<size_t>(c.rank) * N + slot, g + 1);
       }
     }
@@ -332,8 +332,8 @@ __device__ void release_call_chunks(const CommContext& c, const HandleArrays& h,
     for (int s = threadIdx.x % kWarpSize; s < c.world; s += kWarpSize) {
       if (s == c.rank || h.task_off[s + 1] == h.task_off[s]) continue;  // read nothing of s
       const RingView theirs = RingView::dispatch(c.ws, c.peers.base[s]);
-      if (ld_acquire_sys(theirs.ready) == kReadyPoisoned)
-        report_error(c, kPeerStopped, s, kWaitDispatchReady, static_cast<int64_t>(sh.gen(0)));
+      if (ld_acquire_sys(theirs.ready) == kReadyPoisoned)  // `what`: found at the release, not a wait
+        report_error(c, kPeerStopped, s, kWaitDispatchReleased, static_cast<int64_t>(sh.gen(0)));
     }
   }
   for (int idx = threadIdx.x % kWarpSize; idx < c.world * sh.cpc; idx += kWarpSize) {

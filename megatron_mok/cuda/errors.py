@@ -18,6 +18,10 @@ MISMATCH_SPECULATIVE, MISMATCH_ROW_BYTES = 0, 1
 # bit when the rows came from two sources (an FP8 pair read in place, fp8.PairRows).
 ROW_TWO_SOURCES_BIT = 19
 
+# A kPeerStopped found by the re-read before a release (NOTES item 41), not by a wait: its `what`
+# (config.h, the wait kind of a release).
+PEER_STOPPED_WHILE_READ = 4
+
 WAIT_KINDS = {
     0: "nothing",
     1: "the peer's routing for this dispatch (did the peer call dispatch?)",
@@ -100,6 +104,12 @@ def describe(report, timeout_s: float, max_recv_tokens, abandoned=()) -> str:
         return (f"megatron_mok: rank {rank}: local expert {peer} received {detail} rows, more than "
                 f"rows_per_expert={what}; its rows past {what} were dropped (not written, not "
                 "combined). The capacity must hold every routed row.")
+    if code == 7 and what == PEER_STOPPED_WHILE_READ:
+        return (f"megatron_mok: rank {rank}: rank {peer} stopped after an error of its own (see "
+                f"its message) while this rank was reading its staged tokens (dispatch ring "
+                f"generation {detail}); its next staging may have overwritten them under this "
+                "rank's reads, so this call's outputs are not valid. This Buffer can no longer be "
+                "used.")
     if code == 7:
         return (f"megatron_mok: rank {rank}: rank {peer} stopped after an error of its own (see "
                 f"its message) while this rank had not yet read its staged tokens (dispatch ring "

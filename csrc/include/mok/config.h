@@ -127,7 +127,10 @@ enum ErrorCode : int32_t {
                         // expert, what = N, detail = its rows); the rows past N are dropped
   kPeerStopped = 7,     // a peer's dispatch ring slot says the peer stopped after an error and
                         // its copy-engine staging may have overwritten the chunk (ring.h,
-                        // kReadyPoisoned; peer = it, detail = the chunk's generation)
+                        // kReadyPoisoned; peer = it, detail = the chunk's generation; what =
+                        // kWaitDispatchReady when a wait found it, before any read, and
+                        // kWaitDispatchReleased when the re-read before the release did: the
+                        // copy may have landed under this rank's reads, NOTES item 41)
 };
 
 // What a kConfigMismatch is about (the error report's `what`; mirrored in errors.py).
