@@ -36,7 +36,7 @@ struct DispatchShape {
   CallSlots slots;  // this call's ring slots (N set by the host, the rest at kernel start)
   bool release_at_end;  // the call fits in the ring: chunks are released by the grid's last warp
   bool ce_staged;       // the copy engine staged my chunks into slots [0, chunks): fixed slots
-  bool ce_recheck;      // ce_staged: re-read each source's slot 0 before the release (item 41)
+  bool ce_recheck;      // ce_staged: re-read the sources' `ready` before releasing (item 41)
   bool task_runs;       // pulling warps take runs of consecutive (virtual) tasks, not every n-th
   bool split;           // a call with fewer tasks than pulling warps deals each task's row to
                         // several warps, a slice each (release_at_end calls; MOK_DISPATCH_SPLIT=0)
