@@ -748,7 +748,7 @@ def _reader_past_its_wait(rank, world_size, timeout_s, tokens, reader_sms):
     from megatron_mok import loopback
     dev = rank_device(rank)
     E, H, K = 16, 7168, 8
-    ring = 2 * tokens * H * 2 + (8 << 20)               # one chunk of each ring fits
+    ring = 2 * tokens * H * 2 + (8 << 20)               # each ring holds a call (copy-engine staging)
     g = torch.Generator(device=dev).manual_seed(41)
     # Rank 0's two calls (every rank makes them, to compare): all tokens to experts 8..15.
     calls = [torch.randn(tokens, H, generator=g, device=dev).to(torch.bfloat16) for _ in range(2)]

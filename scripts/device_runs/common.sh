@@ -21,6 +21,11 @@ graph_chain() {  # graph_chain base|new I LIMIT_S: profile_graph_chain.py (W = 1
     echo "[chain $1 $2] rc=$?"; sed -n '/medians over rounds/,/^$/p' $R/chain_$1_$2.log
 }
 
+world_ids() {  # world_ids K WORLD: the multigpu test ids of the CUDA and FP8 test files that -k K selects, at world size WORLD
+    python3 -m pytest --collect-only -q -m multigpu -k "$1" tests/test_cuda_backend.py tests/test_fp8_dispatch.py \
+      -p no:cacheprovider 2>/dev/null | grep "::" | grep -E -- "-${2}\]$|\[${2}\]$"
+}
+
 fuzz() {  # fuzz SECONDS NAME: the fuzzer (world sizes up to 4, a seed from the clock) into $R/NAME; 0 seconds: nothing
     [ "$1" -gt 0 ] || return 0
     timeout -k 10 $(($1 + 60)) python3 scripts/fuzz_dispatch.py --device cuda --seconds $1 \

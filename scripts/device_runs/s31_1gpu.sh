@@ -38,10 +38,8 @@ case "$PART" in
       --junitxml=$R/selection.xml > $R/selection.log 2>&1
     echo "[selection] rc=$? in $((SECONDS - t0)) s"; tail -2 $R/selection.log; grep -E "FAILED|ERROR" $R/selection.log | head
     t0=$SECONDS
-    # As x2_tests.sh selects (its W = 2 ids), without its packing of $R.
-    python3 -m pytest --collect-only -q -m multigpu -p no:cacheprovider tests/test_cuda_backend.py tests/test_fp8_dispatch.py \
-      -k "missing_peer or does_not_stall or one_rank_only or one_rank_in_place or (matches_reference and dsv3)" \
-      2>/dev/null | grep "::" | grep -E -- "-2\]$|\[2\]$" > $R/shared_gpu_ids.txt
+    world_ids "missing_peer or does_not_stall or one_rank_only or one_rank_in_place or (matches_reference and dsv3)" 2 \
+      > $R/shared_gpu_ids.txt
     MOK_TEST_SHARED_GPU=1 MOK_TEST_EXIT_WATCHDOG_S=60 timeout -k 10 150 python3 -m pytest -q -rfE -p no:cacheprovider \
       $(cat $R/shared_gpu_ids.txt) > $R/shared_gpu.log 2>&1
     echo "[shared-GPU W=2 error paths] rc=$? in $((SECONDS - t0)) s"; tail -2 $R/shared_gpu.log; grep -E "FAILED|ERROR" $R/shared_gpu.log | head

@@ -25,8 +25,7 @@ case "$SELECT" in
 esac
 if [ -z "$K" ]; then cp "${SELECT#file:}" $R/all_ids.txt
 else
-  python3 -m pytest --collect-only -q -m multigpu -k "$K" tests/test_cuda_backend.py tests/test_fp8_dispatch.py -p no:cacheprovider 2>/dev/null \
-    | grep "::" | grep -E -- "-${WORLD}\]$|\[${WORLD}\]$" > $R/all_ids.txt
+  world_ids "$K" $WORLD > $R/all_ids.txt
 fi
 awk -v s=$SHARD -v n=$NSHARDS '(NR - 1) % n == s' $R/all_ids.txt > $R/ids.txt
 echo "$(wc -l < $R/ids.txt) of $(wc -l < $R/all_ids.txt) selected tests (shard $SHARD of $NSHARDS)"
