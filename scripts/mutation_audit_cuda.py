@@ -258,6 +258,24 @@ MUTANTS: List[Mutant] = [
            ("tests/test_cuda_loopback.py", "-k", "past_its_waits"),
            "a reader whose waits all ended before its peer's failed staging poisoned and overwrote "
            "the chunk it was reading returns the mix of both calls' rows without an error"),
+    Mutant("ce_recheck_per_task_skipped", "kernels/dispatch_transfer.cu",
+           (("        if (sh.ce_recheck && ld_acquire_sys(theirs.ready + slot) == kReadyPoisoned)",
+             "        if (false && ld_acquire_sys(theirs.ready + slot) == kReadyPoisoned)"),),
+           ("tests/test_cuda_loopback.py", "-k", "past_its_waits and release_per_task"),
+           "the per-task release (MOK_DISPATCH_RELEASE_AT_END=0) does not re-read its chunk's slot: "
+           "the same race as ce_recheck_skipped, on that schedule"),
+    # NOTES item 43: a chunk's routing tables past a block's shared memory.
+    Mutant("unfused_count_smem_not_raised", "layout/dispatch_layout.cu",
+           (("  if (cudaError_t e = allow_dynamic_smem(count_kernel, count_smem)) return e;\n", ""),),
+           ("tests/test_cuda_loopback.py", "-k", "chunks_past_48k"),
+           "the unfused layout's count kernel does not ask for more than 48 KiB of shared memory: "
+           "chunks of ~1500+ tokens at top-8 fail at its launch"),
+    Mutant("create_chunk_smem_unchecked", "api/mok_api.cu",
+           (("  if (routing_smem_bytes(num_local_experts, chunk_tokens, topk) > kMaxDynamicSmem) {",
+             "  if (false) {"),),
+           ("tests/test_cuda_library_abi.py", "-k", "refused_at_create"),
+           "mok_create accepts a chunk whose routing tables exceed a block's shared memory: the "
+           "first dispatch fails with CUDA's 'invalid argument' instead of a clear error at create"),
 ]
 
 

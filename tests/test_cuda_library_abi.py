@@ -400,3 +400,7 @@ def test_a_chunk_past_the_routing_kernels_shared_memory_is_refused_at_create():
     assert not _create(lib, chunk=most, topk=16)
     assert not _create(lib, chunk=most, e_local=128 + 128)      # the experts' tables share it
     assert not _create(lib, e_local=0) and "num_local_experts" in lib.mok_last_error().decode()
+    # experts whose tables alone fill the shared memory: no chunk size is offered ("at most 0")
+    assert not _create(lib, chunk=1, e_local=4000)
+    msg = lib.mok_last_error().decode()
+    assert "no chunk fits" in msg and "4000 local experts" in msg and "at most" not in msg, msg

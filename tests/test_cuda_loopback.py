@@ -79,13 +79,19 @@ def test_loopback_lagging_reader_never_gets_the_next_calls_rows_silently():
 
 
 @gpu
-def test_loopback_reader_past_its_waits_never_returns_overwritten_rows_silently(monkeypatch):
+@pytest.mark.parametrize("release", (
+    pytest.param({}, id="release_at_end"),
+    # the per-task release (a chunk released by its last task): it re-reads the chunk's own slot
+    pytest.param({"MOK_DISPATCH_RELEASE_AT_END": "0"}, id="release_per_task")))
+def test_loopback_reader_past_its_waits_never_returns_overwritten_rows_silently(release, monkeypatch):
     # NOTES item 41: rank 1's warps all passed their waits before rank 0 gave up and its copy
     # overwrote the chunk they were reading. Without the re-read before the release (s31, on the
     # library before it) rank 1 returned a mix of both calls' rows and no error.
     # 32768 tokens on 1 SM: ~40 ms of pull against rank 0's 10 ms timeout (16384 took 20-36 ms,
     # s31-2); 1024-token chunks, so each of the 32 pulling warps waits once, at its start.
     monkeypatch.setenv("MOK_CHUNK_TOKENS", "1024")
+    for k, v in release.items():                   # set once for both ranks (threads)
+        monkeypatch.setenv(k, v)
     out = run_loopback(_reader_past_its_wait, 2, 0.01, 32768, 1, timeout=120)
     if "skipped" in out[0]:
         pytest.skip(out[0]["skipped"])

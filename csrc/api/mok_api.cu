@@ -217,12 +217,17 @@ MokContext* mok_create(int world, int rank, int hidden, int elem_bytes, int part
   if (routing_smem_bytes(num_local_experts, chunk_tokens, topk) > kMaxDynamicSmem) {
     int most = 0;  // the largest chunk that fits with these experts and topk (0: none)
     while (routing_smem_bytes(num_local_experts, most + 1, topk) <= kMaxDynamicSmem) ++most;
-    fail("chunk_tokens " + std::to_string(chunk_tokens) + " with topk " + std::to_string(topk) + " and " +
-         std::to_string(num_local_experts) + " local experts needs " +
-         std::to_string(routing_smem_bytes(num_local_experts, chunk_tokens, topk)) +
-         " bytes of shared memory in the routing kernels, over the " + std::to_string(kMaxDynamicSmem) +
-         " a block can have: at most " + std::to_string(most) +
-         " tokens per chunk here (MOK_CHUNK_TOKENS)");
+    const std::string need = "chunk_tokens " + std::to_string(chunk_tokens) + " with topk " +
+                             std::to_string(topk) + " and " + std::to_string(num_local_experts) +
+                             " local experts needs " +
+                             std::to_string(routing_smem_bytes(num_local_experts, chunk_tokens, topk)) +
+                             " bytes of shared memory in the routing kernels, over the " +
+                             std::to_string(kMaxDynamicSmem) + " a block can have: ";
+    if (most > 0)
+      fail(need + "at most " + std::to_string(most) + " tokens per chunk here (MOK_CHUNK_TOKENS)");
+    else  // the experts' tables alone fill it: no chunk size helps
+      fail(need + "no chunk fits beside the tables of " + std::to_string(num_local_experts) +
+           " local experts; use fewer experts per rank (a larger expert-parallel group)");
     return nullptr;
   }
   auto* ctx = new MokContext();
