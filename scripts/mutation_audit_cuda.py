@@ -108,7 +108,7 @@ MUTANTS: List[Mutant] = [
              "for (int v = lane; v < sh.vec_per_row; v += kWarpSize) (void)dst[v];"),),
            ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "alignment or rows_per_expert"),
            "the zero rows after an expert's rows (alignment, rows_per_expert) keep old memory"),
-    Mutant("combine_ranks_descending", "kernels/combine_transfer.cu",
+    Mutant("combine_ranks_descending", "kernels/combine/consume.cuh",
            (("for (unsigned m = holders; m != 0; m &= m - 1) add_rank(__ffs(m) - 1);  // ascending ranks",
              "for (unsigned m = holders; m != 0; m &= ~(1u << (31 - __clz(m)))) add_rank(31 - __clz(m));"),
             ("        for (int d = 0; d < W; ++d)\n          if (pos(d) >= 0) add_rank(d);",
@@ -116,17 +116,17 @@ MUTANTS: List[Mutant] = [
            tuple(SAMPLE), "the owner sums the ranks' partials in descending rank order, where it sums "
            "them itself (calls split over warps, or own partials not staged): bitwise different "
            "from 3 ranks on, with float32 rows (2 partials add the same either way)"),
-    Mutant("combine_staged_ranks_descending", "kernels/combine_transfer.cu",
+    Mutant("combine_staged_ranks_descending", "kernels/combine/consume.cuh",
            (("const int d = lane < n ? __fns(holders, 0, lane + 1) : 0;",
              "const int d = lane < n ? __fns(holders, 0, n - lane) : 0;"),),
            tuple(SAMPLE), "with the own partials staged (a token per warp), the owner sums the "
            "holders' partials in descending rank order"),
-    Mutant("combine_prob_grad_last_rank_only", "kernels/combine_transfer.cu",
+    Mutant("combine_prob_grad_last_rank_only", "kernels/combine/consume.cuh",
            (("          part = partial_side_value(c, sh, d, q, lane);\n        }\n        val += part;",
              "          part = partial_side_value(c, sh, d, q, lane);\n        }\n        val = part;"),),
            tuple(SAMPLE), "the prob gradient of a token held by several ranks keeps only the last "
            "rank's part"),
-    Mutant("narrow_last_slot_grad_dropped", "kernels/combine_transfer.cu",
+    Mutant("narrow_last_slot_grad_dropped", "kernels/combine/narrow.cuh",
            (("            if (kk < K) grad[kk] += side[kk];", "            if (kk < K - 1) grad[kk] += side[kk];"),),
            tuple(NARROW), "the narrow combine (hidden 8, FP8 backward) drops the last top-k slot's "
            "gradient from remote ranks"),
@@ -152,7 +152,7 @@ MUTANTS: List[Mutant] = [
     Mutant("dispatch_split_slice_short", "kernels/dispatch_transfer.cu",
            (("vec_hi = min(vec_lo + slice, sh.vec_per_row);", "vec_hi = min(vec_lo + slice - 1, sh.vec_per_row);"),),
            tuple(SAMPLE), "a small dispatch split over warps copies each slice but its last vector"),
-    Mutant("combine_split_last_step_dropped", "kernels/combine_transfer.cu",
+    Mutant("combine_split_last_step_dropped", "kernels/combine/shape.cuh",
            (("count = (part + 1) * S / P - first;", "count = (part + 1) * S / P - first - (part + 1 == P ? 1 : 0);"),),
            tuple(SAMPLE), "a combine split over warps never sums the last part's last step (its "
            "outputs keep old memory)"),
@@ -180,7 +180,7 @@ MUTANTS: List[Mutant] = [
            "(the loopback test reports a hang after its own 120 s)",
            timeout_s=165),
     # Added in session 29 (built and CPU-checked; first GPU run: session 29).
-    Mutant("streamed_produce_rows_reversed", "kernels/combine_transfer.cu",
+    Mutant("streamed_produce_rows_reversed", "kernels/combine/produce_streamed.cuh",
            (("        caddr = ring.sum_rows(acc, caddr, n_rows);",
              "        for (int jj = n_rows - 1; jj >= 0; --jj) ring.sum_rows(acc, ring.next(caddr, jj), 1);\n"
              "        caddr = ring.next(caddr, n_rows);"),),
@@ -233,7 +233,7 @@ MUTANTS: List[Mutant] = [
            "per-task release (calls larger than the ring): every finished task releases its chunk, so "
            "the producer may restage a slot while other warps still pull the chunk's other tasks",
            timeout_s=300),
-    Mutant("streamed_prob_grad_slot_by_position", "kernels/combine_transfer.cu",
+    Mutant("streamed_prob_grad_slot_by_position", "kernels/combine/produce_streamed.cuh",
            (("        if (h.task_k[static_cast<size_t>(task) * sh.K + kk] == lane && row < a.row_cap) val = grad_probs[row];",
              "        if (kk == lane && row < a.row_cap) val = grad_probs[row];"),),
            tuple(SAMPLE), "the streamed produce phase (full-width rows) stages a row's prob gradient "
