@@ -276,6 +276,13 @@ MUTANTS: List[Mutant] = [
            ("tests/test_cuda_library_abi.py", "-k", "refused_at_create"),
            "mok_create accepts a chunk whose routing tables exceed a block's shared memory: the "
            "first dispatch fails with CUDA's 'invalid argument' instead of a clear error at create"),
+    # NOTES item 46: a protocol error replaces an unread data error in the report.
+    Mutant("data_error_hides_timeout", "include/mok/device.h",
+           (("  while (prev != 0 && is_data_error(prev) && !is_data_error(code)) {",
+             "  while (false) {"),),
+           ("tests/test_cuda_loopback.py", "-k", "timeout_after_an_unread_data_error"),
+           "a data error recorded first keeps the report: a later timeout does not abort this "
+           "rank's other waits (each runs to its own timeout) and check_errors names the data error"),
 ]
 
 

@@ -17,7 +17,7 @@ so the loopback machinery (threads, hub, all_gather) is checked on every CI run.
 import pytest
 import torch
 
-from harness import _buffer, contract_cases, run_loopback
+from harness import _buffer, contract_cases, run_loopback, spec_inputs
 from test_cuda_backend import (ALT_SCHEDULES, _alignment_big_layout, _alignment_vs_reference, CASE_NAMES, FILL_PASS_CONFIGS, SPLIT_SCHEDULES, _fill_passes_calls, _backend_vs_reference, _bad_expert_id_cuda, _cached_cuda, _graph,
                                _lagging_reader, _missing_peer, _reader_past_its_wait, _overflow_cuda, _repeats_and_sms, _ring_wrap,
                                _ring_reused_every_call, _scan_tiles_calls, _speculative_calls, _speculative_mismatch,
@@ -303,6 +303,49 @@ def test_loopback_missing_peer_times_out():
     for took, msg in out[:-1]:
         assert took < 2 + 20, f"the timeout error came after {took:.1f} s: {msg}"
         assert "rank" in msg and "peer" in msg, f"the error should name rank and peer: {msg}"
+
+
+def _timeout_after_data_error(rank, world_size, timeout_s, calls):
+    """Rank 1 records a data error (static-shape overflow: every row goes to it, one more than
+    max_recv_tokens) that nothing reads, then dispatches ``calls`` times alone (rank 0 waits
+    at the barrier). Returns rank 1's ``(seconds until check_errors raised, its message)``."""
+    import time
+
+    import oracle
+    from harness import loopback_barrier, rank_device
+
+    spec = contract_cases(world_size)["all_to_one_expert"]     # every row lands on the last rank
+    dev = rank_device(rank)
+    inputs = spec_inputs(spec, world_size, torch.bfloat16, 3, device=dev)
+    M = max(r.num_rows for r in oracle.route(inputs, spec["E"])) - 1
+    buf = _buffer(spec, torch.bfloat16, "cuda", max_recv_tokens=M, timeout_s=timeout_s)
+    buf.dispatch(*inputs[rank])               # static shape: no host read, the overflow stays
+    torch.cuda.current_stream().synchronize()
+    loopback_barrier()
+    try:
+        if rank == 0:
+            return None                       # gone: rank 1's next calls wait for it
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as info:
+            for _ in range(calls):
+                buf.dispatch(*inputs[rank])
+            buf.check_errors()
+        return time.monotonic() - t0, str(info.value)
+    finally:
+        loopback_barrier()
+
+
+@gpu
+def test_loopback_timeout_after_an_unread_data_error_still_aborts():
+    # NOTES item 46: a data error (here rank 1's static-shape overflow, which no host read sees in
+    # static-shape mode) used to keep the error report, so a later timeout was not recorded,
+    # `aborted` stayed false and every later wait ran to its own timeout: 8 dispatches with their
+    # peer gone took >= 8 timeouts, and check_errors named the overflow, not the missing peer.
+    # Now the timeout replaces the data error: the first wait to give up stops the rest.
+    timeout_s, calls = 0.5, 8
+    took, msg = run_loopback(_timeout_after_data_error, 2, timeout_s, calls, timeout=120)[1]
+    assert "timed out" in msg and "peer 0" in msg, msg
+    assert took < 4 * timeout_s, f"{calls} dispatches took {took:.2f} s (timeout {timeout_s} s): {msg}"
 
 
 @gpu

@@ -186,11 +186,33 @@ __device__ inline void note_abandoned(ErrorReport* e, int32_t peer, int32_t what
   }
 }
 
-// Record the first error of this rank's kernels; later ones only abort.
+// Data errors (a bad expert id, static-shape rows past max_recv_tokens, an expert's rows past
+// rows_per_expert) leave the protocol intact: the call completes on every rank, and the host
+// raises at its next read.
+__device__ inline bool is_data_error(int32_t code) {
+  return code == kBadExpert || code == kRecvOverflow || code == kExpertOverflow;
+}
+
+// Record the first error of this rank's kernels; later ones only abort. One exception: an error
+// that breaks the protocol (a timeout, a peer stopped, a mismatch) replaces a data error recorded
+// before it. `aborted` reads the code, so if a data error kept it, every later wait of this rank
+// (under a CUDA graph, or between check_errors calls, nothing reads the report in between) would
+// run to its own timeout instead of giving up at once: a missing peer would cost one timeout per
+// waiting kernel instead of one in all, and this rank would never stop (NOTES item 46). The data
+// error's own report is lost; the error that needs acting on is the protocol's.
 __device__ inline void report_error(const CommContext& c, int32_t code, int32_t peer,
                                     int32_t what, int64_t detail) {
   ErrorReport* e = c.error();
-  if (atomicCAS(&e->code, 0, code) == 0) {
+  int32_t prev = atomicCAS(&e->code, 0, code);
+  while (prev != 0 && is_data_error(prev) && !is_data_error(code)) {
+    const int32_t seen = atomicCAS(&e->code, prev, code);
+    if (seen == prev) {
+      prev = 0;   // this thread now owns the report
+      break;
+    }
+    prev = seen;   // another error won in between: escalate from it if it is a data error too
+  }
+  if (prev == 0) {
     e->rank = c.rank;
     e->peer = peer;
     e->what = what;
@@ -203,13 +225,13 @@ __device__ inline void report_error(const CommContext& c, int32_t code, int32_t 
 }
 
 // True once this rank's kernels reported an error that breaks the protocol (a timeout): spin
-// waits give up and kernels skip their work. Data errors leave the protocol intact and do not
-// abort: a bad expert id is dropped like -1, static-shape rows past max_recv_tokens are not
-// written, and neither are an expert's rows past rows_per_expert; every rank's call then
-// completes and the host raises at its next read.
+// waits give up and kernels skip their work. Data errors (is_data_error) do not abort: a bad
+// expert id is dropped like -1, static-shape rows past max_recv_tokens are not written, and
+// neither are an expert's rows past rows_per_expert; every rank's call then completes and the
+// host raises at its next read.
 __device__ inline bool aborted(const CommContext& c) {
   const int32_t code = ld_volatile(&c.error()->code);
-  return code != kOk && code != kBadExpert && code != kRecvOverflow && code != kExpertOverflow;
+  return code != kOk && !is_data_error(code);
 }
 
 // Spin until *flag >= target (acquire, system scope). False on timeout or abort: the caller
