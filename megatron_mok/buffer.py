@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import itertools
 import weakref
 from typing import Optional
 
@@ -17,6 +18,11 @@ BACKENDS = ("auto", "reference", "cuda")
 # Largest expert_alignment (kMaxExpertAlignment in csrc/include/mok/config.h).
 MAX_EXPERT_ALIGNMENT = 1024
 _LIVE_BUFFERS: "weakref.WeakSet[Buffer]" = weakref.WeakSet()
+# Buffer.serial: handles name their Buffer by it. Not id(): CPython hands a freed Buffer's
+# address to the next object of its size, so a handle that outlived its Buffer would be taken
+# by a new Buffer at that address (and give wrong results, silently). next() on a count is one
+# C call under the GIL, so loopback ranks (threads) making Buffers at once never share one.
+_SERIALS = itertools.count(1)
 
 
 @atexit.register
@@ -73,6 +79,11 @@ class Buffer:
             ``src_token`` -1); ``R`` and ``tokens_per_expert`` count them, ``combine`` never
             reads them. FP8 grouped GEMMs want 16 (32 for MXFP8): the dispatch writes the rows
             in place, so the experts need no padding copy of their own (docs/CONTRACT.md).
+
+    Attributes:
+        serial: an int unique to this Buffer in the process, never reused (not even after
+            ``destroy()`` and garbage collection); the handles of its dispatches carry it
+            (``DispatchHandle.buffer_id``) and no other Buffer takes them.
     """
 
     def __init__(self, group=None, *, num_experts: int, hidden: int, topk: int,
@@ -111,6 +122,7 @@ class Buffer:
         self.device = torch.device(device) if device is not None else None
         self._backends = {}
         self._destroyed = False
+        self.serial = next(_SERIALS)
         # MOK_FP8_PACK=1 (read once: fp8.pack_always) packs FP8 pairs instead of reading them in place.
         self._fp8_pack = fp8.pack_always()
         _LIVE_BUFFERS.add(self)
@@ -166,6 +178,7 @@ class Buffer:
                 x = validation.check_cached_fp8_inputs(self, x, handle)
             else:
                 validation.check_cached_dispatch_inputs(self, x, handle)
+            validation.check_handle_backend(handle, backend.name)
             rows = fp8.dispatch_rows(*x, packed=self._fp8_pack) if pair else x
             tokens = CachedDispatchFunction.apply(backend, handle, rows)
             return DispatchResult(tokens=self._fp8_rows(tokens, x) if pair else tokens, probs=None,
@@ -200,6 +213,7 @@ class Buffer:
         self._check_alive()
         validation.check_combine_inputs(self, expert_out, handle)
         backend = self._backend_for(expert_out)
+        validation.check_handle_backend(handle, backend.name)
         return CombineFunction.apply(backend, handle, expert_out)
 
     def check_errors(self) -> None:
@@ -211,11 +225,18 @@ class Buffer:
                 b.check_errors()
 
     def destroy(self) -> None:
-        """Free the workspace (peer memory on the CUDA backend). Idempotent."""
+        """Free the workspace (peer memory on the CUDA backend). Idempotent.
+
+        Afterwards every call refuses with a ``RuntimeError``: ``dispatch``, ``combine``, and
+        the backward of any dispatch or combine made on this Buffer whose autograd graph is
+        still alive (its backend is marked destroyed; on the CUDA backend it would otherwise
+        communicate through freed peer memory). Its handles are refused by every Buffer."""
+        # Marked first: a backend whose destroy raises half-way (a device error while it waits
+        # for its kernels) may have freed memory already, so nothing may use this Buffer again.
+        self._destroyed = True
         for b in self._backends.values():
             b.destroy()
         self._backends.clear()
-        self._destroyed = True
 
     @property
     def backend(self) -> str:

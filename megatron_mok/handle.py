@@ -13,8 +13,13 @@ class DispatchHandle:
     """The layout of one dispatch, reused by ``combine`` and by both backward passes.
 
     Attributes:
-        buffer_id: ``id`` of the :class:`~megatron_mok.Buffer` that made it; a handle is
-            only valid with that Buffer.
+        buffer_id: ``Buffer.serial`` of the :class:`~megatron_mok.Buffer` that made it: a
+            number unique in the process and never reused (``id(buf)`` would be: a Buffer
+            made after that one is freed can get its address and would then take a stale
+            handle, with wrong results). A handle is only valid with that Buffer, and not
+            after its ``destroy()``; any other Buffer refuses it.
+        backend: name of the backend that made it (``"reference"`` or ``"cuda"``): ``state``
+            is that backend's, and only that backend of the Buffer takes the handle.
         num_tokens: ``T``, the number of tokens this rank passed to ``dispatch``.
         num_rows: ``R``, the number of expert-major rows this rank received, or ``None``
             in static-shape mode, where it stays on the device (see ``num_rows_device``).
@@ -28,6 +33,7 @@ class DispatchHandle:
     """
 
     buffer_id: int
+    backend: str
     num_tokens: int
     num_rows: Optional[int]
     num_out_rows: int

@@ -154,12 +154,31 @@ def check_cached_fp8_inputs(buf, x, handle):
 
 
 def _check_handle(buf, handle) -> None:
+    """``handle`` is a :class:`DispatchHandle` made by ``buf``. Compared by ``Buffer.serial``,
+    never reused, not by ``id(buf)``: a new Buffer at a freed Buffer's address would otherwise
+    take that Buffer's stale handles (and combine along another layout, silently)."""
     from .handle import DispatchHandle
 
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
-    if handle.buffer_id != id(buf):
-        raise ValueError("handle was made by another Buffer")
+    if handle.buffer_id != buf.serial:
+        raise ValueError(
+            f"handle was made by another Buffer (serial {handle.buffer_id}; this Buffer's is "
+            f"{buf.serial}): a handle is only valid with the Buffer whose dispatch made it, and "
+            "not once that Buffer is destroyed")
+
+
+def check_handle_backend(handle, backend_name: str) -> None:
+    """``handle`` was made by the backend this call runs on (its ``state`` is that backend's
+    layout). Not reachable through the API today: a Buffer keeps the device of its first call
+    (``Buffer._check_device``) and picks its backend from the device, so all its calls use one
+    backend; this keeps a handle from reaching the other backend's code if that ever changes
+    (each backend reads its own layout class from ``handle.state``: the other's would fail deep
+    inside with an AttributeError, or read the wrong data if the layouts ever share a field)."""
+    if handle.backend != backend_name:
+        raise ValueError(f"handle was made by this Buffer's {handle.backend!r} backend, but this "
+                         f"call runs on its {backend_name!r} backend (tensors on another device "
+                         "type than the dispatch's?)")
 
 
 def check_combine_inputs(buf, expert_out: torch.Tensor, handle) -> None:

@@ -59,6 +59,7 @@ VER = "megatron_mok/megatron/versions.py"
 PM = "megatron_mok/cuda/peer_memory.py"
 LAUNCH = "megatron_mok/launch.py"
 PATCH = "megatron_mok/megatron/_patch.py"
+CB = "megatron_mok/cuda/backend.py"
 
 # pytest targets, most likely killer first (-x stops at the first failure)
 CONTRACT = "tests/test_contract.py"
@@ -79,6 +80,7 @@ ERRT = "tests/test_device_errors.py"
 BINDT = "tests/test_bindings_constants.py"
 PMT = "tests/test_peer_memory.py"
 MG_ENTRY = "tests/megatron/test_megatron_entrypoints.py"
+SAFETY = "tests/test_handle_safety.py"
 REF_ALL = [CONTRACT, AUTOGRAD, CACHED, STATIC, ALIGN, RPE, DETERM]
 
 
@@ -165,6 +167,8 @@ MUTANTS: List[Mutant] = [
       "side[key, (lay.row_k[live] + 1) % K] =", [AUTOGRAD]),
     M("ref_cached_skips_rank0", REF, "live = handle.src_rank[:R] >= 0",
       "live = handle.src_rank[:R] > 0", [CACHED, AUTOGRAD]),
+    M("ref_destroy_not_marked", REF, "        self.destroyed = True\n", "        pass\n", [SAFETY]),
+    M("ref_destroyed_called", REF, "        if self.destroyed:\n", "        if False:\n", [SAFETY]),
     M("ref_task_rows_unpadded", REF,
       "task_rows = torch.where(task_rows >= 0, pos[task_rows.clamp(min=0)], task_rows)",
       "task_rows = task_rows", [ALIGN, RPE]),
@@ -180,11 +184,15 @@ MUTANTS: List[Mutant] = [
     M("val_rpe_static_boundary", VAL, "total > buf.max_recv_tokens",
       "total >= buf.max_recv_tokens", [RPE, STATIC]),
     M("val_fp8_row_boundary", VAL, "if row > token_row:", "if row >= token_row:", [FP8T]),
-    M("val_handle_of_other_buffer", VAL, "if handle.buffer_id != id(buf):", "if False:",
-      [ERRORS, CACHED]),
+    M("val_handle_of_other_buffer", VAL, "if handle.buffer_id != buf.serial:", "if False:",
+      [ERRORS, CACHED, SAFETY]),
+    M("val_handle_of_other_backend", VAL, "if handle.backend != backend_name:", "if False:",
+      [SAFETY]),
     M("val_topk_equals_e", VAL, "not 1 <= topk <= num_experts", "not 1 <= topk < num_experts",
       [ERRORS, CONTRACT]),
     # ------------------------------------------------------------------------- Buffer
+    M("buf_serial_is_id", BUF, "self.serial = next(_SERIALS)", "self.serial = id(self)",
+      [SAFETY]),
     M("buf_out_rows_boundary", BUF, "if num_rows > self.max_recv_tokens:",
       "if num_rows >= self.max_recv_tokens:", [STATIC]),
     M("buf_check_values_inverted", BUF, 'check_values=backend.name == "reference"',
@@ -196,6 +204,10 @@ MUTANTS: List[Mutant] = [
       "want_w = ctx.needs_input_grad[2]", [AUTOGRAD]),
     M("ag_prob_grads_dropped", AG,
       "grad_probs=grad_probs.contiguous() if want_w else None", "grad_probs=None", [AUTOGRAD]),
+    M("ag_backward_after_destroy", AG, "    if backend.destroyed:\n", "    if False:\n",
+      [SAFETY]),
+    M("ag_double_backward_allowed", AG, "if not torch.is_grad_enabled() or not incoming:",
+      "if True:", [SAFETY]),
     M("ag_fp8_prob_grads_inverted", AG,
       "if not want_w:\n                return None, None, None, None, None, None",
       "if want_w:\n                return None, None, None, None, None, None", [FP8T]),
@@ -292,6 +304,9 @@ MUTANTS: List[Mutant] = [
       "if MIN_SUPPORTED <= major_minor < MAX_SUPPORTED:", [MG_INSTALL]),
     M("ver_skip_env_zero_skips", VER, 'if os.environ.get(SKIP_CHECK_ENV, "") not in ("", "0"):',
       'if os.environ.get(SKIP_CHECK_ENV, "") not in ("",):', [MG_INSTALL]),
+    # ------------------------------------ CUDA backend: the host logic a test reaches on a CPU
+    M("cuda_destroy_not_marked", CB, "        self.destroyed = True\n", "        pass\n", [SAFETY]),
+    M("cuda_destroyed_called", CB, "        if self.destroyed:\n", "        if False:\n", [SAFETY]),
     # ------------------------------------------------------------------------- peer memory
     M("pm_cross_host_sharing_allowed", PM, "    if len(hosts) > 1:\n", "    if len(hosts) > 2:\n", [PMT]),
     M("pm_shared_gpu_asked_for_a_path", PM, "if r == rank or h != host or u == uuid:",

@@ -115,12 +115,21 @@ def _byte_rows(x):
 
 class ReferenceBackend:
     name = "reference"
+    destroyed = False   # set by destroy(); every entry then raises, as the CUDA backend's does
 
     def __init__(self, buf):
         self.buf = buf
 
+    def _alive(self) -> None:
+        # Nothing is freed here, but a destroyed Buffer must refuse on every backend alike, so
+        # code tested on the reference does not run on freed peer memory on the CUDA backend.
+        if self.destroyed:
+            raise RuntimeError("megatron_mok: this Buffer was destroyed (Buffer.destroy()); its "
+                               "reference backend refuses every call; make a new Buffer")
+
     # ----------------------------------------------------------------------------- dispatch
     def dispatch(self, x, topk_idx, topk_weights, rows_per_expert=None):
+        self._alive()
         x = _byte_rows(x)
         settle(x.device)
         b = self.buf
@@ -163,7 +172,7 @@ class ReferenceBackend:
         layout = ReferenceLayout(counts=counts, row_k=row_k_out, task_key=task_key,
                                  task_rows=task_rows, hit=hit)
         handle = DispatchHandle(
-            buffer_id=id(b), num_tokens=T, num_rows=R, num_out_rows=out_rows,
+            buffer_id=b.serial, backend=self.name, num_tokens=T, num_rows=R, num_out_rows=out_rows,
             src_rank=src_rank, src_token=src_token, tokens_per_expert=tpe,
             num_rows_device=torch.tensor([R], dtype=torch.int64, device=x.device),
             state=layout)
@@ -171,6 +180,7 @@ class ReferenceBackend:
 
     def dispatch_cached(self, x, handle: DispatchHandle):
         """Rows of ``x`` (``[T, H]`` on every rank) in the layout of ``handle``."""
+        self._alive()
         x = _byte_rows(x)
         settle(x.device)
         all_x = self._gather_tokens(x)
@@ -183,6 +193,7 @@ class ReferenceBackend:
     # ------------------------------------------------------------------------------ combine
     def combine(self, expert_out, handle: DispatchHandle, grad_probs: Optional[torch.Tensor] = None):
         """``y [T, H]`` per the contract; with ``grad_probs [R]`` also ``grad_topk_weights [T, K]``."""
+        self._alive()
         settle(expert_out.device)
         b = self.buf
         W, t_max, K, H = b.world_size, b.max_tokens_per_rank, b.topk, b.hidden
@@ -212,6 +223,7 @@ class ReferenceBackend:
     def combine_prob_grads(self, handle: DispatchHandle, grad_probs: torch.Tensor) -> torch.Tensor:
         """``grad_topk_weights [T, K]`` float32 from ``grad_probs [R]``: each row's prob gradient
         back to its source slot (the side values of a combine, with no row data)."""
+        self._alive()
         settle(grad_probs.device)
         return self._prob_grads(handle, grad_probs)
 
@@ -232,7 +244,7 @@ class ReferenceBackend:
         return grad_w
 
     def destroy(self):
-        pass
+        self.destroyed = True
 
     # -------------------------------------------------------------------------------- utils
     def _gather_tokens(self, x):

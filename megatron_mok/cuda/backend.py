@@ -89,6 +89,10 @@ def _roles_for(blocks: int):
 
 class CudaBackend:
     name = "cuda"
+    # True once destroy() began: the peer memory and the library context are gone, so every
+    # entry raises (_alive) instead of handing the kernels freed pointers. A class attribute, so
+    # it reads False on an instance whose __init__ raised part-way.
+    destroyed = False
 
     def __init__(self, buf):
         self.buf = buf
@@ -265,6 +269,12 @@ class CudaBackend:
         return first, (first + src.stride(0) * src.element_size() if first else 0)
 
     def _alive(self):
+        """Raise unless this backend may launch: not destroyed (its peer memory would be freed:
+        the autograd Functions check ``destroyed`` too, with a message naming the backward), and
+        no device error seen (``broken``)."""
+        if self.destroyed:
+            raise RuntimeError("megatron_mok: this Buffer was destroyed (Buffer.destroy() freed its "
+                               "CUDA backend's peer memory); make a new Buffer")
         if self.broken:
             raise MokDeviceError(self.broken)
 
@@ -508,8 +518,9 @@ class CudaBackend:
         """The handle of a dispatch of T tokens into ``cap`` rows (``R`` of them real, ``None``
         in static-shape mode): ``tpe`` holds the counts, then R on the device."""
         return DispatchHandle(
-            buffer_id=id(self.buf), num_tokens=T, num_rows=R, num_out_rows=cap, src_rank=src_rank,
-            src_token=src_token, tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
+            buffer_id=self.buf.serial, backend=self.name, num_tokens=T, num_rows=R,
+            num_out_rows=cap, src_rank=src_rank, src_token=src_token,
+            tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
             state=CudaLayout(scratch=scratch))
 
     def _spec_capacity(self) -> int:
@@ -656,11 +667,14 @@ class CudaBackend:
         values, as in a full combine, and the rows (zeros) cost next to nothing. The kernel gives
         such narrow calls a lane per task and per token (``MOK_COMBINE_NARROW=0``: a warp; one
         H200, 4096 tokens: 13.6 vs 83.8 us, run s25-3)."""
+        self._alive()
         rows = torch.zeros(handle.num_out_rows, PROB_GRAD_HIDDEN, dtype=self.buf.dtype,
                            device=grad_probs.device)
         return self.combine(rows, handle, grad_probs=grad_probs)[1]
 
     def destroy(self):
+        # First: if a step below raises (a device error in the sync), what is freed stays unused.
+        self.destroyed = True
         if getattr(self, "mem", None) is not None:
             self._sync()
             self.mem.free()
