@@ -23,6 +23,14 @@ _LIVE_BUFFERS: "weakref.WeakSet[Buffer]" = weakref.WeakSet()
 # by a new Buffer at that address (and give wrong results, silently). next() on a count is one
 # C call under the GIL, so loopback ranks (threads) making Buffers at once never share one.
 _SERIALS = itertools.count(1)
+_ANY_CUDA = torch.device("cuda")  # Buffer(device="cuda"): resolved at first use (_cuda_device)
+
+
+def _check_num_sms(num_sms) -> None:
+    """``num_sms``: ``None`` or an int >= 1 (0 once meant the default, silently)."""
+    if num_sms is not None and (not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1):
+        raise ValueError(f"num_sms must be None or an int >= 1 (the SMs the CUDA backend's kernels "
+                         f"may occupy; None: its default), got {num_sms!r}")
 
 
 @atexit.register
@@ -65,11 +73,14 @@ class Buffer:
         max_recv_tokens: static-shape mode: ``dispatch`` returns exactly this many rows
             (zero padding after the ``R`` real ones) and the CUDA path never syncs the host
             (CUDA-graph capturable); more than this many rows is an error, raised at the
-            next host read, never silent loss.
+            next host read, never silent loss (the CUDA backend raises at ``check_errors``;
+            until then ``tokens_per_expert`` and ``num_rows_device`` count only the rows
+            written, the first ``max_recv_tokens``: docs/CONTRACT.md, "Static shape").
         num_sms: CUDA backend: SMs its communication kernels may occupy. ``None`` (default):
             24 for calls of more than 1024 tokens on the rank, 64 for smaller calls, which are
             latency-bound (``MOK_SMALL_CALL_SMS`` / ``MOK_SMALL_CALL_TOKENS`` change that); a
-            number given applies to every call.
+            number given (an int >= 1; the kernels use at least 2 and at most the device's
+            SMs) applies to every call. 0, negative numbers and bools are a ``ValueError``.
         ring_bytes: CUDA backend: size of each staging ring in bytes (default 256 MiB).
         timeout_s: CUDA backend: a spin-wait that sees no progress for this long reports
             rank, peer and what it waited for, and the call raises (default
@@ -79,6 +90,12 @@ class Buffer:
             ``src_token`` -1); ``R`` and ``tokens_per_expert`` count them, ``combine`` never
             reads them. FP8 grouped GEMMs want 16 (32 for MXFP8): the dispatch writes the rows
             in place, so the experts need no padding copy of their own (docs/CONTRACT.md).
+        device: the device this Buffer works on; every tensor passed to it must be there
+            (``ValueError`` otherwise, before any communication). ``None``: the first tensor's
+            device, or for ``backend="cuda"`` the current CUDA device when the Buffer is made.
+            ``"cuda"`` (no index): ``torch.cuda.current_device()`` when the Buffer is first used
+            (made, for ``backend="cuda"``). Either way it is fixed from then on: the CUDA
+            backend's workspace lives on that GPU, and a tensor on another GPU is refused.
 
     Attributes:
         serial: an int unique to this Buffer in the process, never reused (not even after
@@ -104,6 +121,7 @@ class Buffer:
                             f"torch.float32, got {combine_partial_dtype}")
         if max_recv_tokens is not None and (not isinstance(max_recv_tokens, int) or max_recv_tokens < 0):
             raise ValueError(f"max_recv_tokens must be None or an int >= 0, got {max_recv_tokens!r}")
+        _check_num_sms(num_sms)
         if (not isinstance(expert_alignment, int) or isinstance(expert_alignment, bool)
                 or not 1 <= expert_alignment <= MAX_EXPERT_ALIGNMENT):
             raise ValueError(f"expert_alignment must be an int in [1, {MAX_EXPERT_ALIGNMENT}], "
@@ -137,7 +155,10 @@ class Buffer:
         """Send each routed token to the ranks of its experts.
 
         Args:
-            x: ``[T, H]`` tokens, the Buffer's dtype, contiguous; ``T`` may be 0. Or an FP8
+            x: ``[T, H]`` tokens, the Buffer's dtype, contiguous, on the Buffer's device;
+                ``T`` may be 0. The CUDA backend copies an ``x`` whose data pointer is not a
+                multiple of 16 bytes (a view at an element offset) before anything is sent:
+                its kernels move 16-byte vectors (docs/CONTRACT.md, "Errors"). Or an FP8
                 pair ``(x_fp8 [T, H] float8_e4m3fn, scales [T, S])`` (DeepEP's FP8 input,
                 ``megatron_mok/fp8.py``): the rows travel as FP8 with their scales and
                 ``tokens`` is the pair ``(rows_fp8 [R, H], row_scales [R, S])``, views of the
@@ -167,7 +188,7 @@ class Buffer:
         self._check_alive()
         pair = fp8.is_fp8_pair(x)
         # (The pair's own checks, its length first, come below; the backend only looks at a tensor.)
-        backend = self._backend_for(x[0] if pair and x else x)
+        backend = self._backend_for(x[0] if pair and x else x, "x_fp8" if pair else "x")
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("pass either (topk_idx, topk_weights) or handle=, not both")
@@ -204,7 +225,9 @@ class Buffer:
         """Sum each token's expert rows back on its own rank (unweighted).
 
         Args:
-            expert_out: ``[R, H]`` (the dispatch's row count), the Buffer's dtype, contiguous.
+            expert_out: ``[R, H]`` (the dispatch's row count), the Buffer's dtype, contiguous,
+                on the Buffer's device; copied first by the CUDA backend when its data pointer is
+                not a multiple of 16 bytes, as ``x`` of a dispatch.
             handle: the :class:`DispatchHandle` of the matching dispatch.
 
         Returns:
@@ -254,13 +277,19 @@ class Buffer:
                 + ")")
 
     # ------------------------------------------------------------------------------ internal
-    def _backend_for(self, t: torch.Tensor):
+    def _backend_for(self, t: torch.Tensor, arg: str = "x"):
         name = self.requested_backend
         is_tensor = isinstance(t, torch.Tensor)   # not one: the input checks raise the TypeError
         if name == "auto":
             name = "cuda" if is_tensor and t.is_cuda and "cuda" in available_backends() else "reference"
         if name == "cuda" and is_tensor and not t.is_cuda:
             raise ValueError(f"backend='cuda' needs CUDA tensors, got a tensor on {t.device}")
+        if name == "cuda" and is_tensor and name not in self._backends:
+            # Before the backend is made: it puts its workspace on the Buffer's device, which the
+            # first tensor fixes when none was given (else an auto Buffer first used on cuda:1
+            # would make it on the current device and read cuda:1 tensors from there). Later
+            # calls: the input checks compare every tensor's device with the Buffer's.
+            self._check_device(t.device, arg)
         return self._get_backend(name)
 
     def _get_backend(self, name: str):
@@ -276,9 +305,20 @@ class Buffer:
     def _check_device(self, device: torch.device, name: str) -> None:
         if self.device is None:
             self.device = device
-        elif device != self.device and not (device.type == self.device.type == "cuda"
-                                             and self.device.index is None):
+        elif device.type == "cuda" and self.device == _ANY_CUDA:
+            self._cuda_device()   # device="cuda": the current device, fixed at this first use
+        if device != self.device:
             raise ValueError(f"{name} is on {device}, but this Buffer works on {self.device}")
+
+    def _cuda_device(self) -> torch.device:
+        """The GPU of this Buffer's CUDA workspace, fixed on first call: ``device`` when it names
+        one; for ``None`` or ``"cuda"`` (no index) ``torch.cuda.current_device()`` now. The
+        CUDA backend makes its workspace there, and every later tensor must be on it."""
+        if self.device is None or self.device == _ANY_CUDA:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type != "cuda":
+            raise ValueError(f"backend='cuda' needs a CUDA device, but this Buffer works on {self.device}")
+        return self.device
 
     def _out_rows(self, num_rows: int) -> int:
         """Rows to allocate for ``R`` received rows: ``R``, or ``max_recv_tokens``."""

@@ -99,6 +99,19 @@ MUTANTS: List[Mutant] = [
            ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "static_overflow or static_shape"),
            "a static-shape dispatch one row over max_recv_tokens is not reported (its last row is "
            "lost silently)"),
+    Mutant("scan_overflow_counts_not_clamped", "layout/dispatch_layout.cu",
+           (("      out.tokens_per_expert[e] = min(static_cast<int64_t>(next), out.row_cap) -\n"
+             "                                 min(static_cast<int64_t>(first), out.row_cap);",
+             "      out.tokens_per_expert[e] = next - first;"),),
+           ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "static_overflow"),
+           "a static-shape dispatch over max_recv_tokens reports counts of rows it did not write "
+           "(their sum past max_recv_tokens): experts that read their counts run past the rows"),
+    Mutant("api_combine_alignment_unchecked", "api/mok_api.cu",
+           (("if ((row_cap > 0 && (eo == 0 || eo % 16 != 0)) || (num_tokens > 0 && (yp == 0 || yp % 16 != 0)))",
+             "if (false)"),),
+           ("tests/test_cuda_library_abi.py", "-k", "combine_refuses_misaligned"),
+           "the combine launches on a misaligned expert_out or y (its 16-byte vector loads end the "
+           "CUDA context) instead of refusing it"),
     Mutant("transfer_static_padding_not_zeroed", "kernels/dispatch_transfer.cu",
            (("       v += static_cast<size_t>(n_warps) * kWarpSize)\n    out[v] = zero;",
              "       v += static_cast<size_t>(n_warps) * kWarpSize)\n    (void)out[v];"),),

@@ -55,6 +55,7 @@ SUITE = "benchmarks/bench_dispatch_combine.py"
 BCOMMON = "benchmarks/common.py"
 A2A = "benchmarks/baselines/alltoall.py"
 ERR = "megatron_mok/cuda/errors.py"
+CBE = "megatron_mok/cuda/backend.py"
 VER = "megatron_mok/megatron/versions.py"
 PM = "megatron_mok/cuda/peer_memory.py"
 LAUNCH = "megatron_mok/launch.py"
@@ -81,6 +82,7 @@ BINDT = "tests/test_bindings_constants.py"
 PMT = "tests/test_peer_memory.py"
 MG_ENTRY = "tests/megatron/test_megatron_entrypoints.py"
 SAFETY = "tests/test_handle_safety.py"
+INPUTS = "tests/test_input_checks.py"
 REF_ALL = [CONTRACT, AUTOGRAD, CACHED, STATIC, ALIGN, RPE, DETERM]
 
 
@@ -199,6 +201,18 @@ MUTANTS: List[Mutant] = [
       'check_values=backend.name != "reference"', [ERRORS]),
     M("buf_partial_dtype_fp16_accepted", BUF, "if partial not in (dtype, torch.float32):",
       "if partial not in (dtype, torch.float32, torch.float16):", [ERRORS]),
+    M("buf_num_sms_zero_accepted", BUF, "or isinstance(num_sms, bool) or num_sms < 1):",
+      "or isinstance(num_sms, bool) or num_sms < 0):", [INPUTS]),
+    M("buf_unindexed_cuda_not_resolved", BUF,
+      "self._cuda_device()   # device=\"cuda\": the current device, fixed at this first use",
+      "return", [INPUTS]),
+    M("buf_backend_made_before_the_device_is_known", BUF,
+      "if name == \"cuda\" and is_tensor and name not in self._backends:",
+      "if False:", [INPUTS]),
+    # ------------------------------------------------------------------- CUDA backend (host)
+    M("cuda_other_gpu_accepted", CBE, "if t.device != self.device:", "if False:", [INPUTS]),
+    M("cuda_misaligned_rows_passed", CBE, "if t.numel() and t.data_ptr() % ALIGN_BYTES:",
+      "if False:", [INPUTS]),
     # ------------------------------------------------------------------------ autograd
     M("ag_want_w_of_x", AG, "want_w = ctx.needs_input_grad[3]",
       "want_w = ctx.needs_input_grad[2]", [AUTOGRAD]),

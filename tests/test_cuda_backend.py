@@ -20,7 +20,7 @@ import torch.distributed as dist
 import oracle
 from harness import (ALIGNMENT_CASES, DTYPES, _buffer, capture_in_turn, check_alignment_case, check_and_destroy, settle, assert_bitwise, assert_same_results, backward_by_hand,
                      contract_cases, full_pass, gpus_for, in_loopback, loopback_barrier, make_inputs, rank_device, run_distributed,
-                     spec_inputs, sync_device)
+                     seeded, spec_inputs, sync_device)
 from test_cached_dispatch import check_cached_case
 from test_static_shape import _overflow, check_static_case
 
@@ -1157,6 +1157,231 @@ def test_cuda_static_overflow_raises(world_size):
     assert got == ["ok"] * (world_size - 1) + ["raised"]
 
 
+def _static_overflow_counts(rank, world_size, alignment, backend="cuda"):
+    """Static shape with more rows than ``max_recv_tokens``: ``M = 5 R / 8`` on each rank (``R``
+    this rank's rows, ``expert_alignment``'s zero rows included; at world size 1, inside the
+    third expert's rows). The rows written are the first ``M`` in contract order, and what the user
+    can read without the error check counts only those: ``tokens_per_expert`` (each expert's
+    rows below ``M``; the kernel once reported every received row, their sum past ``M``, so an
+    expert that trusted its count read past the rows) and ``num_rows_device`` (``M``). The
+    overflow is still raised at the next host read (``check_errors``). The reference backend
+    raises at the dispatch itself, its host read (docs/CONTRACT.md, "Static shape"). Returns
+    whether this rank overflowed."""
+    dev = rank_device(rank)
+    spec = dict(T=([40, 33, 47, 21] * 2)[:world_size], T_max=48, E=4 * world_size, H=64, K=4,
+                case="random", idx_dtype=torch.int64)
+    x, idx, w = spec_inputs(spec, world_size, torch.bfloat16, 91 + alignment, device=dev)[rank]
+    kw = dict(device=dev, expert_alignment=alignment, timeout_s=20)
+    plain = _buffer(spec, torch.bfloat16, backend, **kw)
+    p = plain.dispatch(x, idx, w)
+    counts = [int(c) for c in p.tokens_per_expert.tolist()]
+    R = sum(counts)
+    M = R * 5 // 8
+    over = R > M
+    cum = [sum(counts[:e]) for e in range(len(counts) + 1)]
+    want = [min(cum[e + 1], M) - min(cum[e], M) for e in range(len(counts))]
+    static = _buffer(spec, torch.bfloat16, backend, max_recv_tokens=M, **kw)
+    message = rf"received {R} rows, more than max_recv_tokens={M}"
+    tag = f"[rank {rank} A={alignment} R={R} M={M}]"
+    if backend == "reference" and over:
+        with pytest.raises(RuntimeError, match=message):
+            static.dispatch(x, idx, w)
+    else:
+        res = static.dispatch(x, idx, w)
+        # Host reads of the outputs, not of the error report: the error is still pending.
+        got = [int(c) for c in res.tokens_per_expert.tolist()]
+        assert got == want, f"tokens_per_expert {got}, want the rows written {want} {tag}"
+        assert sum(got) == min(R, M) <= res.tokens.shape[0] == M, tag
+        assert int(res.handle.num_rows_device.reshape(-1)[0]) == min(R, M), f"num_rows_device {tag}"
+        n = min(R, M)
+        for k in ("tokens", "probs", "src_rank", "src_token"):
+            assert_bitwise(getattr(res, k)[:n], getattr(p, k)[:n], f"{k}: the first M rows {tag}")
+        if over:
+            with pytest.raises(RuntimeError, match=message):
+                static.check_errors()
+        else:
+            static.check_errors()
+    plain.check_errors()
+    for b in (plain, static):
+        b.destroy()
+    return over
+
+
+def _tensors_on_another_gpu(rank, world_size):
+    """A Buffer's CUDA workspace is on one GPU, and a tensor on another is refused before any
+    launch, whichever way the Buffer got its device: ``device="cuda"`` (the current device at
+    first use; it once accepted every GPU), ``backend="cuda"`` with no device (the current
+    device when made), ``backend="auto"`` with no device (the first tensor's GPU: the workspace
+    is made there, also while another device is current). The Buffer stays usable after a
+    refusal. One process (world size 1), two GPUs."""
+    d0, d1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert torch.cuda.current_device() == 0
+    E, H, K, T = 4, 64, 2, 16
+    x, idx, w = make_inputs(3, 1, [T], E, H, K, torch.bfloat16)[0]
+
+    def on(d):
+        return x.to(d), idx.to(d), w.to(d)
+
+    def refused(arg, got, want):
+        return pytest.raises(ValueError, match=rf"{arg} is on cuda:{got}, but this Buffer works on cuda:{want}")
+
+    ref = mok_buffer(E, H, K, T, torch.bfloat16, "reference", "cpu")
+    want = ref.dispatch(*on("cpu"))
+    want_y = ref.combine(want.tokens, want.handle)
+
+    def works(buf, d):
+        res = buf.dispatch(*on(d))
+        assert_bitwise(res.tokens, want.tokens.to(d), f"tokens on {d}")
+        assert_bitwise(buf.combine(res.tokens, res.handle), want_y.to(d), f"y on {d}")
+        return res
+
+    buf = mok_buffer(E, H, K, T, torch.bfloat16, "auto", "cuda")
+    with refused("x", 1, 0):
+        buf.dispatch(*on(d1))
+    assert buf.device == d0
+    res = works(buf, d0)
+    with refused("expert_out", 1, 0):
+        buf.combine(res.tokens.to(d1), res.handle)
+    with refused("x", 1, 0):
+        buf.dispatch(x.to(d1), handle=res.handle)
+    check_and_destroy(buf)
+
+    buf = mok_buffer(E, H, K, T, torch.bfloat16, "cuda", None)
+    assert buf.device == d0 and buf._get_backend("cuda").device == d0
+    with refused("x", 1, 0):
+        buf.dispatch(*on(d1))
+    works(buf, d0)
+    check_and_destroy(buf)
+
+    buf = mok_buffer(E, H, K, T, torch.bfloat16, "auto", None)
+    with torch.cuda.device(1):
+        works(buf, d1)
+    assert buf.device == d1 and buf._get_backend("cuda").device == d1
+    with refused("x", 0, 1):
+        buf.dispatch(*on(d0))
+    check_and_destroy(buf)
+
+    buf = mok_buffer(E, H, K, T, torch.bfloat16, "auto", None)
+    works(buf, d0)
+    with refused("x", 1, 0):
+        buf.dispatch(*on(d1))
+    check_and_destroy(buf)
+    return True
+
+
+def _fake_tensor_elsewhere(rank, world_size):
+    """One GPU: a real CUDA Buffer on cuda:0 given (fake) tensors on cuda:1 refuses them, at the
+    Buffer and at its backend's own guard, before anything is allocated or launched, and then
+    still works. ``None`` if this torch cannot make fake tensors on cuda:1."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    d0 = torch.device("cuda", 0)
+    E, H, K, T = 4, 64, 2, 16
+    try:
+        with FakeTensorMode():
+            fx = torch.empty(T, H, dtype=torch.bfloat16, device="cuda:1")
+            fi = torch.zeros(T, K, dtype=torch.int64, device="cuda:1")
+            fw = torch.empty(T, K, dtype=torch.float32, device="cuda:1")
+    except Exception:  # noqa: BLE001  (no fake device past the visible ones: nothing to test)
+        return None
+    buf = mok_buffer(E, H, K, T, torch.bfloat16, "cuda", "cuda")
+    backend = buf._get_backend("cuda")
+    with pytest.raises(ValueError, match=r"x is on cuda:1, but this Buffer works on cuda:0"):
+        buf.dispatch(fx, fi, fw)
+    with pytest.raises(ValueError, match=r"x is on cuda:1, but this Buffer's CUDA workspace is on cuda:0"):
+        backend.dispatch(fx, fi, fw)
+    with pytest.raises(ValueError, match=r"expert_out is on cuda:1, but this Buffer's CUDA workspace"):
+        backend.combine(fx, None)
+    x, idx, w = make_inputs(3, 1, [T], E, H, K, torch.bfloat16, device=d0)[0]
+    res = buf.dispatch(x, idx, w)
+    buf.combine(res.tokens, res.handle)
+    check_and_destroy(buf)
+    return True
+
+
+def _off_by(t, elems):
+    """``t``'s values in a contiguous view ``elems`` elements into a larger storage: its data
+    pointer ``elems x`` the element size past the allocation's alignment."""
+    big = torch.zeros(t.numel() + elems, dtype=t.dtype, device=t.device)
+    view = big[elems:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def _misaligned_rows(rank, world_size, backend="cuda"):
+    """Rows at addresses that are not multiples of 16 bytes: ``x`` of a dispatch and of a cached
+    dispatch, ``expert_out`` of a combine, and the gradients the backward passes hand to the
+    backend (a slice of ``torch.cat``'s gradient). The library's kernels move 16-byte vectors:
+    it refused such an ``x`` only at its transfer step, after the layout had published the
+    routing (the peers then waited until their timeout), and read ``expert_out`` misaligned.
+    Each result must equal the aligned call's bitwise, eager and static shape (the CUDA backend
+    copies such rows before its first launch: ``misaligned_copies`` counts them)."""
+    dev = rank_device(rank)
+    spec = contract_cases(world_size)["random"]
+    dt = torch.bfloat16
+    x, idx, w = spec_inputs(spec, world_size, dt, 17, device=dev)[rank]
+    H = spec["H"]
+    for extra in ({}, {"max_recv_tokens": spec["T_max"] * spec["K"] * world_size}):
+        buf = _buffer(spec, dt, backend, device=dev, timeout_s=20, **extra)
+        cuda_b = buf._get_backend("cuda") if backend == "cuda" else None
+
+        def copies():
+            return cuda_b.misaligned_copies if cuda_b is not None else None
+
+        def copied(before, n):
+            if cuda_b is not None:
+                assert copies() - before == n, f"{copies() - before} copies, {n} expected {extra}"
+
+        tag = f"[rank {rank} {extra}]"
+        a = buf.dispatch(x, idx, w)
+        c0 = copies()
+        xm = _off_by(x, 1)
+        assert xm.data_ptr() % 16 != 0 or x.numel() == 0
+        b = buf.dispatch(xm, idx, w)
+        copied(c0, int(x.numel() > 0))
+        for k in ("tokens", "probs", "src_rank", "src_token", "tokens_per_expert"):
+            assert_bitwise(getattr(b, k), getattr(a, k), f"dispatch {k} {tag}")
+        eo = (a.tokens.float() * 1.5).to(dt)
+        c0 = copies()
+        assert_bitwise(buf.combine(_off_by(eo, 3), a.handle), buf.combine(eo, a.handle), f"combine {tag}")
+        copied(c0, int(eo.numel() > 0))
+        c0 = copies()
+        assert_bitwise(buf.dispatch(xm, handle=a.handle).tokens, buf.dispatch(x, handle=a.handle).tokens,
+                       f"cached dispatch {tag}")
+        copied(c0, int(x.numel() > 0))
+
+        # Backward: the tokens' gradient as a slice of cat's (1 element in: misaligned) reaches
+        # the dispatch's backward (a combine); then y's reaches the combine's (a cached dispatch).
+        grads = []
+        for misaligned in (True, False):
+            xg = x.clone().requires_grad_(True)
+            r = buf.dispatch(xg, idx, w)
+            gt = seeded(rank + 5, (r.tokens.numel() + 1,), device=dev)
+            c0 = copies()
+            if misaligned:
+                loss = (torch.cat([r.tokens.new_zeros(1), r.tokens.flatten()]).float() * gt).sum()
+            else:
+                loss = (r.tokens.float() * gt[1:].view(r.tokens.shape)).sum()
+            loss.backward()
+            copied(c0, int(misaligned and r.tokens.numel() > 0))
+            eg = eo.clone().requires_grad_(True)
+            y = buf.combine(eg, a.handle)
+            gy = seeded(rank + 7, (y.numel() + 1,), device=dev)
+            c0 = copies()
+            if misaligned:
+                loss = (torch.cat([y.new_zeros(1), y.flatten()]).float() * gy).sum()
+            else:
+                loss = (y.float() * gy[1:].view(y.shape)).sum()
+            loss.backward()
+            copied(c0, int(misaligned and y.numel() > 0))
+            grads.append((xg.grad, eg.grad))
+        assert_bitwise(grads[0][0], grads[1][0], f"grad x through a misaligned grad_tokens {tag}")
+        assert_bitwise(grads[0][1], grads[1][1], f"grad expert_out through a misaligned grad_y {tag}")
+        assert H * dt.itemsize % 16 == 0
+        check_and_destroy(buf)
+    return True
+
+
 def _cuda_input_errors(rank, world_size):
     dev = rank_device(rank)
     buf = mok_buffer(2 * world_size, 64, 2, 16, torch.bfloat16, "cuda", dev)
@@ -1169,6 +1394,34 @@ def _cuda_input_errors(rank, world_size):
         mok_buffer(2 * world_size, 60, 2, 16, torch.bfloat16, "cuda", dev)
     buf.destroy()
     return True
+
+
+@pytest.mark.parametrize("alignment", (1, 16))
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.gpu)] + GPU_WORLD_SIZES)
+def test_cuda_static_overflow_counts_match_written_rows(world_size, alignment):
+    over = run_distributed(_static_overflow_counts, world_size, alignment, backend="nccl",
+                           timeout=120, fresh=True)
+    assert any(over), "no rank overflowed: the test proves nothing"
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_cuda_tensors_on_another_gpu_are_refused():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 visible GPUs in one process")
+    run_distributed(_tensors_on_another_gpu, 1, backend="nccl", timeout=120, fresh=True)
+
+
+@pytest.mark.gpu
+def test_cuda_tensor_on_another_gpu_is_refused_before_any_launch():
+    got = run_distributed(_fake_tensor_elsewhere, 1, backend="nccl", timeout=120, fresh=True)
+    if got == [None]:
+        pytest.skip("this torch makes no fake tensors on cuda:1 here")
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.gpu)] + GPU_WORLD_SIZES)
+def test_cuda_misaligned_rows_are_copied(world_size):
+    run_distributed(_misaligned_rows, world_size, backend="nccl", timeout=180, fresh=True)
 
 
 @pytest.mark.gpu
@@ -1291,3 +1544,14 @@ def test_rows_per_expert_code_runs_on_cpu():
     run_distributed(_fixed_rows_vs_reference, 2, "random", 413, 16, 5, "reference")
     gaps = run_distributed(_alignment_big_layout, 2, {}, 1, "reference", 2)
     assert min(gaps) >= 2 * 128
+
+
+def test_static_overflow_counts_code_runs_on_cpu():
+    """The reference raises at the overflowing rank's dispatch; the other ranks' checks run."""
+    for alignment in (1, 16):
+        over = run_distributed(_static_overflow_counts, 2, alignment, "reference")
+        assert any(over)
+
+
+def test_misaligned_rows_code_runs_on_cpu():
+    run_distributed(_misaligned_rows, 2, "reference")

@@ -316,6 +316,37 @@ def test_combine_refuses_a_bad_row_width_before_launching(hidden):
         lib.mok_destroy(ctx)
 
 
+@pytest.mark.parametrize("expert_out, y, rows, tokens", [
+    (0x1000 + 2, 0x2000, 8, 4),     # expert_out 2 bytes past a 16-byte boundary (a bf16 view at +1)
+    (0x1000 + 8, 0x2000, 8, 4),
+    (None, 0x2000, 8, 4),           # rows to read, no pointer
+    (0x1000, 0x2000 + 4, 8, 4),     # y misaligned
+])
+def test_combine_refuses_misaligned_rows_before_launching(expert_out, y, rows, tokens):
+    """The combine's kernels load expert_out and store y as 16-byte vectors: a misaligned
+    pointer is refused with a message (it reached the kernel before, whose misaligned load ends
+    the CUDA context). The pointers are fake: the check comes before any launch."""
+    lib = library.get()
+    ctx = _with_fake_peers(lib)
+    try:
+        assert lib.mok_combine(ctx, None, None, expert_out, None, tokens, y, None, rows, 0, 0, 24, 4, 0) != 0
+        assert "16-byte aligned" in lib.mok_last_error().decode(), lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(ctx)
+
+
+def test_combine_without_rows_or_tokens_needs_no_pointers():
+    """No rows (row_cap 0) and no tokens: nothing is read or written, null pointers pass the
+    alignment check (the call then fails at its launch here, without a GPU, not before)."""
+    lib = library.get()
+    ctx = _with_fake_peers(lib)
+    try:
+        lib.mok_combine(ctx, None, None, None, None, 0, None, None, 0, 0, 0, 24, 4, 0)
+        assert "16-byte aligned" not in lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(ctx)
+
+
 @pytest.mark.parametrize("steps", [0, 16, 1 | 32, -1])
 def test_dispatch_launch_refuses_unknown_steps(steps):
     lib = library.get()

@@ -22,7 +22,8 @@ from test_cuda_backend import (ALT_SCHEDULES, _alignment_big_layout, _alignment_
                                _lagging_reader, _missing_peer, _reader_past_its_wait, _overflow_cuda, _repeats_and_sms, _ring_wrap,
                                _ring_reused_every_call, _scan_tiles_calls, _speculative_calls, _speculative_mismatch,
                                _split_calls, _static_cuda, _streamed_produce_calls,
-                               _fixed_rows_vs_reference, _rows_overflow, _rows_overflow_on_rank0_only)
+                               _fixed_rows_vs_reference, _rows_overflow, _rows_overflow_on_rank0_only,
+                               _misaligned_rows, _static_overflow_counts)
 
 ALL_SIZES = (2, 3, 4, 8)
 # Every case at the world sizes a 2-GPU machine cannot give; a sample at 2 (also run on
@@ -354,6 +355,17 @@ def test_loopback_static_overflow_raises():
 
 
 @gpu
+@pytest.mark.parametrize("alignment", (1, 16))
+def test_loopback_static_overflow_counts_match_written_rows(alignment):
+    assert any(run_loopback(_static_overflow_counts, 3, alignment, timeout=120))
+
+
+@gpu
+def test_loopback_misaligned_rows_are_copied():
+    run_loopback(_misaligned_rows, 3, timeout=180)
+
+
+@gpu
 def test_loopback_bad_expert_id_is_an_error():
     assert run_loopback(_bad_expert_id_cuda, 4, timeout=120) == [True] * 4
 
@@ -470,6 +482,11 @@ def test_backward_by_hand_matches_autograd(name):
     """The GPU loopback tests take the reference's gradients from ``backward_by_hand``: it
     must give autograd's bits."""
     assert run_loopback(_by_hand_matches_autograd, 3, name, device="cpu") == [True] * 3
+
+
+def test_loopback_input_checks_code_runs_on_cpu():
+    assert any(run_loopback(_static_overflow_counts, 3, 16, "reference", device="cpu", timeout=120))
+    run_loopback(_misaligned_rows, 3, "reference", device="cpu", timeout=120)
 
 
 def test_loopback_ring_code_runs_on_cpu():

@@ -393,6 +393,10 @@ int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert
     return fail("combine hidden must be 0 (the Buffer's hidden) or a multiple of 8 in [8, hidden]");
   if (partial_code != dtype_code && partial_code != kFP32)
     return fail("the combine partial dtype must be the token dtype or float32");
+  // As the dispatch's rows (resolve_source): a misaligned vector load would end the CUDA context.
+  const uintptr_t eo = reinterpret_cast<uintptr_t>(expert_out), yp = reinterpret_cast<uintptr_t>(y);
+  if ((row_cap > 0 && (eo == 0 || eo % 16 != 0)) || (num_tokens > 0 && (yp == 0 || yp % 16 != 0)))
+    return fail("the combine's expert_out and y must be non-null and 16-byte aligned");
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
   TransferArgs t{num_tokens, num_blocks, num_producers, row_cap, kTransferBoth};
   return check_launch(launch_combine_transfer(ctx->comm, h, t, expert_out, grad_probs, y, grad_w,

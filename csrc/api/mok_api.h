@@ -43,7 +43,10 @@ int mok_set_host_report(MokContext* ctx, void* host_report);
  * rows_per_expert N >= 0: every local expert gets exactly N rows, its received rows then zero
  * rows (R = E_local * N; a multiple of expert_alignment; not speculative). An expert with more
  * than N rows: the rows past N are dropped (not written, not combined) and the error report
- * says so (code 6, a data error: the protocol goes on). -1: rows as received (or aligned). */
+ * says so (code 6, a data error: the protocol goes on). -1: rows as received (or aligned).
+ * tokens_per_expert [E_local + 1]: the rows of each local expert, then R, counting only rows
+ * below row_cap: with more rows than row_cap (static shape: code 3 in the error report) the
+ * counts are of the rows written, and sum to row_cap. */
 int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
                         int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
                         int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap,
@@ -118,7 +121,9 @@ int mok_pdl(const MokContext* ctx);
 /* hidden (elements of expert_out's and y's rows): 0 = the Buffer's hidden; else a multiple of 8
  * no larger. Every rank of a group passes the same in a call (partials are read at this pitch).
  * A narrow call carries the prob gradients with next to no row data: the FP8 dispatch's
- * backward, whose tokens have no gradient, runs it with hidden = 8 and zero rows. */
+ * backward, whose tokens have no gradient, runs it with hidden = 8 and zero rows.
+ * expert_out (with row_cap > 0 rows) and y (with num_tokens > 0) are non-null and 16-byte
+ * aligned: the kernels move 16-byte vectors (refused before any launch otherwise). */
 int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert_out,
                 const float* grad_probs, int num_tokens, void* y, float* grad_w,
                 int64_t row_cap, int dtype_code, int partial_code, int num_blocks,

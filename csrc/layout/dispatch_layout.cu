@@ -332,11 +332,15 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
     if (out.rows_per_expert >= 0 || c.ws.cfg.expert_alignment > 1)
       rows = pad_experts<THREADS, ITEMS>(c, h, rows, out.rows_per_expert);
     layout_stamp(c, 0, kStScanRows);
-    // tokens_per_expert: the distance between consecutive experts' first rows.
+    // tokens_per_expert: the distance between consecutive experts' first rows, counting only
+    // rows below row_cap: past it (static shape, more rows than max_recv_tokens: kRecvOverflow,
+    // raised at the next host read) nothing is written, and counts that summed past the rows
+    // the user holds would send an expert GEMM beyond them. Eager calls' row_cap bounds no row.
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
       const int first = h.chunk_rows[HandleArrays::group(c.ws.cfg, e, 0, 0)];
       const int next = e + 1 < E ? h.chunk_rows[HandleArrays::group(c.ws.cfg, e + 1, 0, 0)] : rows;
-      out.tokens_per_expert[e] = next - first;
+      out.tokens_per_expert[e] = min(static_cast<int64_t>(next), out.row_cap) -
+                                 min(static_cast<int64_t>(first), out.row_cap);
     }
     // Tasks in (source, chunk) order.
     for (int i = threadIdx.x; i < W * cpc; i += blockDim.x) h.task_base[i] = h.chunk_tasks[i];
@@ -380,7 +384,9 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
       h.totals[0] = rows;
       h.totals[1] = tasks;
       h.totals[2] = over;
-      out.tokens_per_expert[E] = rows;  // R on the device, int64, after the E_local counts
+      // R on the device, int64, after the E_local counts: the rows written (clamped as the
+      // counts are; h.totals[0] and the error report keep the rows received).
+      out.tokens_per_expert[E] = min(static_cast<int64_t>(rows), out.row_cap);
       if (rows > out.row_cap) report_error(c, kRecvOverflow, -1, kWaitNone, rows);
       totals[0] = rows;
       totals[1] = tasks;

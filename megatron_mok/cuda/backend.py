@@ -55,6 +55,10 @@ SPEC_MARGIN, SPEC_HISTORY = 1.10, 8
 META_SLOTS = 16
 # Most routes per token and ranks per Buffer (csrc/include/mok/config.h kMaxTopk, kMaxRanks).
 MAX_TOPK, MAX_RANKS = 32, 64
+# The kernels and the copy-engine staging move rows as 16-byte vectors (int4 loads and stores):
+# every row source must start at a multiple of 16 bytes (its rows are multiples of 16 bytes:
+# hidden % 8 == 0, checked when the backend is made).
+ALIGN_BYTES = 16
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -72,6 +76,21 @@ class CudaLayout:
     """Backend-private part of a handle: the device layout arrays (``csrc`` HandleArrays)."""
 
     scratch: torch.Tensor   # uint8, carved by HandleArrays::make
+
+
+def aligned_rows(t):
+    """``t``, or a contiguous copy of it when its data pointer is not a multiple of
+    ``ALIGN_BYTES`` (16) bytes: a view at an element offset, e.g. ``big.view(-1)[1:].view(T, H)``
+    or a slice of a gradient that autograd handed over (the allocator aligns the copy).
+
+    Copied, not refused, as the FP8 pair's sources are (``fp8.dispatch_rows``): a refusal on one
+    rank would leave its peers, which go on into the call, waiting for it until their timeout,
+    and the copy costs one read and one write of the rows on this rank alone (no peer needs to
+    know: the rows' size and layout do not change). Tensors without elements are read by
+    nobody and pass as they are; an FP8 pair's ``PairRows`` is aligned when it is made."""
+    if t.numel() and t.data_ptr() % ALIGN_BYTES:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def _env_int(name: str, default: int) -> int:
@@ -106,10 +125,11 @@ class CudaBackend:
         if buf.world_size > MAX_RANKS or buf.topk > MAX_TOPK:
             raise ValueError(f"the CUDA backend supports up to {MAX_RANKS} ranks and topk <= "
                              f"{MAX_TOPK}, got {buf.world_size} ranks and topk {buf.topk}")
-        dev = buf.device if buf.device is not None else torch.device("cuda", torch.cuda.current_device())
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+        # The workspace's GPU; the Buffer's device is fixed to it (device=None or "cuda": the
+        # current device, now), so that a tensor on another GPU is refused from here on.
+        dev = buf._cuda_device()
         self.device = dev
+        self.misaligned_copies = 0  # inputs copied to a 16-byte aligned address (aligned_rows)
         elem = torch.tensor([], dtype=buf.dtype).element_size()
         pelem = torch.tensor([], dtype=buf.combine_partial_dtype).element_size()
         self.chunk_tokens = _env_int("MOK_CHUNK_TOKENS", DEFAULT_CHUNK_TOKENS)
@@ -278,6 +298,20 @@ class CudaBackend:
         if self.broken:
             raise MokDeviceError(self.broken)
 
+    def _rows(self, t, name: str):
+        """A tensor whose rows the kernels read (``x`` of a dispatch, ``expert_out`` of a combine,
+        and the gradients the backward passes hand to them), checked before anything is
+        allocated, queued or published: on this backend's GPU (else ``ValueError``: the kernels
+        would read another device's memory at its addresses, or fault), and 16-byte aligned
+        (else copied: :func:`aligned_rows`)."""
+        if t.device != self.device:
+            raise ValueError(f"{name} is on {t.device}, but this Buffer's CUDA workspace is on "
+                             f"{self.device}: every tensor passed to it must be on that GPU")
+        out = aligned_rows(t)
+        if out is not t:
+            self.misaligned_copies += 1
+        return out
+
     def _raise_if_error(self, words) -> None:
         """Raise :class:`MokDeviceError` if ``words`` (the error report's first 8 int32, a list
         or a ctypes array) hold an error."""
@@ -319,6 +353,7 @@ class CudaBackend:
     # ---------------------------------------------------------------------------- dispatch
     def dispatch(self, x, topk_idx, topk_weights, rows_per_expert=None):
         self._alive()
+        x = self._rows(x, "x")  # before the layout publishes anything (a refusal or a copy)
         b = self.buf
         T = x.shape[0]
         stream = self._stream()
@@ -633,6 +668,7 @@ class CudaBackend:
 
     def dispatch_cached(self, x, handle: DispatchHandle):
         self._alive()
+        x = self._rows(x, "x")
         out = self._rows_like(x, handle.num_out_rows)
         if self.ce_stage:   # staging and transfer in one library call
             self._launch(bindings.STEP_STAGE_COPY | bindings.STEP_TRANSFER, self._stream(),
@@ -645,6 +681,7 @@ class CudaBackend:
     # ----------------------------------------------------------------------------- combine
     def combine(self, expert_out, handle: DispatchHandle, grad_probs=None):
         self._alive()
+        expert_out = self._rows(expert_out, "expert_out")  # the library does not check its alignment
         b = self.buf
         T = handle.num_tokens
         y = torch.empty(T, expert_out.shape[1], dtype=b.dtype, device=expert_out.device)
