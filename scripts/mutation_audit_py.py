@@ -251,6 +251,11 @@ MUTANTS: List[Mutant] = [
     M("cfg_empty_scopes_not_whole_layer", CFG,
       'whole_layer = not scopes or "full" in scopes', 'whole_layer = "full" in scopes',
       [MG_INSTALL]),
+    M("cfg_full_iteration_accepted", CFG, 'if impl == "full_iteration" and not drop_and_pad:',
+      "if False:", [MG_INSTALL]),
+    M("ver_full_iteration_016_without_impl", VER,
+      '        elif impl == "local":\n            impl = "full_iteration"',
+      '        else:\n            impl = "full_iteration"', [MG_INSTALL]),
     M("cfg_tmax_zero_accepted", CFG, "if t_max is not None and t_max <= 0:",
       "if t_max is not None and t_max < 0:", [MG_INSTALL]),
     # ---------------------------------------------------------------- launch policy

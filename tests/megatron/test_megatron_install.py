@@ -427,6 +427,78 @@ def test_cuda_graph_scopes(scopes, drop_and_pad, needle):
         assert len(problems) == 1 and needle in problems[0], problems
 
 
+# The spellings of a full-iteration graph (one graph over the whole forward-backward, every
+# dispatch in it), before and after Megatron's __post_init__ normalises them: 0.18 / 0.19
+# cuda_graph_impl='full_iteration', to which the deprecated module name 'full_iteration'
+# migrates from 'none' or 'local'; 0.16 / 0.17 cuda_graph_impl='local' with the scope
+# 'full_iteration' (impl 'none' captures nothing there); the deprecated enable_cuda_graph flag
+# counts as 'local'. A config with a cuda_graph_modules field follows 0.18 / 0.19.
+_FULL_ITERATION = "CUDA graphs capture the whole training iteration"
+
+
+@pytest.mark.parametrize("fields,full", [
+    (dict(cuda_graph_impl="full_iteration", cuda_graph_modules=[]), True),         # 0.19
+    (dict(cuda_graph_impl="full_iteration", cuda_graph_modules="full"), True),     # unnormalised
+    (dict(cuda_graph_impl="local", cuda_graph_modules="full_iteration"), True),    # deprecated
+    (dict(cuda_graph_impl="none", cuda_graph_modules=["full_iteration"]), True),
+    (dict(cuda_graph_impl="none", cuda_graph_modules="full", cuda_graph_scope="full_iteration"),
+     True),                                                   # 0.19's deprecated scope field
+    (dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]), True),    # 0.16
+    (dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration"), True),
+    (dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration,attn"), True),
+    (dict(cuda_graph_impl="none", enable_cuda_graph=True, cuda_graph_scope="full_iteration"),
+     True),
+    (dict(cuda_graph_impl="none", cuda_graph_scope="full_iteration"), False),      # 0.16: none
+    (dict(cuda_graph_impl="local", cuda_graph_scope=["attn"]), False),
+])
+@pytest.mark.parametrize("drop_and_pad", [False, True])
+def test_full_iteration_cuda_graph_needs_drop_and_pad(fields, full, drop_and_pad):
+    # A dropless dispatch reads its row count on the host: it cannot be in a graph, and a
+    # full-iteration graph has every dispatch in it. Drop-and-pad's dispatch reads nothing
+    # while captured (as with the 'moe' scope), so there it is not refused.
+    import types
+    from megatron_mok.megatron.config import config_problems
+
+    cfg = types.SimpleNamespace(moe_token_dispatcher_type="mok", num_moe_experts=8,
+                                expert_tensor_parallel_size=1, tensor_model_parallel_size=1,
+                                moe_pad_expert_input_to_capacity=drop_and_pad,
+                                moe_expert_capacity_factor=1.0 if drop_and_pad else None, **fields)
+    problems = [q for q in config_problems(cfg) if "CUDA graph" in q]
+    if full and not drop_and_pad:
+        assert len(problems) == 1 and _FULL_ITERATION in problems[0], problems
+        # says what to use instead
+        for hint in ("moe_pad_expert_input_to_capacity", "'moe_router' / 'moe_preprocess'",
+                     "disable CUDA graphs"):
+            assert hint in problems[0], (hint, problems[0])
+    else:
+        assert problems == [], problems
+    from megatron_mok.megatron.versions import cuda_graph_impl
+
+    assert (cuda_graph_impl(cfg) == "full_iteration") == full
+
+
+def test_full_iteration_cuda_graph_refused_by_this_megatron_core():
+    # The installed release's own spelling, through TransformerConfig (the check runs before
+    # and after its __post_init__): 0.18+ cuda_graph_impl='full_iteration', 0.16 / 0.17
+    # cuda_graph_impl='local' with the scope 'full_iteration'.
+    from megatron_mok.megatron.harness import graph_scope_kwargs
+
+    fields = {f.name for f in dataclasses.fields(_cfg().__class__)}
+    if "cuda_graph_modules" in fields:
+        graph = dict(cuda_graph_impl="full_iteration")
+    else:
+        graph = dict(cuda_graph_impl="local", **graph_scope_kwargs(["full_iteration"]))
+    with pytest.raises(mm.MokConfigError, match=_FULL_ITERATION):
+        _cfg(**graph)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = _cfg(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True, **graph)
+    assert mm.config_problems(cfg) == []
+    # the normalised config is refused too (MoELayer checks it again when it builds the layer)
+    cfg.moe_pad_expert_input_to_capacity = False
+    assert any(_FULL_ITERATION in q for q in mm.config_problems(cfg))
+
+
 @pytest.mark.parametrize("impl,scopes,ok", [
     ("local", ["moe_router", "moe_preprocess"], False),
     ("local", "moe_router", False),
