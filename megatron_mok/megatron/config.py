@@ -155,6 +155,32 @@ def _knob(config, name: str, default=None):
     return env if env not in (None, "") else default
 
 
+# When the device errors of the shared Buffers are read (MOK_CHECK_ERRORS). Process-wide, so
+# read from the environment only (no config attribute: the per-step check is not a layer's).
+CHECK_ERRORS_ENV = "MOK_CHECK_ERRORS"
+CHECK_ERRORS_MODES = ("step", "call", "off")
+
+
+def error_check_mode() -> str:
+    """``MOK_CHECK_ERRORS``: when the device-side errors of the CUDA kernels (timeouts, bad
+    expert ids, overflows) are read besides each eager dispatch's own host read:
+
+    - ``step`` (default): once per training step, after Megatron's forward-backward schedule
+      returns and before the optimizer step (:func:`megatron_mok.megatron.check_errors`, hooked
+      by :func:`~megatron_mok.megatron.install`): one device synchronisation per step;
+    - ``call``: also after every forward ``token_dispatch`` and ``token_combine`` (a device
+      synchronisation each; for finding the layer whose call failed), never while a CUDA graph
+      is being captured;
+    - ``off``: only at the eager dispatches' host reads; an error of a combine or a backward
+      then surfaces at the next step's first dispatch, after the optimizer step.
+    """
+    mode = os.environ.get(CHECK_ERRORS_ENV) or "step"
+    if mode not in CHECK_ERRORS_MODES:
+        raise MokConfigError(f"{CHECK_ERRORS_ENV} must be one of {', '.join(CHECK_ERRORS_MODES)}, "
+                             f"got {mode!r}")
+    return mode
+
+
 @dataclass(frozen=True)
 class MokOptions:
     """Knobs of the Megatron dispatcher (env ``MOK_<NAME>`` or ``config.moe_mok_<name>``).

@@ -120,3 +120,19 @@ def cuda_graph_impl(config) -> str:
             impl = "full_iteration"
     return impl
 
+
+# Where install() hooks megatron-core at run time (_patch.py, items 6 and 7): the same names in
+# 0.16.1, 0.17.1, 0.18.2 and 0.19.2. A release that lacks one of them gets that hook left out,
+# with a warning that says what to call instead.
+#   - the forward-backward schedules that get_forward_backward_func() hands out, looked up as
+#     module globals at each call: the per-step device-error check runs after each;
+#   - the full-iteration CUDA-graph wrapper (its __call__ replays the captured step): the
+#     check runs after each call, outside the capture;
+#   - destroy_model_parallel: the shared Buffers (bound to the groups it drops) are destroyed
+#     first.
+SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
+SCHEDULE_FUNCTIONS = ("forward_backward_no_pipelining",
+                      "forward_backward_pipelining_without_interleaving",
+                      "forward_backward_pipelining_with_interleaving")
+FULL_ITERATION_GRAPH = ("megatron.core.full_cuda_graph", "FullCudaGraphWrapper")
+DESTROY_MODEL_PARALLEL = ("megatron.core.parallel_state", "destroy_model_parallel")
