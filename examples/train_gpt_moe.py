@@ -170,13 +170,19 @@ def forward_backward(args, model, step, dp_rank, device):
     (the 1F1B EP overlap schedule when the config asks for it); it scales each micro-batch's
     loss and the MoE aux loss by 1 / micro-batches, so the gradients are those of the mean
     loss (the aux-loss scale it sets replaces the 1 / DP that :func:`main` sets for direct
-    steps). On CPU the same math written out (Megatron's schedule allocates on CUDA)."""
-    from megatron_mok.megatron import harness
+    steps). On CPU the same math written out (Megatron's schedule allocates on CUDA).
+
+    A MoK kernel's device error (a timeout, a bad expert id) raises before this returns, so
+    before the optimizer step: Megatron's schedule checks after itself (``install()``); the
+    steps written out here call ``megatron_mok.megatron.check_errors()`` (a no-op without MoK
+    layers)."""
+    from megatron_mok.megatron import check_errors, harness
 
     if args.num_microbatches == 1 and not args.overlap_moe_expert_parallel_comm:
         tokens, pos, mask, labels = mock_batch(args, step, dp_rank, device)
         loss = model(tokens, pos, mask, labels=labels).float().mean()
         loss.backward()
+        check_errors()
         return loss.detach()
     n = args.num_microbatches
     batches = [mock_batch(args, step, dp_rank, device, micro=i) for i in range(n)]
@@ -196,6 +202,7 @@ def forward_backward(args, model, step, dp_rank, device):
         loss, _ = harness.mean_token_loss(model(tokens, pos, mask, labels=labels))
         (loss / n).backward()
         losses.append(loss.detach())
+    check_errors()
     return torch.stack(losses).mean()
 
 

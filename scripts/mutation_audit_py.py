@@ -266,6 +266,21 @@ MUTANTS: List[Mutant] = [
       [MG_INSTALL] + mg("test_dropless_roundtrip_cpu[1-2]")),
     M("mg_flex_sms_zero_accepted", DISP, "if int(flex) <= 0:", "if int(flex) < 0:",
       [MG_INSTALL] + mg("test_layer_num_sms_cpu[1]")),
+    # ------------------------------------- device errors and re-initialisation (install 6, 7)
+    M("mg_check_while_capturing", DISP, "    if _capturing():\n        return False\n", "",
+      [MG_INSTALL]),
+    M("mg_group_key_by_id", DISP, "    return _GroupKey(group)\n", "    return id(group)\n",
+      [MG_INSTALL]),
+    M("mg_call_mode_combine_unchecked", DISP,
+      "        if self.check_each_call and not _capturing():\n            self.buffer.check_errors()\n"
+      "        return y\n", "        return y\n", [MG_INSTALL]),
+    M("hook_step_check_skipped", PATCH, "        out = fn(*args, **kwargs)\n        step_check()\n",
+      "        out = fn(*args, **kwargs)\n",
+      [MG_INSTALL] + mg("test_device_error_raised_before_the_optimizer_step_cpu[1]")),
+    M("hook_destroy_keeps_buffers", PATCH,
+      "        _reset_buffers()\n        return fn(*args, **kwargs)\n",
+      "        return fn(*args, **kwargs)\n",
+      mg("test_destroy_model_parallel_resets_the_buffers_cpu[1]")),
     # ----------------------------------------------------------------- Megatron config
     M("cfg_topk_bound", CFG, "if topk * etp > CUDA_MAX_TOPK:", "if topk * etp >= CUDA_MAX_TOPK:",
       [MG_INSTALL]),
@@ -277,6 +292,11 @@ MUTANTS: List[Mutant] = [
     M("cfg_empty_scopes_not_whole_layer", CFG,
       'whole_layer = not scopes or "full" in scopes', 'whole_layer = "full" in scopes',
       [MG_INSTALL]),
+    M("cfg_full_iteration_accepted", CFG, 'if impl == "full_iteration" and not drop_and_pad:',
+      "if False:", [MG_INSTALL]),
+    M("ver_full_iteration_016_without_impl", VER,
+      '        elif impl == "local":\n            impl = "full_iteration"',
+      '        else:\n            impl = "full_iteration"', [MG_INSTALL]),
     M("cfg_tmax_zero_accepted", CFG, "if t_max is not None and t_max <= 0:",
       "if t_max is not None and t_max < 0:", [MG_INSTALL]),
     # ---------------------------------------------------------------- launch policy

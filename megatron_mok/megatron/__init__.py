@@ -22,7 +22,7 @@ from .config import DISPATCHER_NAME, MokConfigError, MokOptions, check_config, c
 from .versions import check_supported, megatron_core_version
 
 __all__ = [
-    "install", "uninstall", "is_installed", "MokTokenDispatcher", "MokConfigError",
+    "install", "uninstall", "is_installed", "check_errors", "MokTokenDispatcher", "MokConfigError",
     "MokOptions", "check_config", "config_problems", "megatron_core_version", "DISPATCHER_NAME",
 ]
 
@@ -68,3 +68,22 @@ def __getattr__(name):
 
         return MokTokenDispatcher
     raise AttributeError(name)
+
+
+def check_errors() -> bool:
+    """Raise :class:`~megatron_mok.cuda.errors.MokDeviceError` if a CUDA kernel of any MoK
+    Buffer in this process reported an error (a timeout, a bad expert id, an overflow).
+
+    :func:`install` already runs it after each of Megatron's forward-backward schedules, i.e.
+    once per step before the optimizer step (``MOK_CHECK_ERRORS``, docs/MEGATRON.md "When a
+    call fails"). Call it yourself where a training loop steps the model without Megatron's
+    schedules: after the backward, before ``optimizer.step()``. Synchronises the device;
+    returns ``False``, checking nothing, while a CUDA graph is being captured, else ``True``
+    (also when no MoK layer has run yet). Does not import megatron-core.
+    """
+    import sys
+
+    mod = sys.modules.get(__name__ + ".dispatcher")
+    if mod is None:
+        return True
+    return mod.check_errors()

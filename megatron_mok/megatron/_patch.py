@@ -1,6 +1,6 @@
 """What :func:`megatron_mok.megatron.install` changes in the running megatron-core.
 
-Five narrow, reversible changes, all on class or module attributes (no file is edited):
+Seven narrow, reversible changes, all on class or module attributes (no file is edited):
 
 1. ``TransformerConfig.moe_token_dispatcher_type``'s field type becomes
    ``Literal['allgather', 'alltoall', 'flex', 'mok']``. Megatron-LM (0.16 - 0.19) derives
@@ -31,19 +31,40 @@ Five narrow, reversible changes, all on class or module attributes (no file is e
    Bridge is not imported by :func:`install`: a finder on ``sys.meta_path`` patches
    ``megatron.bridge.training.comm_overlap`` when something imports it (and the module itself
    at once when it is already imported), so Megatron-LM users pay nothing for it.
+6. The per-step device-error check: Megatron's forward-backward schedules (the functions
+   ``get_forward_backward_func()`` returns) and the full-iteration CUDA-graph wrapper's
+   ``__call__`` run :func:`megatron_mok.megatron.dispatcher.check_errors` after they return,
+   i.e. after every micro-batch's backward and the gradient reduction, before the optimizer
+   step (``MOK_CHECK_ERRORS=off`` skips it). The CUDA backend reads its device error report
+   on the host only in an eager dispatch, so without this a combine's or a backward's error
+   would surface at the next step's first dispatch, after the optimizer step had consumed the
+   step's gradients, and under CUDA graphs (drop-and-pad's capturable dispatch) never. The
+   check synchronises the device once per step (Megatron's step synchronises anyway for its
+   loss and gradient-norm checks) and is skipped while a graph is being captured; the
+   full-iteration wrapper's replay is checked after it returns.
+7. ``parallel_state.destroy_model_parallel`` first destroys the shared Buffers
+   (:func:`~megatron_mok.megatron.dispatcher.reset_buffers`): they are bound to the groups it
+   drops, and each holds CUDA peer memory.
+Items 6 and 7 ("runtime hooks") are also made by the first ``MokTokenDispatcher`` built
+without :func:`install` (a patched Megatron-LM tree), and also replace the original functions
+in already-imported ``megatron`` modules that imported them by name (Megatron-LM's
+``training.py`` imports ``destroy_model_parallel`` so).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.abc
 import sys
 import threading
 import typing
+import warnings
 from typing import Literal
 
-from .config import DISPATCHER_NAME, MokConfigError, check_config
+from . import versions
+from .config import DISPATCHER_NAME, MokConfigError, check_config, error_check_mode
 
 _STATE = {"installed": False, "saved": {}}
 _TLS = threading.local()
@@ -291,6 +312,140 @@ def _restore_bridge(saved):
         cls._get_model_comm_overlap_cfgs = orig
 
 
+# ----------------------------------------------------------- items 6 and 7: runtime hooks
+_HOOKS = {"installed": False, "saved": {}}
+_HOOKS_LOCK = threading.RLock()
+_DISPATCHER_MODULE = __name__.rsplit(".", 1)[0] + ".dispatcher"
+
+
+def step_check() -> None:
+    """Item 6: the per-step check, unless ``MOK_CHECK_ERRORS=off``. Nothing to check before
+    the dispatcher module has made a Buffer (it is imported with the first MoK layer)."""
+    if error_check_mode() == "off":
+        return
+    mod = sys.modules.get(_DISPATCHER_MODULE)
+    if mod is not None:
+        mod.check_errors()
+
+
+def _reset_buffers() -> None:
+    mod = sys.modules.get(_DISPATCHER_MODULE)
+    if mod is not None:
+        mod.reset_buffers()
+
+
+def _checked_after(fn):
+    """``fn`` followed by :func:`step_check` when it returns (an exception passes as it is)."""
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        step_check()
+        return out
+
+    checked._mok_patched = True
+    return checked
+
+
+def _resetting_first(fn):
+    """``fn`` (``destroy_model_parallel``) after the shared Buffers are destroyed."""
+
+    @functools.wraps(fn)
+    def destroy_model_parallel(*args, **kwargs):
+        _reset_buffers()
+        return fn(*args, **kwargs)
+
+    destroy_model_parallel._mok_patched = True
+    return destroy_model_parallel
+
+
+def _replace_function(saved, module_name: str, name: str, wrap) -> bool:
+    """Replace ``module_name.name`` by ``wrap(original)``, and the same original wherever an
+    already-imported ``megatron`` module bound it by name. Records every replacement in
+    ``saved["hooks"]``; ``False`` when the module or the function is not there."""
+    try:
+        mod = importlib.import_module(module_name)
+    except Exception:  # noqa: BLE001  (an optional hook must not break install())
+        return False
+    orig = getattr(mod, name, None)
+    if orig is None:
+        return False
+    if getattr(orig, "_mok_patched", False):
+        return True
+    new = wrap(orig)
+    for other_name, other in list(sys.modules.items()):
+        if other is None or not (other_name == "megatron" or other_name.startswith("megatron.")):
+            continue
+        # (the module's own dict: a module-level __getattr__ must not run here)
+        if getattr(other, "__dict__", {}).get(name) is orig:
+            setattr(other, name, new)
+            saved.setdefault("hooks", []).append((other, name, orig))
+    return True
+
+
+def _hook_full_iteration_graph(saved) -> bool:
+    mod_name, cls_name = versions.FULL_ITERATION_GRAPH
+    try:
+        cls = getattr(importlib.import_module(mod_name), cls_name, None)
+    except Exception:  # noqa: BLE001
+        return False
+    orig = getattr(cls, "__call__", None) if cls is not None else None
+    if orig is None:
+        return False
+    if not getattr(orig, "_mok_patched", False):
+        cls.__call__ = _checked_after(orig)
+        saved.setdefault("hooks", []).append((cls, "__call__", orig))
+    return True
+
+
+def install_runtime_hooks() -> None:
+    """Items 6 and 7. Idempotent; a megatron-core without one of the hooked functions gets a
+    warning that says what to call instead."""
+    with _HOOKS_LOCK:
+        if _HOOKS["installed"]:
+            return
+        saved = {}
+        try:
+            schedules = [_replace_function(saved, versions.SCHEDULES_MODULE, name, _checked_after)
+                         for name in versions.SCHEDULE_FUNCTIONS]
+            _hook_full_iteration_graph(saved)
+            mod_name, fn_name = versions.DESTROY_MODEL_PARALLEL
+            destroy = _replace_function(saved, mod_name, fn_name, _resetting_first)
+        except Exception:
+            _restore_runtime_hooks(saved)
+            raise
+        _HOOKS["saved"] = saved
+        _HOOKS["installed"] = True
+    if not any(schedules):
+        warnings.warn("megatron_mok: no forward-backward schedule of megatron-core found to run "
+                      "the per-step device-error check after; call "
+                      "megatron_mok.megatron.check_errors() once per step, before the optimizer "
+                      "step", stacklevel=3)
+    if not destroy:
+        warnings.warn("megatron_mok: megatron-core has no parallel_state.destroy_model_parallel "
+                      "to hook; call megatron_mok.megatron.dispatcher.reset_buffers() before "
+                      "re-initialising model parallelism", stacklevel=3)
+
+
+def _restore_runtime_hooks(saved) -> None:
+    for owner, name, orig in reversed(saved.get("hooks", [])):
+        setattr(owner, name, orig)
+
+
+def uninstall_runtime_hooks() -> None:
+    with _HOOKS_LOCK:
+        if not _HOOKS["installed"]:
+            return
+        _restore_runtime_hooks(_HOOKS["saved"])
+        _HOOKS["saved"] = {}
+        _HOOKS["installed"] = False
+
+
+def runtime_hooks() -> list:
+    """``[(owner, name)]`` of what :func:`install_runtime_hooks` replaced (tests, docs)."""
+    return [(owner, name) for owner, name, _ in _HOOKS["saved"].get("hooks", [])]
+
+
 def install() -> None:
     if _STATE["installed"]:
         return
@@ -300,6 +455,7 @@ def install() -> None:
         _patch_moe_layer(saved)
         _patch_free_input(saved)
         _patch_bridge(saved)
+        install_runtime_hooks()
     except Exception:
         _restore(saved)
         raise
@@ -335,6 +491,7 @@ def uninstall() -> None:
     if not _STATE["installed"]:
         return
     _restore(_STATE["saved"])
+    uninstall_runtime_hooks()
     _STATE["saved"] = {}
     _STATE["installed"] = False
 

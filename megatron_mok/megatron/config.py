@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from ..cuda.backend import MAX_RANKS as CUDA_MAX_RANKS, MAX_TOPK as CUDA_MAX_TOPK
-from .versions import cuda_graph_scope_names
+from .versions import cuda_graph_impl, cuda_graph_scope_names
 
 DISPATCHER_NAME = "mok"
 
@@ -76,7 +76,23 @@ def config_problems(config) -> list:
     if getattr(config, "moe_enable_deepep", False):
         p.append("moe_enable_deepep is set; it selects DeepEP for the 'flex' dispatcher: unset "
                  "it to use MoK")
-    if getattr(config, "cuda_graph_impl", "none") not in (None, "none"):
+    impl = cuda_graph_impl(config)
+    drop_and_pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
+    if impl == "full_iteration" and not drop_and_pad:
+        # One graph over the whole forward-backward of a step (Megatron's FullCudaGraphWrapper),
+        # so over every MoE dispatch too: a dropless dispatch reads its row count R on the host
+        # (to size its output), which a capture can neither do nor replay. Drop-and-pad's
+        # dispatch knows its rows (capacity x EP per expert) and reads nothing while captured,
+        # as for the 'moe' scope below.
+        p.append("CUDA graphs capture the whole training iteration (cuda_graph_impl="
+                 "'full_iteration'; megatron-core 0.16 / 0.17: cuda_graph_impl='local' with the "
+                 "scope 'full_iteration'), MoK's dropless dispatch included, which reads its row "
+                 "count on the host and cannot be captured: use drop-and-pad "
+                 "(moe_pad_expert_input_to_capacity with moe_expert_capacity_factor), whose "
+                 "dispatch reads nothing while captured; or per-layer graphs that leave the "
+                 "dispatch eager (cuda_graph_impl='local' / 'transformer_engine' over "
+                 "'moe_router' / 'moe_preprocess' and attention scopes); or disable CUDA graphs")
+    if impl in ("local", "transformer_engine"):
         scopes = cuda_graph_scope_names(config)
         # Partial capture (moe_router, moe_preprocess) works with and without drop-and-pad:
         # the router and dispatch_preprocess are captured, the dispatch runs eagerly after the
@@ -84,7 +100,7 @@ def config_problems(config) -> list:
         # (tests/megatron: test_partial_cuda_graphs_one_gpu).
         whole_layer = not scopes or "full" in scopes
         partial = bool(scopes & {"moe_router", "moe_preprocess"})
-        if (partial and getattr(config, "cuda_graph_impl", None) == "local"
+        if (partial and impl == "local"
                 and getattr(config, "moe_shared_expert_overlap", False)):
             # Megatron's local impl captures combine_postprocess in a graph of its own; there
             # the overlapped shared expert's output, made eagerly beside the dispatch, is
@@ -96,8 +112,7 @@ def config_problems(config) -> list:
                      "which fetches the overlapped shared expert's output made outside the "
                      "graph: unset moe_shared_expert_overlap (the shared expert is then "
                      "captured with the router) or use cuda_graph_impl='transformer_engine'")
-        if not getattr(config, "moe_pad_expert_input_to_capacity", False) and (
-                whole_layer or "moe" in scopes):
+        if not drop_and_pad and (whole_layer or "moe" in scopes):
             # Drop-and-pad's dispatch knows its rows (capacity x EP per expert) and reads
             # nothing while captured, so there the MoE layer can be captured whole ('moe', or
             # the whole layer); a dropless dispatch reads its row count R on the host.
@@ -138,6 +153,32 @@ def _knob(config, name: str, default=None):
         return getattr(config, attr)
     env = os.environ.get("MOK_" + name.upper())
     return env if env not in (None, "") else default
+
+
+# When the device errors of the shared Buffers are read (MOK_CHECK_ERRORS). Process-wide, so
+# read from the environment only (no config attribute: the per-step check is not a layer's).
+CHECK_ERRORS_ENV = "MOK_CHECK_ERRORS"
+CHECK_ERRORS_MODES = ("step", "call", "off")
+
+
+def error_check_mode() -> str:
+    """``MOK_CHECK_ERRORS``: when the device-side errors of the CUDA kernels (timeouts, bad
+    expert ids, overflows) are read besides each eager dispatch's own host read:
+
+    - ``step`` (default): once per training step, after Megatron's forward-backward schedule
+      returns and before the optimizer step (:func:`megatron_mok.megatron.check_errors`, hooked
+      by :func:`~megatron_mok.megatron.install`): one device synchronisation per step;
+    - ``call``: also after every forward ``token_dispatch`` and ``token_combine`` (a device
+      synchronisation each; for finding the layer whose call failed), never while a CUDA graph
+      is being captured;
+    - ``off``: only at the eager dispatches' host reads; an error of a combine or a backward
+      then surfaces at the next step's first dispatch, after the optimizer step.
+    """
+    mode = os.environ.get(CHECK_ERRORS_ENV) or "step"
+    if mode not in CHECK_ERRORS_MODES:
+        raise MokConfigError(f"{CHECK_ERRORS_ENV} must be one of {', '.join(CHECK_ERRORS_MODES)}, "
+                             f"got {mode!r}")
+    return mode
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from .config import MokConfigError, MokOptions, config_problems
+from .config import MokConfigError, MokOptions, config_problems, error_check_mode
 
 # SMs of MoK's kernels in a layer where nothing runs beside them (no shared-expert overlap):
 # there the fused permute is bound by what one SM moves (~70 GB/s, benchmarks/NOTES.md "What
@@ -65,11 +65,14 @@ from .config import MokConfigError, MokOptions, config_problems
 # must be resident at once.
 LAYER_NUM_SMS = 48
 
-# (group id, E, H, K, dtype, backend, partial dtype, T_max, device, Buffer knobs) -> Buffer,
-# shared across layers.
+# (group, E, H, K, dtype, backend, partial dtype, T_max, device, Buffer knobs) -> Buffer,
+# shared across layers. The group enters by identity (_GroupKey), never by id() alone: the key
+# holds the group object, so a later group cannot take a dead one's id and be handed a Buffer
+# bound to the dead group. Megatron's destroy_model_parallel() empties both caches first
+# (install(): _patch.py), destroying the Buffers.
 _BUFFERS: Dict[tuple, object] = {}
-# id(group) -> T_max agreed by the EP ranks (one all-reduce per group and process).
-_T_MAX: Dict[int, int] = {}
+# group -> T_max agreed by the EP ranks (one all-reduce per group and process).
+_T_MAX: Dict["_GroupKey", int] = {}
 # device -> the high-priority stream MoK's kernels run on (MOK_COMM_STREAM=high), shared by layers.
 _COMM_STREAMS: Dict[str, torch.cuda.Stream] = {}
 _LOCK = threading.Lock()
@@ -193,8 +196,55 @@ def expert_tp_problems(ep_group, etp_group, tp_ep_group) -> list:
             "e * ETP + t), which MoK's expert-TP routing assumes"]
 
 
-def _group_key(group) -> int:
-    return id(group)
+class _GroupKey:
+    """A process group as a dict key, by identity (``is``), holding the group: an ``id()``
+    alone can be taken by a later group once the first is freed; held by the key, the group
+    cannot be freed while its entry exists (``reset_buffers`` drops the entries)."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group):
+        self.group = group
+
+    def __hash__(self) -> int:
+        return id(self.group)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _GroupKey) and other.group is self.group
+
+
+def _group_key(group) -> _GroupKey:
+    return _GroupKey(group)
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (no host sync allowed)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_errors() -> bool:
+    """Raise :class:`~megatron_mok.cuda.errors.MokDeviceError` if a kernel of any Buffer shared
+    by this process's MoK layers reported an error (``Buffer.check_errors`` on each: a device
+    synchronisation per Buffer's device, then a 32-byte read). Returns ``False``, checking
+    nothing, while the current CUDA stream is being captured into a graph (a sync would break
+    the capture); ``True`` otherwise.
+
+    Why a separate check: the CUDA backend reads its device error report on the host only in an
+    eager dispatch (with the row count ``R``). A combine's or a backward's error (a timeout, a
+    peer that stopped) is written on the device only, so without this it surfaces at the next
+    step's first dispatch, after the optimizer step has used the step's gradients; and under
+    CUDA graphs (drop-and-pad: ``rows_per_expert``) nothing of the dispatch reads at all.
+    ``install()`` runs this after each of Megatron's forward-backward schedules
+    (``MOK_CHECK_ERRORS``, :func:`~megatron_mok.megatron.config.error_check_mode`).
+    """
+    if _capturing():
+        return False
+    with _LOCK:
+        bufs = list(_BUFFERS.values())
+    for buf in bufs:
+        if not buf._destroyed:
+            buf.check_errors()
+    return True
 
 
 class MokTokenDispatcher(MoETokenDispatcher):
@@ -216,8 +266,16 @@ class MokTokenDispatcher(MoETokenDispatcher):
 
             pg_collection = get_default_pg_collection()
         super().__init__(config=config, pg_collection=pg_collection)
+        # The per-step device-error check and the Buffer reset on destroy_model_parallel. Made
+        # by install(); here too for a patched Megatron-LM tree (docs/MEGATRON.md, way 3),
+        # which builds this class without install(). Idempotent.
+        from . import _patch
+
+        _patch.install_runtime_hooks()
         problems = config_problems(config)
         self.options = MokOptions.from_config(config)
+        # MOK_CHECK_ERRORS=call: Buffer.check_errors after each forward dispatch and combine.
+        self.check_each_call = error_check_mode() == "call"
         # Expert tensor parallelism (ETP = self.tp_size, Megatron's expt_tp group): see
         # expand_routes_for_expert_tp. The Buffer then spans the TPxEP group.
         self.etp = self.tp_size
@@ -362,6 +420,8 @@ class MokTokenDispatcher(MoETokenDispatcher):
                opts.combine_partial_dtype, t_max, str(hidden.device), tuple(sorted(kwargs.items())))
         with _LOCK:
             buf = _BUFFERS.get(key)
+        if buf is not None and buf._destroyed:
+            buf = None          # destroyed behind the cache's back (Buffer.destroy): a new one
         if buf is None:
             buf = mok.Buffer(group, num_experts=num_experts, hidden=hidden.shape[1],
                              topk=topk, max_tokens_per_rank=t_max, dtype=hidden.dtype,
@@ -463,6 +523,8 @@ class MokTokenDispatcher(MoETokenDispatcher):
             comm.hand_over(res.tokens, res.probs, res.tokens_per_expert)
         self._topk_idx = None
         self._handle = res.handle
+        if self.check_each_call and not _capturing():
+            self.buffer.check_errors()
         if rows is None:
             self._tokens_per_expert = res.tokens_per_expert
         else:
@@ -540,6 +602,8 @@ class MokTokenDispatcher(MoETokenDispatcher):
         with _CommStream(self._comm_stream(hidden_states)) as comm:
             y = self.buffer.combine(hidden_states, handle)
             comm.hand_over(y)
+        if self.check_each_call and not _capturing():
+            self.buffer.check_errors()
         return y
 
     def _comm_stream(self, t: torch.Tensor) -> Optional[torch.cuda.Stream]:
@@ -607,7 +671,12 @@ def _shared_stream_waits_for_current(shared) -> None:
 
 
 def reset_buffers() -> None:
-    """Destroy every shared Buffer and forget the agreed ``T_max`` (tests, re-initialisation)."""
+    """Destroy every shared Buffer and forget the agreed ``T_max`` (tests, re-initialisation).
+
+    ``install()`` runs it at the start of Megatron's ``parallel_state.destroy_model_parallel()``
+    (the Buffers are bound to the groups that drops; a re-initialised model then makes new
+    Buffers on its new groups, and the old ones' CUDA peer memory is freed). A model built
+    before must not run after it: its dispatchers would make Buffers on its dropped groups."""
     with _LOCK:
         bufs = list(_BUFFERS.values())
         _BUFFERS.clear()

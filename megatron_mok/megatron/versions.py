@@ -87,3 +87,52 @@ def cuda_graph_scope_names(config) -> set:
         per_field.append({str(getattr(v, "name", v)).strip().lower() for v in val})
     specific = [s for s in per_field if s and s != {"full"}]
     return set().union(*(specific or per_field))
+
+
+def cuda_graph_impl(config) -> str:
+    """The CUDA-graph implementation ``config`` runs, before or after Megatron's
+    ``__post_init__`` normalises it: ``"none"``, ``"local"``, ``"transformer_engine"`` or
+    ``"full_iteration"`` (one graph over the whole forward-backward of a step).
+
+    Spellings of the full-iteration graph:
+      - 0.18, 0.19: ``cuda_graph_impl="full_iteration"``; the deprecated module name
+        ``"full_iteration"`` in ``cuda_graph_modules`` / ``cuda_graph_scope`` migrates to it
+        from ``"none"`` or ``"local"`` (``cuda_graph_config.CUDA_GRAPH_MODULES_DEPRECATIONS``);
+      - 0.16, 0.17: ``cuda_graph_impl="local"`` with the scope ``"full_iteration"`` (an impl of
+        ``"none"`` captures nothing, whatever the scope).
+    The deprecated ``enable_cuda_graph`` / ``external_cuda_graph`` flags (both releases) count
+    as ``"local"`` / ``"transformer_engine"``, as ``__post_init__`` turns them into those.
+    Which release's rules apply is read from the config itself: a config with a
+    ``cuda_graph_modules`` field is 0.18's or 0.19's (read in the 0.16.1, 0.17.1, 0.18.2 and
+    0.19.2 wheels).
+    """
+    impl = getattr(config, "cuda_graph_impl", None) or "none"
+    if impl == "none":
+        if getattr(config, "enable_cuda_graph", False):
+            impl = "local"
+        elif getattr(config, "external_cuda_graph", False):
+            impl = "transformer_engine"
+    if "full_iteration" in cuda_graph_scope_names(config):
+        if hasattr(config, "cuda_graph_modules"):
+            if impl in ("none", "local"):
+                impl = "full_iteration"
+        elif impl == "local":
+            impl = "full_iteration"
+    return impl
+
+
+# Where install() hooks megatron-core at run time (_patch.py, items 6 and 7): the same names in
+# 0.16.1, 0.17.1, 0.18.2 and 0.19.2. A release that lacks one of them gets that hook left out,
+# with a warning that says what to call instead.
+#   - the forward-backward schedules that get_forward_backward_func() hands out, looked up as
+#     module globals at each call: the per-step device-error check runs after each;
+#   - the full-iteration CUDA-graph wrapper (its __call__ replays the captured step): the
+#     check runs after each call, outside the capture;
+#   - destroy_model_parallel: the shared Buffers (bound to the groups it drops) are destroyed
+#     first.
+SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
+SCHEDULE_FUNCTIONS = ("forward_backward_no_pipelining",
+                      "forward_backward_pipelining_without_interleaving",
+                      "forward_backward_pipelining_with_interleaving")
+FULL_ITERATION_GRAPH = ("megatron.core.full_cuda_graph", "FullCudaGraphWrapper")
+DESTROY_MODEL_PARALLEL = ("megatron.core.parallel_state", "destroy_model_parallel")

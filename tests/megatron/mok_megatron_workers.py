@@ -1291,6 +1291,168 @@ def gpt_ep_overlap_gpu(rank, world):
         h.destroy_parallel()
 
 
+# ------------------------------------------------------------- device errors, re-initialisation
+def _device_error_backend_class():
+    """The reference backend with the CUDA backend's error contract, for CPU tests: a kernel
+    error is recorded "on the device" by the call that hits it, which returns normally (its
+    outputs would be invalid), and is raised only by ``check_errors`` (the CUDA backend reads
+    its device report there: a sync and a 32-byte copy). ``fail_in``: the method whose next
+    call records the error (``"dispatch_cached"``: the combine's backward; ``"combine"``: a
+    forward combine or the dispatch's backward); ``checks``: ``check_errors`` calls so far."""
+    from megatron_mok.backends.reference import ReferenceBackend
+    from megatron_mok.cuda.errors import MokDeviceError
+
+    class DeviceErrorBackend(ReferenceBackend):
+        def __init__(self, buf):
+            super().__init__(buf)
+            self.fail_in = None
+            self.recorded = None
+            self.checks = 0
+
+        def _maybe_record(self, where):
+            if self.fail_in == where and self.recorded is None:
+                self.recorded = (f"megatron_mok: rank {self.buf.rank}: (test) device error "
+                                 f"recorded in {where}")
+
+        def dispatch_cached(self, x, handle):
+            out = super().dispatch_cached(x, handle)
+            self._maybe_record("dispatch_cached")
+            return out
+
+        def combine(self, expert_out, handle, grad_probs=None):
+            out = super().combine(expert_out, handle, grad_probs)
+            self._maybe_record("combine")
+            return out
+
+        def check_errors(self):
+            self.checks += 1
+            if self.recorded is not None:
+                raise MokDeviceError(self.recorded)
+
+    return DeviceErrorBackend
+
+
+@contextlib.contextmanager
+def _device_error_backend():
+    """``Buffer``s made inside use :func:`_device_error_backend_class` as their reference backend
+    (``Buffer._get_backend`` looks the class up at each new backend)."""
+    from megatron_mok.backends import reference
+
+    orig = reference.ReferenceBackend
+    reference.ReferenceBackend = _device_error_backend_class()
+    try:
+        yield
+    finally:
+        reference.ReferenceBackend = orig
+
+
+class _TorchCpuZeros(type(torch)):
+    """``torch`` for Megatron's schedules module on CPU: ``zeros(..., device="cuda")`` (the
+    token counter of ``forward_backward_no_pipelining``, its only CUDA allocation on this
+    path) made on the CPU instead; everything else is torch's."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device=None if device == "cuda" else device, **kwargs)
+
+
+@contextlib.contextmanager
+def _schedules_on_cpu():
+    from megatron.core.pipeline_parallel import schedules
+
+    orig = schedules.torch
+    schedules.torch = _TorchCpuZeros("torch")
+    try:
+        yield
+    finally:
+        schedules.torch = orig
+
+
+def step_device_error_cpu(rank, world):
+    """The per-step device-error check (``install()``: item 6 of ``_patch.py``) on CPU, EP =
+    world: a 2-layer ``GPTModel`` with ``mok`` layers stepped by Megatron's own
+    ``forward_backward_no_pipelining`` (2 micro-batches) over a reference backend with the CUDA
+    backend's error contract (:func:`_device_error_backend_class`).
+
+    A clean step returns and checked the Buffer once; a step in which the combine's backward
+    records an error raises it from that same ``forward_backward_no_pipelining`` call (after
+    the whole backward, before it returns: the optimizer step after it never runs), not at the
+    next step's dispatch. With ``MOK_CHECK_ERRORS=off`` the same step returns. Returns
+    ``{"clean_checks", "raised", "off_returned"}``."""
+    from megatron_mok.cuda.errors import MokDeviceError
+
+    h = _setup(world)
+    os.environ.pop("MOK_CHECK_ERRORS", None)
+    try:
+        with _device_error_backend(), _schedules_on_cpu():
+            h.enable_cpu_megatron(on_cpu=True)
+            model = _ep_overlap_models(
+                h, world, [("mok", "mok", False)], seq=16, vocab=64, hidden=32, ffn=64, cpu=True,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)["mok"]
+            batches = _gpt_batches(rank, 2, 2, 16, 64, torch.device("cpu"))
+            _train_step(model, batches)
+            buf = model.decoder.layers[0].mlp.token_dispatcher.buffer
+            assert model.decoder.layers[1].mlp.token_dispatcher.buffer is buf   # one shared Buffer
+            backend = buf._backends["reference"]
+            report = {"clean_checks": backend.checks}
+            # The combine's backward (a cached dispatch) records the error in the next step.
+            backend.fail_in = "dispatch_cached"
+            stepped = []
+            try:
+                _train_step(model, batches)
+                stepped.append("optimizer step")       # where train_step would step
+            except MokDeviceError as e:
+                report["raised"] = str(e)
+            assert not stepped, "the step with a device error reached the optimizer step"
+            # MOK_CHECK_ERRORS=off: no check after the schedule (the error stays recorded)
+            os.environ["MOK_CHECK_ERRORS"] = "off"
+            checks = backend.checks
+            _train_step(model, batches)
+            report["off_returned"] = backend.checks == checks
+        return report
+    finally:
+        os.environ.pop("MOK_CHECK_ERRORS", None)
+        h.destroy_parallel()
+
+
+def reinit_resets_buffers(rank, world, cycles=3):
+    """Megatron's ``destroy_model_parallel()`` then ``initialize_model_parallel()`` (a
+    re-initialised model, e.g. Megatron-LM's in-process restart), ``cycles`` times, a MoE
+    layer run forward and backward in each: after each destroy the shared Buffers are destroyed
+    and both caches are empty; each new layer gets a new Buffer, bound to its own (new) group.
+    Returns the number of cached Buffers after the last cycle."""
+    from megatron.core import parallel_state
+
+    from megatron_mok.megatron import dispatcher as D
+
+    h = _setup(world)
+    try:
+        old = None
+        for _ in range(cycles):
+            layer = h.build_moe_layer(h.moe_config("mok", ep_size=world, num_experts=4 * world,
+                                                   topk=2, hidden=32))
+            y, _ = layer(torch.randn(8, 1, 32, requires_grad=True))
+            y.sum().backward()
+            d = layer.token_dispatcher
+            buf = d.buffer
+            assert buf is not old and not buf._destroyed
+            assert buf.group is d.group is parallel_state.get_expert_model_parallel_group()
+            if old is not None:
+                assert buf.group is not old.group
+            assert len(D._BUFFERS) == 1, D._BUFFERS
+            parallel_state.destroy_model_parallel()
+            assert buf._destroyed, "destroy_model_parallel left the Buffer of its groups alive"
+            assert not D._BUFFERS and not D._T_MAX, (D._BUFFERS, D._T_MAX)
+            old = buf
+            h.init_parallel(world)
+        return len(D._BUFFERS)
+    finally:
+        h.destroy_parallel()
+
+
 # ------------------------------------------------------------- partial CUDA graphs
 def _split_forward(layer, x, attrs=None):
     """``MoELayer`` forward in the three pieces Megatron's partial CUDA graphs run it in

@@ -304,6 +304,32 @@ def test_ep_overlap_cpu_fails_with_megatrons_free_rule(node):
     assert all(e is not None and "not allocated" in e for e in errors), errors
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_device_error_raised_before_the_optimizer_step_cpu(world):
+    # The CUDA backend reads its device error report on the host only in an eager dispatch;
+    # an error of a combine's backward would otherwise surface at the next step's first
+    # dispatch, after the optimizer step had used the step's gradients. install() checks every
+    # Buffer after Megatron's forward-backward schedule returns: the step that recorded the
+    # error raises it from its own forward_backward_no_pipelining call. A reference backend
+    # with the CUDA backend's error contract stands in for the kernels (CPU, gloo).
+    reports = run_distributed(W.step_device_error_cpu, world, backend="gloo", fresh=True,
+                              timeout=300)
+    for rank, r in enumerate(reports):
+        assert r["clean_checks"] == 1, r          # one check per step, after the schedule
+        assert "(test) device error recorded in dispatch_cached" in r.get("raised", ""), r
+        assert f"rank {rank}:" in r["raised"], r
+        assert r["off_returned"], r               # MOK_CHECK_ERRORS=off: no check
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_destroy_model_parallel_resets_the_buffers_cpu(world):
+    # Buffers are cached per group; Megatron's destroy_model_parallel() drops the groups, so
+    # install() destroys the Buffers first: a re-initialised model gets Buffers on its new
+    # groups and the old ones (CUDA peer memory on GPUs) do not pile up (before: one more
+    # cached Buffer, never destroyed, per re-initialisation).
+    assert run_distributed(W.reinit_resets_buffers, world, backend="gloo", fresh=True) == [0] * world
+
+
 @pytest.mark.multigpu
 def test_ep_overlap_gpu():
     # Megatron's 1F1B EP overlap with mok: GPTModel, EP=2, 3 micro-batches

@@ -427,6 +427,78 @@ def test_cuda_graph_scopes(scopes, drop_and_pad, needle):
         assert len(problems) == 1 and needle in problems[0], problems
 
 
+# The spellings of a full-iteration graph (one graph over the whole forward-backward, every
+# dispatch in it), before and after Megatron's __post_init__ normalises them: 0.18 / 0.19
+# cuda_graph_impl='full_iteration', to which the deprecated module name 'full_iteration'
+# migrates from 'none' or 'local'; 0.16 / 0.17 cuda_graph_impl='local' with the scope
+# 'full_iteration' (impl 'none' captures nothing there); the deprecated enable_cuda_graph flag
+# counts as 'local'. A config with a cuda_graph_modules field follows 0.18 / 0.19.
+_FULL_ITERATION = "CUDA graphs capture the whole training iteration"
+
+
+@pytest.mark.parametrize("fields,full", [
+    (dict(cuda_graph_impl="full_iteration", cuda_graph_modules=[]), True),         # 0.19
+    (dict(cuda_graph_impl="full_iteration", cuda_graph_modules="full"), True),     # unnormalised
+    (dict(cuda_graph_impl="local", cuda_graph_modules="full_iteration"), True),    # deprecated
+    (dict(cuda_graph_impl="none", cuda_graph_modules=["full_iteration"]), True),
+    (dict(cuda_graph_impl="none", cuda_graph_modules="full", cuda_graph_scope="full_iteration"),
+     True),                                                   # 0.19's deprecated scope field
+    (dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]), True),    # 0.16
+    (dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration"), True),
+    (dict(cuda_graph_impl="local", cuda_graph_scope="full_iteration,attn"), True),
+    (dict(cuda_graph_impl="none", enable_cuda_graph=True, cuda_graph_scope="full_iteration"),
+     True),
+    (dict(cuda_graph_impl="none", cuda_graph_scope="full_iteration"), False),      # 0.16: none
+    (dict(cuda_graph_impl="local", cuda_graph_scope=["attn"]), False),
+])
+@pytest.mark.parametrize("drop_and_pad", [False, True])
+def test_full_iteration_cuda_graph_needs_drop_and_pad(fields, full, drop_and_pad):
+    # A dropless dispatch reads its row count on the host: it cannot be in a graph, and a
+    # full-iteration graph has every dispatch in it. Drop-and-pad's dispatch reads nothing
+    # while captured (as with the 'moe' scope), so there it is not refused.
+    import types
+    from megatron_mok.megatron.config import config_problems
+
+    cfg = types.SimpleNamespace(moe_token_dispatcher_type="mok", num_moe_experts=8,
+                                expert_tensor_parallel_size=1, tensor_model_parallel_size=1,
+                                moe_pad_expert_input_to_capacity=drop_and_pad,
+                                moe_expert_capacity_factor=1.0 if drop_and_pad else None, **fields)
+    problems = [q for q in config_problems(cfg) if "CUDA graph" in q]
+    if full and not drop_and_pad:
+        assert len(problems) == 1 and _FULL_ITERATION in problems[0], problems
+        # says what to use instead
+        for hint in ("moe_pad_expert_input_to_capacity", "'moe_router' / 'moe_preprocess'",
+                     "disable CUDA graphs"):
+            assert hint in problems[0], (hint, problems[0])
+    else:
+        assert problems == [], problems
+    from megatron_mok.megatron.versions import cuda_graph_impl
+
+    assert (cuda_graph_impl(cfg) == "full_iteration") == full
+
+
+def test_full_iteration_cuda_graph_refused_by_this_megatron_core():
+    # The installed release's own spelling, through TransformerConfig (the check runs before
+    # and after its __post_init__): 0.18+ cuda_graph_impl='full_iteration', 0.16 / 0.17
+    # cuda_graph_impl='local' with the scope 'full_iteration'.
+    from megatron_mok.megatron.harness import graph_scope_kwargs
+
+    fields = {f.name for f in dataclasses.fields(_cfg().__class__)}
+    if "cuda_graph_modules" in fields:
+        graph = dict(cuda_graph_impl="full_iteration")
+    else:
+        graph = dict(cuda_graph_impl="local", **graph_scope_kwargs(["full_iteration"]))
+    with pytest.raises(mm.MokConfigError, match=_FULL_ITERATION):
+        _cfg(**graph)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = _cfg(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True, **graph)
+    assert mm.config_problems(cfg) == []
+    # the normalised config is refused too (MoELayer checks it again when it builds the layer)
+    cfg.moe_pad_expert_input_to_capacity = False
+    assert any(_FULL_ITERATION in q for q in mm.config_problems(cfg))
+
+
 @pytest.mark.parametrize("impl,scopes,ok", [
     ("local", ["moe_router", "moe_preprocess"], False),
     ("local", "moe_router", False),
@@ -631,3 +703,204 @@ def test_flex_num_sms_must_be_positive(fresh_buffers):
     d.config.moe_flex_dispatcher_num_sms = 0
     with pytest.raises(mm.MokConfigError, match="moe_flex_dispatcher_num_sms must be > 0"):
         d.num_sms()
+
+
+# ------------------------------------------------------------------ device-error checks
+class _ErrorBuffer:
+    """A stand-in for a cached ``mok.Buffer`` whose kernels recorded a device error: its
+    ``check_errors`` (the CUDA backend's: a sync, then the report) raises."""
+
+    def __init__(self):
+        self._destroyed = False
+        self.checks = 0
+
+    def check_errors(self):
+        from megatron_mok.cuda.errors import MokDeviceError
+
+        self.checks += 1
+        raise MokDeviceError("megatron_mok: rank 0: (test) device error")
+
+    def destroy(self):
+        self._destroyed = True
+
+
+@pytest.fixture
+def error_buffer(fresh_buffers, monkeypatch):
+    from megatron_mok.megatron import dispatcher as D
+
+    monkeypatch.delenv("MOK_CHECK_ERRORS", raising=False)
+    buf = _ErrorBuffer()
+    D._BUFFERS[("test",)] = buf
+    return buf
+
+
+def test_check_errors_checks_every_cached_buffer(error_buffer):
+    from megatron_mok.cuda.errors import MokDeviceError
+
+    with pytest.raises(MokDeviceError, match=r"\(test\) device error"):
+        mm.check_errors()
+    assert error_buffer.checks == 1
+    error_buffer._destroyed = True          # a destroyed Buffer has nothing left to check
+    assert mm.check_errors() is True and error_buffer.checks == 1
+
+
+def test_check_errors_never_syncs_while_a_graph_is_captured(error_buffer, monkeypatch):
+    # A host sync inside a CUDA-graph capture would invalidate it: while the current stream
+    # captures, the check does nothing (the replay's errors are read after it returns).
+    from megatron_mok.cuda.errors import MokDeviceError
+    from megatron_mok.megatron import _patch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert mm.check_errors() is False
+    _patch.step_check()
+    assert error_buffer.checks == 0
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with pytest.raises(MokDeviceError):
+        _patch.step_check()
+
+
+def test_step_check_mode(error_buffer, monkeypatch):
+    from megatron_mok.cuda.errors import MokDeviceError
+    from megatron_mok.megatron import _patch
+
+    for mode in ("", "step", "call"):
+        monkeypatch.setenv("MOK_CHECK_ERRORS", mode)
+        with pytest.raises(MokDeviceError):
+            _patch.step_check()
+    monkeypatch.setenv("MOK_CHECK_ERRORS", "off")
+    _patch.step_check()
+    monkeypatch.setenv("MOK_CHECK_ERRORS", "sometimes")
+    with pytest.raises(mm.MokConfigError, match="MOK_CHECK_ERRORS must be one of step, call, off"):
+        _patch.step_check()
+    with pytest.raises(mm.MokConfigError, match="MOK_CHECK_ERRORS"):
+        _dispatcher()                       # refused where the layer is built, too
+
+
+def test_runtime_hooks_installed_once_and_undone():
+    # install() wraps Megatron's forward-backward schedules and the full-iteration graph's
+    # __call__ (the per-step check after them) and destroy_model_parallel (the Buffers reset
+    # first), once; uninstall() puts the originals back.
+    from megatron.core import parallel_state
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_mok.megatron import _patch, versions
+
+    def hooked():
+        return ([getattr(schedules, n) for n in versions.SCHEDULE_FUNCTIONS]
+                + [FullCudaGraphWrapper.__call__, parallel_state.destroy_model_parallel])
+
+    mm.install()
+    for fn in hooked():
+        assert fn._mok_patched and not getattr(fn.__wrapped__, "_mok_patched", False), fn
+    assert schedules.get_forward_backward_func(pp_size=1, vp_size=None)._mok_patched
+    assert len(_patch.runtime_hooks()) >= len(hooked())
+    mm.uninstall()
+    try:
+        assert not any(getattr(fn, "_mok_patched", False) for fn in hooked())
+        assert _patch.runtime_hooks() == []
+    finally:
+        mm.install()
+    assert all(fn._mok_patched for fn in hooked())
+
+
+def test_full_iteration_graph_replay_is_checked(error_buffer, monkeypatch):
+    # Under Megatron's full-iteration CUDA graph the schedule's Python does not run at a
+    # replay (and its check is skipped while captured): the check runs after the wrapper's
+    # __call__ instead. A stand-in graph whose replay runs nothing; no warm-up left.
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    from megatron_mok.cuda.errors import MokDeviceError
+
+    replays = []
+    monkeypatch.setitem(FullCudaGraphWrapper.cuda_graph, "training",
+                        type("Graph", (), {"replay": lambda self: replays.append(1)})())
+    monkeypatch.setitem(FullCudaGraphWrapper.curr_iteration, "training", 5)
+    monkeypatch.setitem(FullCudaGraphWrapper.result, "training", ["losses"])
+    wrapper = object.__new__(FullCudaGraphWrapper)      # its __init__ makes a CUDA stream
+    wrapper.forward_backward_func = None
+    wrapper.cuda_graph_warmup_steps = 1
+    kwargs = dict(model=[torch.nn.Linear(1, 1)], data_iterator=None, num_microbatches=1,
+                  seq_length=1, forward_only=False)
+    with pytest.raises(MokDeviceError, match=r"\(test\) device error"):
+        wrapper(**kwargs)
+    assert replays == [1] and error_buffer.checks == 1
+    monkeypatch.setenv("MOK_CHECK_ERRORS", "off")
+    assert wrapper(**kwargs) == ["losses"] and replays == [1, 1]
+
+
+def _recording_backend(monkeypatch, fail_in):
+    """The reference backend, whose ``fail_in`` call records a device error that only
+    ``check_errors`` raises (the CUDA backend's contract)."""
+    from megatron_mok.backends import reference
+    from megatron_mok.cuda.errors import MokDeviceError
+
+    made = []
+
+    class Recording(reference.ReferenceBackend):
+        def __init__(self, buf):
+            super().__init__(buf)
+            self.recorded = None
+            made.append(self)
+
+        def combine(self, *args, **kwargs):
+            out = super().combine(*args, **kwargs)
+            if fail_in == "combine":
+                self.recorded = "megatron_mok: rank 0: (test) error in combine"
+            return out
+
+        def check_errors(self):
+            if self.recorded:
+                raise MokDeviceError(self.recorded)
+
+    monkeypatch.setattr(reference, "ReferenceBackend", Recording)
+    return made
+
+
+@pytest.mark.parametrize("mode", ["step", "call"])
+def test_check_each_call_names_the_failing_combine(fresh_buffers, monkeypatch, mode):
+    # MOK_CHECK_ERRORS=call: the forward combine whose kernel recorded the error raises it
+    # itself (a sync per call, for finding the layer); by default the call returns and the
+    # per-step check (here called by hand) raises it.
+    from megatron_mok.cuda.errors import MokDeviceError
+
+    monkeypatch.setenv("MOK_CHECK_ERRORS", mode)
+    made = _recording_backend(monkeypatch, "combine")
+    d = _dispatcher()
+    rmap = torch.zeros(6, 8, dtype=torch.bool)
+    rmap[:, :2] = True
+    h, w = d.dispatch_preprocess(torch.ones(6, 1, 16), rmap, rmap.float())
+    tokens, p = d.token_dispatch(h, w)
+    assert len(made) == 1 and made[0].recorded is None
+    if mode == "call":
+        with pytest.raises(MokDeviceError, match="error in combine"):
+            d.token_combine(tokens)
+    else:
+        d.token_combine(tokens)
+        with pytest.raises(MokDeviceError, match="error in combine"):
+            mm.check_errors()
+
+
+def test_buffer_cache_holds_its_groups(fresh_buffers):
+    # The caches key a group by identity and hold it: a group cannot be freed (and its id()
+    # taken by a later group, which would then be handed the dead group's Buffer or T_max)
+    # while an entry for it exists; reset_buffers() lets it go.
+    import gc
+    import weakref
+
+    from megatron_mok.megatron import dispatcher as D
+
+    class Group:
+        pass
+
+    g = Group()
+    ref = weakref.ref(g)
+    D._T_MAX[D._group_key(g)] = 8
+    assert D._group_key(g) in D._T_MAX and D._group_key(Group()) not in D._T_MAX
+    del g
+    gc.collect()
+    assert ref() is not None
+    D.reset_buffers()
+    gc.collect()
+    assert ref() is None
