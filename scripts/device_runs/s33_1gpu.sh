@@ -10,9 +10,9 @@
 # combine (item 45) Every one-GPU combine test (W = 1 and loopback: ids naming combine, narrow,
 #         split, phased, own_staged, or the reference comparisons) on a library built from the
 #         split csrc/kernels/combine/ files.
-# host    The GPU tests of the host review's fixes (tests/test_cuda_backend.py and
-#         tests/test_autograd.py ids naming device, aligned, destroyed, stale, overflow_counts,
-#         num_sms) at W = 1 and loopback.
+# host    The host review's fixes (session 33: handles, devices, aligned rows, clamped overflow
+#         counts): every one-GPU test of the CUDA and FP8 files, the host-side test files whole,
+#         the fixes' loopback tests; their two library mutants (.mutants33b, carried).
 # Then the fuzzer for FUZZ_S seconds (default 60; 0: none).
 C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-60}
 . "$(dirname "$0")/common.sh"
@@ -39,11 +39,21 @@ combine)
     --junitxml=$R/combine.xml > $R/combine.log 2>&1
   echo "[combine tests] rc=$? in $((SECONDS - t0)) s"; tail -2 $R/combine.log; grep -E "FAILED|ERROR" $R/combine.log | head ;;
 host)
-  timeout -k 10 240 python3 -m pytest -q -rfE -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \
-    tests/test_autograd.py tests/test_static_shape.py \
-    -k "device or aligned or destroyed or stale or overflow_counts or num_sms or once_differentiable" \
+  # Every one-GPU test of the CUDA and FP8 files (the host review's fixes touch every call's
+  # entry: the device check, the aligned-rows copy, the handle's serial), the loopback ones of
+  # the fixes, and the host-side files whole; then the fixes' two kernel/API mutants (.mutants33b).
+  timeout -k 10 330 python3 -m pytest -q -rfE -p no:cacheprovider \
+    tests/test_handle_safety.py tests/test_input_checks.py tests/test_autograd.py tests/test_static_shape.py \
+    tests/test_cached_dispatch.py "tests/test_cuda_loopback.py::test_loopback_static_overflow_counts_match_written_rows" \
+    tests/test_cuda_loopback.py::test_loopback_misaligned_rows_are_copied \
+    $(python3 -m pytest --collect-only -q -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_fp8_dispatch.py \
+        -p no:cacheprovider 2>/dev/null | grep "::") \
     --junitxml=$R/host.xml > $R/host.log 2>&1
-  echo "[host review tests] rc=$? in $((SECONDS - t0)) s"; tail -2 $R/host.log; grep -E "FAILED|ERROR" $R/host.log | head ;;
+  echo "[host review tests] rc=$? in $((SECONDS - t0)) s"; tail -2 $R/host.log; grep -E "FAILED|ERROR" $R/host.log | head
+  t0=$SECONDS
+  timeout -k 10 200 python3 scripts/mutation_audit_cuda.py run --libs .mutants33b --out $R/audit_host \
+    --only scan_overflow_counts_not_clamped,api_combine_alignment_unchecked --fuzz-seconds 0 > $R/audit_host.log 2>&1
+  echo "[audit host] rc=$? in $((SECONDS - t0)) s"; tail -5 $R/audit_host.log ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
 done
