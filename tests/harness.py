@@ -570,6 +570,17 @@ def _buffer(spec: dict, dtype, backend: str, partial=None, **kw):
                       combine_partial_dtype=partial, **kw)
 
 
+def small_buffer(dtype=torch.bfloat16, **kw):
+    """A one-rank Buffer of the error tests' shape (E=4, H=16, K=2, T_max=8) on the reference
+    backend; keyword arguments override any of it."""
+    import megatron_mok as mok
+
+    args = dict(num_experts=4, hidden=16, topk=2, max_tokens_per_rank=8, dtype=dtype,
+                backend="reference")
+    args.update(kw)
+    return mok.Buffer(**args)
+
+
 def spec_inputs(spec: dict, world_size: int, dtype, seed: int, values: str = "normal", device="cpu"):
     return make_inputs(seed, world_size, spec["T"], spec["E"], spec["H"], spec["K"], dtype,
                        case=spec["case"], values=values, idx_dtype=spec["idx_dtype"], device=device)

@@ -7,16 +7,12 @@ import pytest
 import torch
 
 import megatron_mok as mok
-from harness import make_inputs, run_distributed
+from harness import make_inputs, run_distributed, small_buffer
 
 E, H, K, T_MAX = 4, 16, 2, 8
 
 
-def make_buf(**kw):
-    args = dict(num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T_MAX, dtype=torch.bfloat16,
-                backend="reference")
-    args.update(kw)
-    return mok.Buffer(**args)
+make_buf = small_buffer  # bfloat16, E=4, H=16, K=2, T_max=8 (the constants above)
 
 
 def good(T=5, dtype=torch.bfloat16):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import megatron_mok as mok
-from harness import assert_bitwise, make_inputs, run_distributed
+from harness import assert_bitwise, make_inputs, run_distributed, small_buffer
 from megatron_mok import fp8
 from megatron_mok.autograd import CachedDispatchFunction, CombineFunction, DispatchFunction
 
@@ -32,10 +32,7 @@ NOT_TWICE = r"the backward of a (cached dispatch|dispatch|combine) is not differ
 
 
 def make_buf(**kw):
-    args = dict(num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T_MAX, dtype=torch.float32,
-                backend="reference")
-    args.update(kw)
-    return mok.Buffer(**args)
+    return small_buffer(**({"dtype": torch.float32} | kw))
 
 
 def inputs(seed=3, dtype=torch.float32):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import megatron_mok as mok
+from harness import small_buffer
 from megatron_mok import buffer as buffer_mod
 from megatron_mok.cuda import backend as cuda_backend
 from megatron_mok.cuda import library
@@ -21,11 +22,7 @@ from megatron_mok.cuda import library
 E, H, K, T_MAX = 4, 16, 2, 8
 
 
-def make_buf(**kw):
-    args = dict(num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T_MAX, dtype=torch.bfloat16,
-                backend="reference")
-    args.update(kw)
-    return mok.Buffer(**args)
+make_buf = small_buffer  # bfloat16, E=4, H=16, K=2, T_max=8 (the constants above)
 
 
 def fake_inputs(device, T=5):
