@@ -291,7 +291,7 @@ MUTANTS: List[Mutant] = [
            "first dispatch fails with CUDA's 'invalid argument' instead of a clear error at create"),
     # NOTES item 46: a protocol error replaces an unread data error in the report.
     Mutant("data_error_hides_timeout", "include/mok/device.h",
-           (("  while (prev != 0 && is_data_error(prev) && !is_data_error(code)) {",
+           (("  while (is_data_error(prev) && !is_data_error(code)) {",
              "  while (false) {"),),
            ("tests/test_cuda_loopback.py", "-k", "timeout_after_an_unread_data_error"),
            "a data error recorded first keeps the report: a later timeout does not abort this "

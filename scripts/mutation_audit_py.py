@@ -269,7 +269,7 @@ MUTANTS: List[Mutant] = [
     # ------------------------------------- device errors and re-initialisation (install 6, 7)
     M("mg_check_while_capturing", DISP, "    if _capturing():\n        return False\n", "",
       [MG_INSTALL]),
-    M("mg_group_key_by_id", DISP, "    return _GroupKey(group)\n", "    return id(group)\n",
+    M("mg_group_key_by_id", DISP, "        gkey = _GroupKey(group)\n", "        gkey = id(group)\n",
       [MG_INSTALL]),
     M("mg_call_mode_combine_unchecked", DISP,
       "        if self.check_each_call and not _capturing():\n            self.buffer.check_errors()\n"

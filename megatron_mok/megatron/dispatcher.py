@@ -213,10 +213,6 @@ class _GroupKey:
         return isinstance(other, _GroupKey) and other.group is self.group
 
 
-def _group_key(group) -> _GroupKey:
-    return _GroupKey(group)
-
-
 def _capturing() -> bool:
     """Whether the current CUDA stream is being captured into a graph (no host sync allowed)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -385,7 +381,7 @@ class MokTokenDispatcher(MoETokenDispatcher):
 
         opts = self.options
         group = self.group
-        gkey = _group_key(group)
+        gkey = _GroupKey(group)
         num_tokens = hidden.shape[0]
         with _LOCK:
             t_max = opts.max_tokens_per_rank or _T_MAX.get(gkey)

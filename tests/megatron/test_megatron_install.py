@@ -896,11 +896,26 @@ def test_buffer_cache_holds_its_groups(fresh_buffers):
 
     g = Group()
     ref = weakref.ref(g)
-    D._T_MAX[D._group_key(g)] = 8
-    assert D._group_key(g) in D._T_MAX and D._group_key(Group()) not in D._T_MAX
+    D._T_MAX[D._GroupKey(g)] = 8
+    assert D._GroupKey(g) in D._T_MAX and D._GroupKey(Group()) not in D._T_MAX
     del g
     gc.collect()
     assert ref() is not None
     D.reset_buffers()
     gc.collect()
     assert ref() is None
+
+
+def test_dispatcher_caches_by_group_key(fresh_buffers):
+    # The dispatcher's own entries (T_max, Buffers) are keyed by _GroupKey, which holds the
+    # group: an id()-keyed entry would neither keep the group alive nor be found by it.
+    from megatron_mok.megatron import dispatcher as D
+
+    d = _dispatcher()
+    rmap = torch.zeros(6, 8, dtype=torch.bool)
+    rmap[:, :2] = True
+    h, w = d.dispatch_preprocess(torch.ones(6, 1, 16), rmap, rmap.float())
+    d.token_dispatch(h, w)
+    key = D._GroupKey(d.group)
+    assert D._T_MAX.get(key) == 6
+    assert [k[0] for k in D._BUFFERS] == [key]

@@ -204,7 +204,7 @@ __device__ inline void report_error(const CommContext& c, int32_t code, int32_t 
                                     int32_t what, int64_t detail) {
   ErrorReport* e = c.error();
   int32_t prev = atomicCAS(&e->code, 0, code);
-  while (prev != 0 && is_data_error(prev) && !is_data_error(code)) {
+  while (is_data_error(prev) && !is_data_error(code)) {   // (is_data_error(0) is false)
     const int32_t seen = atomicCAS(&e->code, prev, code);
     if (seen == prev) {
       prev = 0;   // this thread now owns the report
