@@ -29,16 +29,19 @@ def fix_megatron_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def init_parallel(ep_size: int, tp_size: int = 1, seed: int = 1234, etp_size: int = 1) -> None:
-    """``parallel_state.initialize_model_parallel`` for expert parallelism ``ep_size`` and
-    expert tensor parallelism ``etp_size`` (torch.distributed must already be initialised)."""
+def init_parallel(ep_size: int, tp_size: int = 1, seed: int = 1234, etp_size: int = 1,
+                  cp_size: int = 1) -> None:
+    """``parallel_state.initialize_model_parallel`` for expert parallelism ``ep_size``, expert
+    tensor parallelism ``etp_size``, tensor parallelism ``tp_size`` and context parallelism
+    ``cp_size`` (torch.distributed must already be initialised)."""
     from megatron.core import parallel_state
 
     fix_megatron_without_te()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     kwargs = dict(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=1,
-                  expert_model_parallel_size=ep_size, expert_tensor_parallel_size=etp_size)
+                  expert_model_parallel_size=ep_size, expert_tensor_parallel_size=etp_size,
+                  context_parallel_size=cp_size)
     parallel_state.initialize_model_parallel(**kwargs)
     if torch.cuda.is_available():
         from megatron.core import tensor_parallel

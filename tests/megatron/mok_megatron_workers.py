@@ -18,7 +18,8 @@ import torch.distributed as dist
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _setup(ep_size: int, backend_env: str | None = None, etp_size: int = 1, tp_size: int = 1):
+def _setup(ep_size: int, backend_env: str | None = None, etp_size: int = 1, tp_size: int = 1,
+           cp_size: int = 1):
     warnings.filterwarnings("ignore")
     if backend_env:
         os.environ["MOK_BACKEND"] = backend_env
@@ -29,7 +30,7 @@ def _setup(ep_size: int, backend_env: str | None = None, etp_size: int = 1, tp_s
     from megatron_mok.megatron import harness
 
     mm.install()
-    harness.init_parallel(ep_size, tp_size=tp_size, etp_size=etp_size)
+    harness.init_parallel(ep_size, tp_size=tp_size, etp_size=etp_size, cp_size=cp_size)
     harness.enable_cpu_alltoall()
     return harness
 
@@ -220,15 +221,23 @@ def _run_layer(layer, x, gy):
 _EXPERT_KEY = re.compile(r"experts\.local_experts\.(\d+)\.(.*)")
 
 
-def layer_mok_vs_alltoall_cpu(rank, world):
+def layer_mok_vs_alltoall_cpu(rank, world, cp_size=1, balancing="none"):
     """Full ``MoELayer`` on CPU: ``mok`` over EP=W against Megatron's ``alltoall`` with every
     expert local (EP=1; its permute / unpermute path), same weights, same input: outputs and
-    all gradients agree (expert grads summed over ranks); ``mok`` twice is bitwise equal."""
-    h = _setup(world)
+    all gradients agree (expert grads summed over ranks); ``mok`` twice is bitwise equal.
+
+    ``cp_size`` > 1: Megatron's parallel state with context parallelism (the EP group then
+    spans CP ranks: each rank's tokens are its sequence shard); ``balancing``: the router's
+    load-balancing loss (coefficient 0.01 unless ``"none"``), the same router for both."""
+    h = _setup(world, cp_size=cp_size)
     try:
         E = 4 * world
-        kw = dict(num_experts=E, topk=2, hidden=32, moe_router_load_balancing_type="none",
-                  moe_aux_loss_coeff=0.0)
+        kw = dict(num_experts=E, topk=2, hidden=32, moe_router_load_balancing_type=balancing,
+                  moe_aux_loss_coeff=0.0 if balancing == "none" else 0.01,
+                  context_parallel_size=cp_size)
+        from megatron.core import parallel_state
+
+        assert parallel_state.get_context_parallel_world_size() == cp_size
         torch.manual_seed(0)
         mok_layer = h.build_moe_layer(h.moe_config("mok", ep_size=world, **kw))
         a2a_layer = h.build_moe_layer(h.moe_config("alltoall", ep_size=1, **kw),

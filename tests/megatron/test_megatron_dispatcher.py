@@ -75,6 +75,15 @@ def test_full_moe_layer_mok_vs_alltoall_cpu():
     assert "router.weight" in names[0] and any("experts" in n for n in names[0])
 
 
+def test_full_moe_layer_context_parallel_cpu():
+    # CP = 2 at world size 4: EP = 4 spans both CP ranks of each sequence (tokens of one
+    # sequence's shards go to each other's experts); with the sequence-level balancing loss,
+    # whose reductions run over Megatron's TP x CP group. (global_aux_loss: its router keeps
+    # CUDA tensors from __init__, so it cannot be built on CPU.)
+    names = run_distributed(W.layer_mok_vs_alltoall_cpu, 4, 2, "seq_aux_loss")
+    assert "router.weight" in names[0] and any("experts" in n for n in names[0])
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_shared_expert_overlap_hooks_cpu(world):
     calls = run_distributed(W.shared_expert_overlap_hooks_cpu, world)
