@@ -80,7 +80,7 @@ def moe_config(dispatcher: str, *, ep_size: int, num_experts: int = 8, topk: int
         expert_model_parallel_size=ep_size, tensor_model_parallel_size=1,
         expert_tensor_parallel_size=1, use_cpu_initialization=True,
         moe_grouped_gemm=False, add_bias_linear=False,
-        bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
         gradient_accumulation_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, moe_permute_fusion=False,

@@ -284,11 +284,12 @@ def layer_mok_vs_alltoall_cpu(rank, world, cp_size=1, balancing="none"):
         h.destroy_parallel()
 
 
-def layer_mok_vs_alltoall_gpu(rank, world, backend_env="cuda"):
-    """Full ``MoELayer`` in bf16 on GPUs: ``alltoall`` and ``mok`` over the same EP group,
-    same weights, same input. Outputs and every gradient agree within bf16 tolerance, and
-    mok's error against an fp32 run of the same layer is at most 2x alltoall's (+ 1 ulp
-    slack); ``mok`` twice is bitwise equal."""
+def layer_mok_vs_alltoall_gpu(rank, world, backend_env="cuda", dtype_name="bf16"):
+    """Full ``MoELayer`` in bf16 (or ``dtype_name="fp16"``) on GPUs: ``alltoall`` and ``mok``
+    over the same EP group, same weights, same input. Outputs and every gradient agree within
+    bf16 tolerance, and mok's error against an fp32 run of the same layer is at most 2x
+    alltoall's (+ 1 bf16 ulp slack); ``mok`` twice is bitwise equal."""
+    half = DTYPES[dtype_name]
     h = _setup(world, backend_env)
     try:
         dev = _device()
@@ -298,23 +299,23 @@ def layer_mok_vs_alltoall_gpu(rank, world, backend_env="cuda"):
         a2a = h.build_moe_layer(h.moe_config("alltoall", ep_size=world, **kw), device=dev)
         mok = h.build_moe_layer(h.moe_config("mok", ep_size=world, **kw), device=dev)
         mok.load_state_dict(a2a.state_dict())
-        a2a_bf16 = h.build_moe_layer(h.moe_config("alltoall", ep_size=world,
-                                                  dtype=torch.bfloat16, **kw), device=dev)
-        mok_bf16 = h.build_moe_layer(h.moe_config("mok", ep_size=world,
-                                                  dtype=torch.bfloat16, **kw), device=dev)
-        sd16 = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
+        a2a_half = h.build_moe_layer(h.moe_config("alltoall", ep_size=world,
+                                                  dtype=half, **kw), device=dev)
+        mok_half = h.build_moe_layer(h.moe_config("mok", ep_size=world,
+                                                  dtype=half, **kw), device=dev)
+        sd16 = {k: v.to(half) if torch.is_tensor(v) and v.is_floating_point() else v
                 for k, v in a2a.state_dict().items()}
-        a2a_bf16.load_state_dict(sd16)
-        mok_bf16.load_state_dict(sd16)
-        assert type(mok_bf16.token_dispatcher).__name__ == "MokTokenDispatcher"
+        a2a_half.load_state_dict(sd16)
+        mok_half.load_state_dict(sd16)
+        assert type(mok_half.token_dispatcher).__name__ == "MokTokenDispatcher"
         g = torch.Generator().manual_seed(100 + rank)
         x = torch.randn(512, 2, 256, generator=g).to(dev)
         gy = torch.randn(512, 2, 256, generator=g).to(dev)
 
         ref = _run_layer(a2a, x, gy)                       # fp32 alltoall: the reference
-        ya, dxa, ga = _run_layer(a2a_bf16, x.bfloat16(), gy.bfloat16())
-        ym, dxm, gm = _run_layer(mok_bf16, x.bfloat16(), gy.bfloat16())
-        _assert_runs_bitwise(_run_layer(mok_bf16, x.bfloat16(), gy.bfloat16()), (ym, dxm, gm),
+        ya, dxa, ga = _run_layer(a2a_half, x.to(half), gy.to(half))
+        ym, dxm, gm = _run_layer(mok_half, x.to(half), gy.to(half))
+        _assert_runs_bitwise(_run_layer(mok_half, x.to(half), gy.to(half)), (ym, dxm, gm),
                              "mok run 2 vs run 1")
 
         report = {}

@@ -268,8 +268,9 @@ def test_dispatcher_layout_and_grads_one_gpu():
 
 
 @pytest.mark.gpu
-def test_full_moe_layer_mok_vs_alltoall_one_gpu():
-    reports = run_distributed(W.layer_mok_vs_alltoall_gpu, 1, backend="nccl")
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_full_moe_layer_mok_vs_alltoall_one_gpu(dtype):
+    reports = run_distributed(W.layer_mok_vs_alltoall_gpu, 1, "cuda", dtype, backend="nccl")
     assert "output" in reports[0] and any(k.startswith("grad:") for k in reports[0])
 
 
