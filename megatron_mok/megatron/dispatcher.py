@@ -280,8 +280,12 @@ class MokTokenDispatcher(MoETokenDispatcher):
             problems += expert_tp_problems(self.ep_group, self.tp_group, self.tp_ep_group)
         # Drop-and-pad (see the module docstring). Megatron's config check asks for the
         # capacity factor; this catches a config edited after that check.
+        # Both are read at every dispatch, under alltoall's attribute names: Megatron's
+        # inference (set_decode_expert_padding, for moe_pad_experts_for_cuda_graph_inference)
+        # sets them on a built dispatcher to switch drop-and-pad on for CUDA-graphed decode
+        # steps and off for prefill.
         self.drop_and_pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
-        self.capacity_factor = getattr(config, "moe_expert_capacity_factor", None)
+        self.moe_expert_capacity_factor = getattr(config, "moe_expert_capacity_factor", None)
         if self.drop_and_pad and self.capacity_factor is None:
             problems.append("moe_pad_expert_input_to_capacity is set without "
                             "moe_expert_capacity_factor; set the capacity factor")
@@ -533,6 +537,11 @@ class MokTokenDispatcher(MoETokenDispatcher):
                 (self.num_local_experts,), rows, dtype=torch.long,
                 device=res.tokens.device if on_device else "cpu")
         return res.tokens, res.probs
+
+    @property
+    def capacity_factor(self) -> Optional[float]:
+        """Drop-and-pad's capacity factor: :attr:`moe_expert_capacity_factor` (see ``__init__``)."""
+        return self.moe_expert_capacity_factor
 
     def rows_per_expert(self, num_tokens: int) -> int:
         """Drop-and-pad: ``N``, the rows every local expert gets when this rank dispatches
