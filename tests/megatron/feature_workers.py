@@ -17,7 +17,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from mok_megatron_workers import (_EXPERT_KEY, _assert_runs_bitwise, _device, _run_layer,
+from mok_megatron_workers import (_EXPERT_KEY, _compare, _assert_runs_bitwise, _device, _run_layer,
                                   _setup)
 
 # mok vs alltoall is not asserted bitwise (as in layer_mok_vs_alltoall_cpu, which allows
@@ -116,34 +116,6 @@ def _build_pair(h, world: int, dev, **kw):
     assert type(a2a.token_dispatcher).__name__ == "MoEAlltoAllTokenDispatcher"
     a2a.load_state_dict(_full_state_dict(mok, world, kw["num_experts"] // world), strict=True)
     return mok, a2a
-
-
-def _compare(rank, run_m, run_a, e_local, tol) -> dict:
-    """mok's ``(output, input grad, grads)`` against alltoall's (EP = 1), expert weight grads
-    summed over the ranks first (each rank's alltoall layer saw only its own tokens). Returns
-    ``{what: max abs difference / the reference's largest value}``; raises past ``tol`` times the largest value of the
-    reference tensor (absolute) or of each element (relative)."""
-    errs = {}
-
-    def check(what, got, want):
-        scale = float(want.abs().max())
-        torch.testing.assert_close(got, want, atol=tol * scale, rtol=tol,
-                                   msg=lambda s: f"{what} (largest value {scale:.3g}): {s}")
-        errs[what] = (got.float() - want.float()).abs().max().item() / (scale or 1.0)
-
-    check("output", run_m[0], run_a[0])
-    check("input_grad", run_m[1], run_a[1])
-    summed = {}
-    for k in sorted(run_a[2]):           # every rank reduces every expert, in one order
-        if k.startswith("experts."):
-            summed[k] = run_a[2][k].clone()
-            dist.all_reduce(summed[k])
-    for k, v in run_m[2].items():
-        m = _EXPERT_KEY.match(k)
-        ref = summed[f"experts.local_experts.{rank * e_local + int(m.group(1))}.{m.group(2)}"] \
-            if m else run_a[2][k]
-        check(f"grad:{k}", v, ref)
-    return errs
 
 
 def _nonzero(run) -> None:
