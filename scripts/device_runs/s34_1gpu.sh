@@ -8,9 +8,10 @@
 #           timeout-after-an-unread-data-error test three times on this tree's library, its
 #           mutant data_error_hides_timeout (.mutants34, carried, built from this tree) through
 #           the audit, then the error-path selection of session 33.
-# megatron  (item 47's s33-3) The GPU tests of tests/megatron on megatron-core 0.19.2 (the
-#           carried .whl) with the per-step device-error check in place: one GPU, so the
-#           `multigpu` tests run as two processes on it (MOK_TEST_SHARED_GPU=1), as s29's step3.
+# megatron  (item 47's s33-3, items 49-51) The GPU tests of tests/megatron on megatron-core
+#           0.19.2 (the carried .whl) with the per-step device-error check in place, session
+#           34's new test files first: one GPU, so the `multigpu` tests run as two processes on
+#           it (MOK_TEST_SHARED_GPU=1), as s29's step3. Stopped at MEGATRON_LIMIT_S (500).
 # features  (item 49) tests/megatron/test_megatron_features.py's GPU tests (0.19.2).
 # fullgraph (item 50) tests/megatron/test_megatron_full_graph.py's GPU tests (0.19.2).
 # Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
@@ -21,7 +22,7 @@ SITE=/tmp/site
 mcore() {  # mcore NAME LIMIT_S PYTEST ARGS...: pytest on megatron-core 0.19.2 into $R/NAME.log
     local name=$1 limit=$2; shift 2
     [ -d $SITE/megatron ] || install_wheels .whl $SITE || return
-    PYTHONPATH=$SITE:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 timeout -k 10 $limit \
+    PYTHONPATH=$SITE:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 timeout -s INT -k 30 $limit \
       python3 -m pytest -q -rfE -p no:cacheprovider "$@" --junitxml=$R/$name.xml > $R/$name.log 2>&1
     echo "[$name] rc=$?"; tail -2 $R/$name.log; grep -E "FAILED|ERROR" $R/$name.log | head -20
 }
@@ -43,7 +44,11 @@ errors)
     --junitxml=$R/errors.xml > $R/errors.log 2>&1
   echo "[error paths] rc=$? in $((SECONDS - t0)) s"; tail -2 $R/errors.log; grep -E "FAILED|ERROR" $R/errors.log | head ;;
 megatron)
-  MOK_TEST_SHARED_GPU=1 MOK_TESTS_LIMIT_S=300 mcore megatron 330 -m "gpu or multigpu" --durations=15 tests/megatron ;;
+  # Session 34's new files first (stopped with SIGINT at the limit, pytest still reports).
+  M=tests/megatron
+  MOK_TEST_SHARED_GPU=1 mcore megatron ${MEGATRON_LIMIT_S:-500} -m "gpu or multigpu" --durations=15 \
+    $M/test_megatron_full_graph.py $M/test_megatron_features.py $M/test_megatron_recompute.py \
+    $M/test_megatron_dispatcher.py $M ;;
 features)
   MOK_TEST_SHARED_GPU=1 mcore features 200 -m "gpu or multigpu" tests/megatron/test_megatron_features.py ;;
 fullgraph)
