@@ -62,8 +62,24 @@ def destroy_parallel() -> None:
 
     reset_buffers()
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    _drop_moe_metrics()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+
+
+def _drop_moe_metrics() -> None:
+    """Empty Megatron's process-global MoE metrics (the aux-loss logging). Each metric's tensor
+    is sized by the layer count of the first model that records it; a later model with more
+    layers in the same process would index past it (IndexError in the router, s34-1).
+    0.19: ``moe_logging``'s tracker object; 0.16 / 0.17: a module-level dict in ``moe_utils``."""
+    try:
+        from megatron.core.transformer.moe import moe_logging
+    except ImportError:
+        from megatron.core.transformer.moe import moe_utils
+
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    else:
+        moe_logging.set_moe_metrics_tracker(None)
 
 
 def moe_config(dispatcher: str, *, ep_size: int, num_experts: int = 8, topk: int = 2,

@@ -297,6 +297,17 @@ def _set_decode_padding(layer, on: bool, capacity_factor):
         iu.moe_layer_cache = None
 
 
+def _close_runs(run, ref, tol, what) -> None:
+    """Two ``_run_layer`` results of the same layer (same parameters): output, input grad and
+    every parameter grad within ``tol`` of each reference tensor's largest value."""
+    pairs = [("output", run[0], ref[0]), ("input grad", run[1], ref[1])]
+    pairs += [(f"grad {k}", run[2][k], ref[2][k]) for k in ref[2]]
+    for name, got, want in pairs:
+        scale = float(want.abs().max())
+        torch.testing.assert_close(got, want, atol=tol * scale, rtol=tol,
+                                   msg=lambda m: f"{name}, {what}: {m}")
+
+
 def layer_decode_expert_padding(rank, world, backend_env=None):
     """``moe_pad_experts_for_cuda_graph_inference`` (megatron-core 0.19's config field; 0.16's
     ``InferenceWrapperConfig``): for CUDA-graphed decode steps Megatron switches an already
@@ -330,7 +341,10 @@ def layer_decode_expert_padding(rank, world, backend_env=None):
         e_local = E // world
         assert tpe.device.type == "cpu" and tpe.tolist() == [T * world] * e_local, tpe
         assert tokens.shape[0] == T * world * e_local
-        _assert_runs_bitwise(padded, dropless, "mok with decode padding vs dropless")
+        if dev.type == "cpu":
+            _assert_runs_bitwise(padded, dropless, "mok with decode padding vs dropless")
+        else:   # cuBLAS picks its kernel by the row count: T x EP rows per expert, not the routed
+            _close_runs(padded, dropless, GPU_TOL, "mok with decode padding vs dropless")
         errs = _compare(rank, padded, _run_layer(a2a, x, gy), e_local,
                         CPU_TOL if dev.type == "cpu" else GPU_TOL)
 
