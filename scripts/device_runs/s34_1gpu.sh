@@ -2,7 +2,7 @@
 # Session 34's one-GPU calls (benchmarks/NOTES.md, items 47 and 48).
 #
 #   bash scripts/device_runs/s34_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of errors megatron features fullgraph
+#     PARTS: any of errors megatron new
 #
 # errors    (item 48) report_error's escalation loop without its redundant `prev != 0`: the
 #           timeout-after-an-unread-data-error test three times on this tree's library, its
@@ -12,8 +12,8 @@
 #           0.19.2 (the carried .whl) with the per-step device-error check in place, session
 #           34's new test files first: one GPU, so the `multigpu` tests run as two processes on
 #           it (MOK_TEST_SHARED_GPU=1), as s29's step3. Stopped at MEGATRON_LIMIT_S (500).
-# features  (item 49) tests/megatron/test_megatron_features.py's GPU tests (0.19.2).
-# fullgraph (item 50) tests/megatron/test_megatron_full_graph.py's GPU tests (0.19.2).
+# new       (items 49, 50, after s34-1's mends) the GPU tests of session 34's new files only:
+#           recompute, features, full-iteration graph (0.19.2). Stopped at NEW_LIMIT_S (360).
 # Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
 # Carry: megatron_mok/_lib, .whl (megatron-core 0.19.2), .mutants34 (for errors).
 C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
@@ -49,10 +49,10 @@ megatron)
   MOK_TEST_SHARED_GPU=1 mcore megatron ${MEGATRON_LIMIT_S:-500} -m "gpu or multigpu" --durations=15 \
     $M/test_megatron_full_graph.py $M/test_megatron_features.py $M/test_megatron_recompute.py \
     $M/test_megatron_dispatcher.py $M ;;
-features)
-  MOK_TEST_SHARED_GPU=1 mcore features 200 -m "gpu or multigpu" tests/megatron/test_megatron_features.py ;;
-fullgraph)
-  MOK_TEST_SHARED_GPU=1 mcore fullgraph 240 -m "gpu or multigpu" tests/megatron/test_megatron_full_graph.py ;;
+new)
+  M=tests/megatron
+  MOK_TEST_SHARED_GPU=1 mcore new ${NEW_LIMIT_S:-360} -m "gpu or multigpu" --durations=10 \
+    $M/test_megatron_recompute.py $M/test_megatron_features.py $M/test_megatron_full_graph.py ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
 echo "[$PART] $((SECONDS - t0)) s"
