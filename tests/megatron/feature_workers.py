@@ -17,8 +17,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from mok_megatron_workers import (_EXPERT_KEY, _compare, _assert_runs_bitwise, _device, _run_layer,
-                                  _setup)
+from mok_megatron_workers import (_assert_runs_bitwise, _compare, _device,
+                                  _full_state_dict, _run_layer, _setup, patched_attrs)
 
 # mok vs alltoall is not asserted bitwise (as in layer_mok_vs_alltoall_cpu, which allows
 # 1e-5): mok sums a token's expert outputs in its own order (slot order, in the combine)
@@ -74,37 +74,11 @@ def latent_projection_standin():
     undefined without TE, 0.19 sets it to ``None``)."""
     from megatron.core.transformer.moe import moe_layer
 
-    missing = object()
-    saved = {n: getattr(moe_layer, n, missing) for n in ("HAVE_TE", "TELinear")}
-    moe_layer.HAVE_TE, moe_layer.TELinear = True, DuplicatedLinear
-    try:
+    with patched_attrs(moe_layer, HAVE_TE=True, TELinear=DuplicatedLinear):
         yield
-    finally:
-        for n, v in saved.items():
-            if v is missing:
-                delattr(moe_layer, n)
-            else:
-                setattr(moe_layer, n, v)
 
 
 # ------------------------------------------------------------------- mok vs alltoall
-def _full_state_dict(mok_layer, world: int, e_local: int) -> dict:
-    """The state dict of the same layer with every expert local (EP = 1), from the mok
-    layer's EP shards (collective: the ranks exchange their experts)."""
-    shards = [None] * world
-    dist.all_gather_object(shards, {k: v.cpu() if torch.is_tensor(v) else v
-                                    for k, v in mok_layer.state_dict().items()})
-    full = {}
-    for r, sd in enumerate(shards):
-        for k, v in sd.items():
-            m = _EXPERT_KEY.match(k)
-            if m:
-                full[f"experts.local_experts.{r * e_local + int(m.group(1))}.{m.group(2)}"] = v
-            elif r == 0:
-                full[k] = v
-    return full
-
-
 def _build_pair(h, world: int, dev, **kw):
     """``(mok over EP = world, alltoall with every expert local)``, the same weights."""
     torch.manual_seed(0)

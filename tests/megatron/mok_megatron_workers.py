@@ -221,6 +221,43 @@ def _run_layer(layer, x, gy):
 _EXPERT_KEY = re.compile(r"experts\.local_experts\.(\d+)\.(.*)")
 
 
+def _full_state_dict(mok_layer, world: int, e_local: int) -> dict:
+    """The state dict of the same layer with every expert local (EP = 1), from the mok
+    layer's EP shards (collective: the ranks exchange their experts)."""
+    shards = [None] * world
+    dist.all_gather_object(shards, {k: v.cpu() if torch.is_tensor(v) else v
+                                    for k, v in mok_layer.state_dict().items()})
+    full = {}
+    for r, sd in enumerate(shards):
+        for k, v in sd.items():
+            m = _EXPERT_KEY.match(k)
+            if m:
+                full[f"experts.local_experts.{r * e_local + int(m.group(1))}.{m.group(2)}"] = v
+            elif r == 0:
+                full[k] = v
+    return full
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def patched_attrs(obj, **attrs):
+    """Set ``obj``'s attributes for the duration, then restore them as they were (deleting
+    those ``obj`` did not have)."""
+    saved = {n: getattr(obj, n, _MISSING) for n in attrs}
+    for n, v in attrs.items():
+        setattr(obj, n, v)
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            if v is _MISSING:
+                delattr(obj, n)
+            else:
+                setattr(obj, n, v)
+
+
 def _compare(rank, run_m, run_a, e_local, tol) -> dict:
     """mok's ``(output, input grad, grads)`` against alltoall's (EP = 1), expert weight grads
     summed over the ranks first (each rank's alltoall layer saw only its own tokens). Returns
@@ -274,18 +311,8 @@ def layer_mok_vs_alltoall_cpu(rank, world, cp_size=1, balancing="none"):
                                       pg_collection=h.single_rank_pg_collection())
         assert type(mok_layer.token_dispatcher).__name__ == "MokTokenDispatcher"
         assert type(a2a_layer.token_dispatcher).__name__ == "MoEAlltoAllTokenDispatcher"
-        shards = [None] * world
-        dist.all_gather_object(shards, mok_layer.state_dict())
         e_local = E // world
-        full = {}
-        for r, sd in enumerate(shards):
-            for k, v in sd.items():
-                m = _EXPERT_KEY.match(k)
-                if m:
-                    full[f"experts.local_experts.{r * e_local + int(m.group(1))}.{m.group(2)}"] = v
-                elif r == 0:
-                    full[k] = v
-        a2a_layer.load_state_dict(full, strict=True)
+        a2a_layer.load_state_dict(_full_state_dict(mok_layer, world, e_local), strict=True)
 
         g = torch.Generator().manual_seed(100 + rank)
         x = torch.randn(8, 3, 32, generator=g)

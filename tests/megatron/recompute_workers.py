@@ -188,29 +188,16 @@ def _checkpoint_shims():
     """
     from megatron.core.tensor_parallel import random as mrandom
 
-    saved = {}
+    shims = {}
     if not torch.cuda.is_available():
-        saved.update(_get_cuda_rng_state=mrandom._get_cuda_rng_state,
-                     _set_cuda_rng_state=mrandom._set_cuda_rng_state)
-        mrandom._get_cuda_rng_state = lambda *a, **k: None
-        mrandom._set_cuda_rng_state = lambda *a, **k: None
+        shims.update(_get_cuda_rng_state=lambda *a, **k: None,
+                     _set_cuda_rng_state=lambda *a, **k: None)
     if not getattr(mrandom, "HAVE_TE", True):
-        for name in ("FP8GlobalStateManager", "activation_recompute_forward", "fp8_autocast"):
-            saved[name] = getattr(mrandom, name, _MISSING)
-        mrandom.FP8GlobalStateManager = _NoFp8
-        mrandom.activation_recompute_forward = lambda *a, **k: contextlib.nullcontext()
-        mrandom.fp8_autocast = lambda *a, **k: contextlib.nullcontext()
-    try:
+        shims.update(FP8GlobalStateManager=_NoFp8,
+                     activation_recompute_forward=lambda *a, **k: contextlib.nullcontext(),
+                     fp8_autocast=lambda *a, **k: contextlib.nullcontext())
+    with W.patched_attrs(mrandom, **shims):
         yield
-    finally:
-        for name, val in saved.items():
-            if val is _MISSING:
-                delattr(mrandom, name)
-            else:
-                setattr(mrandom, name, val)
-
-
-_MISSING = object()
 
 
 def _recompute_flags(model) -> dict:
