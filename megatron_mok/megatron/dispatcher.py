@@ -565,6 +565,9 @@ class MokTokenDispatcher(MoETokenDispatcher):
         expert's row count aligned for the quantized grouped GEMM. The extra rows are zero
         rows. Without that flag the alignment is 1.
         """
+        if self.capacity_factor is None:    # set on a built dispatcher (see __init__)
+            raise MokConfigError("MokTokenDispatcher: drop_and_pad is on but "
+                                 "moe_expert_capacity_factor is None; set the capacity factor")
         capacity = get_capacity(num_tokens=num_tokens * self.topk, num_experts=self.num_experts,
                                 capacity_factor=self.capacity_factor)
         n = capacity * self.buffer.world_size

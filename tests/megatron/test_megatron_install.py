@@ -919,3 +919,21 @@ def test_dispatcher_caches_by_group_key(fresh_buffers):
     key = D._GroupKey(d.group)
     assert D._T_MAX.get(key) == 6
     assert [k[0] for k in D._BUFFERS] == [key]
+
+
+def test_drop_and_pad_switched_on_without_a_factor_is_a_clear_error(fresh_buffers):
+    # Megatron's inference switches drop-and-pad on a built dispatcher by setting attributes
+    # (set_decode_expert_padding); a caller that forgets the factor gets MoK's message, not a
+    # TypeError from inside Megatron's get_capacity.
+    from megatron_mok.megatron.config import MokConfigError
+
+    d = _dispatcher()
+    d.drop_and_pad = True
+    rmap = torch.zeros(6, 8, dtype=torch.bool)
+    rmap[:, :2] = True
+    h, w = d.dispatch_preprocess(torch.ones(6, 1, 16), rmap, rmap.float())
+    with pytest.raises(MokConfigError, match="moe_expert_capacity_factor is None"):
+        d.token_dispatch(h, w)
+    d.moe_expert_capacity_factor = 4.0          # E / topk: nothing dropped
+    tokens, _ = d.token_dispatch(h, w)
+    assert tokens.shape[0] == 8 * 6             # every local expert gets T x EP rows
