@@ -75,6 +75,7 @@ FP8T = "tests/test_fp8_dispatch.py"
 LPT = "tests/test_launch_policy.py"
 MG_INSTALL = "tests/megatron/test_megatron_install.py"
 MG_DISP = "tests/megatron/test_megatron_dispatcher.py"
+MG_FEAT = "tests/megatron/test_megatron_features.py"
 MAINT = "tests/test_main_job.py"
 BENCHT = "tests/test_benchmarks_cpu.py"
 ERRT = "tests/test_device_errors.py"
@@ -271,6 +272,13 @@ MUTANTS: List[Mutant] = [
       [MG_INSTALL]),
     M("mg_group_key_by_id", DISP, "        gkey = _GroupKey(group)\n", "        gkey = id(group)\n",
       [MG_INSTALL]),
+    # ------------------------------------- drop-and-pad switched on a built dispatcher (s34)
+    M("mg_capacity_factor_frozen", DISP, "        return self.moe_expert_capacity_factor\n",
+      "        return self.__dict__.setdefault('_cf0', self.moe_expert_capacity_factor)\n",
+      [f"{MG_FEAT}::test_decode_expert_padding_cpu"]),
+    M("mg_missing_factor_unchecked", DISP,
+      "        if self.capacity_factor is None:    # set on a built dispatcher (see __init__)\n",
+      "        if False:\n", [MG_INSTALL]),
     M("mg_call_mode_combine_unchecked", DISP,
       "        if self.check_each_call and not _capturing():\n            self.buffer.check_errors()\n"
       "        return y\n", "        return y\n", [MG_INSTALL]),

@@ -322,6 +322,14 @@ def layer_decode_expert_padding(rank, world, backend_env=None):
         errs = _compare(rank, padded, _run_layer(a2a, x, gy), e_local,
                         CPU_TOL if dev.type == "cpu" else GPU_TOL)
 
+        # Another factor (half: routes dropped) is the one its dispatch uses: read per call.
+        from megatron.core.transformer.moe.moe_utils import get_capacity
+
+        _set_decode_padding(mok, True, factor / 2)
+        _run_layer(mok, x, gy)
+        half = get_capacity(num_tokens=T * K, num_experts=E, capacity_factor=factor / 2)
+        assert seen[-1][1].tolist() == [half * world] * e_local, (half, seen[-1][1])
+
         for layer in (mok, a2a):
             _set_decode_padding(layer, False, None)
         again = _run_layer(mok, x, gy)
