@@ -13,7 +13,7 @@
 #           34's new test files first: one GPU, so the `multigpu` tests run as two processes on
 #           it (MOK_TEST_SHARED_GPU=1), as s29's step3. Stopped at MEGATRON_LIMIT_S (500).
 # new       (items 49, 50, after s34-1's mends) the GPU tests of session 34's new files only:
-#           recompute, features, full-iteration graph (0.19.2). Stopped at NEW_LIMIT_S (360).
+#           recompute, features, full-iteration graph, eval (0.19.2). Stopped at NEW_LIMIT_S (360).
 # Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
 # Carry: megatron_mok/_lib, .whl (megatron-core 0.19.2), .mutants34 (for errors).
 C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
@@ -52,7 +52,8 @@ megatron)
 new)
   M=tests/megatron
   MOK_TEST_SHARED_GPU=1 mcore new ${NEW_LIMIT_S:-360} -m "gpu or multigpu" --durations=10 \
-    $M/test_megatron_recompute.py $M/test_megatron_features.py $M/test_megatron_full_graph.py ;;
+    $M/test_megatron_recompute.py $M/test_megatron_features.py $M/test_megatron_full_graph.py \
+    $M/test_megatron_eval.py ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
 echo "[$PART] $((SECONDS - t0)) s"
