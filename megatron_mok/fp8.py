@@ -36,12 +36,13 @@ from typing import Optional, Tuple
 
 import torch
 
+from .rows import ROW_ALIGN, aligned_rows
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Scales: float32 (one per 128 columns, DeepEP) or one byte (MXFP8's E8M0 exponents).
 SCALE_DTYPES = (torch.float32, torch.uint8) + (
     (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
 E4M3_MAX = 448.0
-ROW_ALIGN = 16  # the dispatch copies 16-byte vectors
 
 
 def quantize(x: torch.Tensor, block: int = 128) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -170,11 +171,7 @@ def dispatch_rows(x_fp8: torch.Tensor, scales: torch.Tensor, packed: Optional[bo
         packed = pack_always()
     if H % ROW_ALIGN or sb % ROW_ALIGN or packed:
         return pack(x_fp8, scales)
-    if x_fp8.data_ptr() % ROW_ALIGN:
-        x_fp8 = x_fp8.clone()
-    if scales.data_ptr() % ROW_ALIGN:
-        scales = scales.clone()
-    return PairRows(x_fp8, scales, sb)
+    return PairRows(aligned_rows(x_fp8), aligned_rows(scales), sb)
 
 
 def _pack_on_device(out, x_fp8, scale_bytes, H: int, sb: int, P: int) -> bool:

@@ -212,7 +212,7 @@ MUTANTS: List[Mutant] = [
       "if False:", [INPUTS]),
     # ------------------------------------------------------------------- CUDA backend (host)
     M("cuda_other_gpu_accepted", CBE, "if t.device != self.device:", "if False:", [INPUTS]),
-    M("cuda_misaligned_rows_passed", CBE, "if t.numel() and t.data_ptr() % ALIGN_BYTES:",
+    M("cuda_misaligned_rows_passed", "megatron_mok/rows.py", "if t.numel() and t.data_ptr() % ROW_ALIGN:",
       "if False:", [INPUTS]),
     # ------------------------------------------------------------------------ autograd
     M("ag_want_w_of_x", AG, "want_w = ctx.needs_input_grad[3]",

@@ -26,6 +26,7 @@ import torch
 from ..comm import all_gather_ints
 from ..fp8 import PairRows
 from ..handle import DispatchHandle
+from ..rows import aligned_rows
 from . import bindings, library
 from .launch_policy import env_int, launch_policy
 from .errors import (ABANDONED_ENTRY_BYTES, ABANDONED_OFFSET, WAIT_KIND_COUNT, MokDeviceError,
@@ -55,10 +56,6 @@ SPEC_MARGIN, SPEC_HISTORY = 1.10, 8
 META_SLOTS = 16
 # Most routes per token and ranks per Buffer (csrc/include/mok/config.h kMaxTopk, kMaxRanks).
 MAX_TOPK, MAX_RANKS = 32, 64
-# The kernels and the copy-engine staging move rows as 16-byte vectors (int4 loads and stores):
-# every row source must start at a multiple of 16 bytes (its rows are multiples of 16 bytes:
-# hidden % 8 == 0, checked when the backend is made).
-ALIGN_BYTES = 16
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -76,21 +73,6 @@ class CudaLayout:
     """Backend-private part of a handle: the device layout arrays (``csrc`` HandleArrays)."""
 
     scratch: torch.Tensor   # uint8, carved by HandleArrays::make
-
-
-def aligned_rows(t):
-    """``t``, or a contiguous copy of it when its data pointer is not a multiple of
-    ``ALIGN_BYTES`` (16) bytes: a view at an element offset, e.g. ``big.view(-1)[1:].view(T, H)``
-    or a slice of a gradient that autograd handed over (the allocator aligns the copy).
-
-    Copied, not refused, as the FP8 pair's sources are (``fp8.dispatch_rows``): a refusal on one
-    rank would leave its peers, which go on into the call, waiting for it until their timeout,
-    and the copy costs one read and one write of the rows on this rank alone (no peer needs to
-    know: the rows' size and layout do not change). Tensors without elements are read by
-    nobody and pass as they are; an FP8 pair's ``PairRows`` is aligned when it is made."""
-    if t.numel() and t.data_ptr() % ALIGN_BYTES:
-        return t.clone(memory_format=torch.contiguous_format)
-    return t
 
 
 def _env_int(name: str, default: int) -> int:
