@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import warnings
 import weakref
 from typing import Optional
 
@@ -140,6 +141,7 @@ class Buffer:
         self.device = torch.device(device) if device is not None else None
         self._backends = {}
         self._destroyed = False
+        self._aborted: Optional[str] = None   # abort()'s reason
         self.serial = next(_SERIALS)
         # MOK_FP8_PACK=1 (read once: fp8.pack_always) packs FP8 pairs instead of reading them in place.
         self._fp8_pack = fp8.pack_always()
@@ -186,6 +188,14 @@ class Buffer:
             Gradients flow to ``x`` (through ``tokens``) and ``topk_weights`` (through ``probs``).
         """
         self._check_alive()
+        try:
+            return self._dispatch(x, topk_idx, topk_weights, handle, rows_per_expert)
+        except Exception as exc:
+            self._abort_after(exc)
+            raise
+
+    def _dispatch(self, x, topk_idx, topk_weights, handle, rows_per_expert) -> DispatchResult:
+        """:meth:`dispatch` after the alive check (an exception here stops the Buffer)."""
         pair = fp8.is_fp8_pair(x)
         # (The pair's own checks, its length first, come below; the backend only looks at a tensor.)
         backend = self._backend_for(x[0] if pair and x else x, "x_fp8" if pair else "x")
@@ -234,10 +244,51 @@ class Buffer:
             ``y [T, H]`` in the Buffer's dtype; differentiable w.r.t. ``expert_out``.
         """
         self._check_alive()
-        validation.check_combine_inputs(self, expert_out, handle)
-        backend = self._backend_for(expert_out)
-        validation.check_handle_backend(handle, backend.name)
-        return CombineFunction.apply(backend, handle, expert_out)
+        try:
+            validation.check_combine_inputs(self, expert_out, handle)
+            backend = self._backend_for(expert_out)
+            validation.check_handle_backend(handle, backend.name)
+            return CombineFunction.apply(backend, handle, expert_out)
+        except Exception as exc:
+            self._abort_after(exc)
+            raise
+
+    def abort(self, reason: str = "Buffer.abort() was called") -> None:
+        """Stop this Buffer on this rank, and make its peers' calls raise at once.
+
+        For an error of this rank that its peers cannot see: they may already be inside the
+        same dispatch or combine, waiting for this rank's routing, tokens or partial sums.
+        ``dispatch`` and ``combine`` call it themselves before an exception leaves them in a
+        group of two ranks or more (an input refused on this rank only, more tokens than
+        ``max_tokens_per_rank``, a device error read here); the Megatron adapter calls it
+        before its own per-rank errors. Call it yourself when this rank stops between a
+        dispatch and its combine (an expert that raised).
+
+        CUDA backend: one kernel on the current stream, after this rank's queued work, poisons
+        every flag its peers wait on for it; a peer's wait ends there and its call raises
+        :class:`~megatron_mok.cuda.errors.MokDeviceError` naming this rank (an eager dispatch
+        at its host read, other calls at the next read or ``check_errors``) instead of timing
+        out. Nothing is launched while a CUDA graph is captured (its peers are capturing too,
+        not waiting). The reference backend tells its peers nothing: they wait in their
+        collective until the process group's timeout.
+
+        Afterwards every call on this rank raises, naming ``reason``; on every rank the Buffer
+        can no longer be used (make a new one everywhere). Idempotent; nothing to stop in a
+        world of one rank, where it does nothing and the Buffer stays usable."""
+        if self._destroyed or self.world_size == 1:
+            return
+        if self._aborted is None:
+            self._aborted = reason     # first: this rank refuses from now on, whatever follows
+        for b in list(self._backends.values()):
+            b.abort(reason)
+
+    def _abort_after(self, exc: BaseException) -> None:
+        """:meth:`abort` for ``exc`` leaving a call: it must not hide ``exc`` if it fails."""
+        try:
+            self.abort(f"{type(exc).__name__}: {exc}")
+        except Exception as err:   # e.g. the launch failed: the peers time out instead
+            warnings.warn(f"megatron_mok: rank {self.rank} could not stop its peers after an "
+                          f"error ({err}); they will wait until their timeout")
 
     def check_errors(self) -> None:
         """Synchronise and raise if a CUDA kernel of this Buffer reported an error (timeout,
@@ -339,3 +390,8 @@ class Buffer:
     def _check_alive(self):
         if self._destroyed:
             raise RuntimeError("this Buffer was destroyed")
+        if self._aborted is not None:
+            raise RuntimeError(
+                f"megatron_mok: this Buffer was stopped on rank {self.rank} after an error "
+                f"({self._aborted}); it can no longer be used on any rank of its group: make a "
+                "new Buffer on every rank")

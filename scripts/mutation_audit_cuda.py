@@ -289,6 +289,40 @@ MUTANTS: List[Mutant] = [
            ("tests/test_cuda_library_abi.py", "-k", "refused_at_create"),
            "mok_create accepts a chunk whose routing tables exceed a block's shared memory: the "
            "first dispatch fails with CUDA's 'invalid argument' instead of a clear error at create"),
+    # NOTES item 53: a rank that raises stops its peers at once (mok_stop_rank, wait_published).
+    Mutant("stop_rank_poison_skipped", "kernels/stop_rank.cu",
+           (("  fill(ws.meta_ready_at(me), M, kReadyPoisoned);\n  fill(RingView::dispatch(ws, me).ready, Nd, kReadyPoisoned);\n"
+             "  fill(RingView::combine(ws, me).ready, Nc, kReadyPoisoned);\n", ""),),
+           ("tests/test_stop_rank.py", "-k", "loopback and (default or static or phased)"),
+           "a rank that stopped does not poison its flags: its peers wait for it until their timeout "
+           "and name a timeout instead of the rank", timeout_s=400),
+    Mutant("stop_rank_drain_skipped", "kernels/stop_rank.cu",
+           (("  drain(c);\n", ""),),
+           ("tests/test_stop_rank.py", "-k", "device_error"),
+           "a rank stopping after a data error poisons its flags while its peers still read the call "
+           "it completed: their call fails (or not) by timing instead of completing",
+           expected="a race: the peers' reads must still be in flight when the stop kernel runs, "
+                    "which loopback ranks on one GPU may or may not show"),
+    Mutant("routing_wait_ignores_poison", "layout/dispatch_layout.cu",
+           (("ok = wait_published(c, ws.meta_ready_at(peer) + slot,", "ok = wait_geq(c, ws.meta_ready_at(peer) + slot,"),),
+           ("tests/test_stop_rank.py", "-k", "dispatch_refused and default"),
+           "a peer's wait for a stopped rank's routing ends on the poison and reads the slot's stale "
+           "routing as this call's"),
+    Mutant("combine_wait_ignores_poison", "kernels/combine/consume.cuh",
+           (("if (!wait_published(c, flag, g + 1, d, kWaitCombineReady, static_cast<int64_t>(g))) return -1;",
+             "if (!wait_geq(c, flag, g + 1, d, kWaitCombineReady, static_cast<int64_t>(g))) return -1;"),),
+           ("tests/test_stop_rank.py", "-k", "combine_refused and phased"),
+           "the phased combine sums a stopped rank's stale partials as this call's, without an error"),
+    Mutant("role_split_wait_ignores_poison", "kernels/combine/partials.cuh",
+           (("if (!wait_published(c, theirs.ready + sh.slot(me, q / sh.C), g + 1, d, kWaitCombineReady,",
+             "if (!wait_geq(c, theirs.ready + sh.slot(me, q / sh.C), g + 1, d, kWaitCombineReady,"),),
+           ("tests/test_stop_rank.py", "-k", "combine_refused and role_split"),
+           "the role-split combine sums a stopped rank's stale partials as this call's"),
+    Mutant("narrow_wait_ignores_poison", "kernels/combine/narrow.cuh",
+           (("if (!wait_published(c, RingView::combine(c.ws, c.peers.base[d]).ready",
+             "if (!wait_geq(c, RingView::combine(c.ws, c.peers.base[d]).ready"),),
+           ("tests/test_stop_rank.py", "-k", "narrow"),
+           "the narrow (prob-gradient) combine takes a stopped rank's stale side values as this call's"),
     # NOTES item 46: a protocol error replaces an unread data error in the report.
     Mutant("data_error_hides_timeout", "include/mok/device.h",
            (("  while (is_data_error(prev) && !is_data_error(code)) {",

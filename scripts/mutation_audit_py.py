@@ -83,6 +83,7 @@ BINDT = "tests/test_bindings_constants.py"
 PMT = "tests/test_peer_memory.py"
 MG_ENTRY = "tests/megatron/test_megatron_entrypoints.py"
 SAFETY = "tests/test_handle_safety.py"
+STOP = "tests/test_stop_rank.py"
 INPUTS = "tests/test_input_checks.py"
 REF_ALL = [CONTRACT, AUTOGRAD, CACHED, STATIC, ALIGN, RPE, DETERM]
 
@@ -273,6 +274,29 @@ MUTANTS: List[Mutant] = [
     M("mg_group_key_by_id", DISP, "        gkey = _GroupKey(group)\n", "        gkey = id(group)\n",
       [MG_INSTALL]),
     # ------------------------------------- drop-and-pad switched on a built dispatcher (s34)
+    # ---------------------------------------------- a rank's error stops its Buffer (item 53)
+    M("buf_dispatch_error_not_stopping", BUF,
+      "            return self._dispatch(x, topk_idx, topk_weights, handle, rows_per_expert)\n"
+      "        except Exception as exc:\n            self._abort_after(exc)\n",
+      "            return self._dispatch(x, topk_idx, topk_weights, handle, rows_per_expert)\n"
+      "        except Exception as exc:\n            pass\n",
+      [f"{STOP}::test_an_input_error_stops_the_buffer_and_names_itself"]),
+    M("buf_world_of_one_stopped", BUF,
+      "        if self._destroyed or self.world_size == 1:\n            return\n        if self._aborted",
+      "        if self._destroyed:\n            return\n        if self._aborted",
+      [f"{ERRORS}::test_an_error_in_a_world_of_one_does_not_stop_the_buffer"]),
+    M("buf_stopped_buffer_still_used", BUF,
+      "        if self._aborted is not None:\n            raise RuntimeError(",
+      "        if False:\n            raise RuntimeError(",
+      [f"{STOP}::test_an_input_error_stops_the_buffer_and_names_itself"]),
+    M("ref_abort_not_refusing", REF,
+      "        if self.aborted is not None:\n            raise RuntimeError(f\"megatron_mok: rank",
+      "        if False:\n            raise RuntimeError(f\"megatron_mok: rank",
+      [f"{ERRORS}::test_a_combine_error_stops_the_buffer_on_that_rank"]),
+    M("mg_t_max_error_not_stopping", DISP, "            buf.abort(msg)\n", "",
+      ["tests/megatron/test_megatron_eval.py::test_small_first_dispatch_then_prefill_cpu"]),
+    M("err_peer_stopped_routing_unnamed", ERR, "    if code == 7 and what in (1, 5):",
+      "    if code == 7 and what in (5,):", [f"{STOP}::test_peer_stopped_messages_name_what_the_peer_did_not_do"]),
     M("mg_capacity_factor_frozen", DISP, "        return self.moe_expert_capacity_factor\n",
       "        return self.__dict__.setdefault('_cf0', self.moe_expert_capacity_factor)\n",
       [f"{MG_FEAT}::test_decode_expert_padding_cpu"]),

@@ -167,11 +167,15 @@ def test_experts_not_divisible_by_world_size(world_size):
 
 def _bad_rank_raises_alone(rank, world_size):
     """Only the last rank calls dispatch, with bad input: if validation needed its peers
-    it would hang (the harness turns that into a failure), so it must raise at once."""
+    it would hang (the harness turns that into a failure), so it must raise at once. Each
+    error stops that rank's Buffer (docs/CONTRACT.md, "Errors"): its next call refuses, naming
+    the first error; a new Buffer on every rank works."""
     import torch.distributed as dist
 
-    buf = mok.Buffer(None, num_experts=2 * world_size, hidden=H, topk=K, max_tokens_per_rank=T_MAX,
-                     backend="reference")
+    def make():
+        return mok.Buffer(None, num_experts=2 * world_size, hidden=H, topk=K,
+                          max_tokens_per_rank=T_MAX, backend="reference")
+
     x, idx, w = make_inputs(3, world_size, [5] * world_size, 2 * world_size, H, K, torch.bfloat16)[rank]
     took = None
     if rank == world_size - 1:
@@ -184,11 +188,15 @@ def _bad_rank_raises_alone(rank, world_size):
         ]
         t0 = time.monotonic()
         for args, exc, pattern in bad:
+            buf = make()               # local: the reference backend's Buffer exchanges nothing
             with pytest.raises(exc, match=pattern):
                 buf.dispatch(*args)
+            with pytest.raises(RuntimeError, match=f"stopped on rank {rank}.*{pattern}"):
+                buf.dispatch(x, idx, w)      # refused at once (its peers are not in the call)
         took = time.monotonic() - t0
     dist.barrier()
-    # and everyone can still run a real dispatch/combine together
+    # and everyone can still run a real dispatch/combine together, on a new Buffer
+    buf = make()
     res = buf.dispatch(x, idx, w)
     y = buf.combine(res.tokens, res.handle)
     assert y.shape == x.shape
@@ -198,6 +206,47 @@ def _bad_rank_raises_alone(rank, world_size):
 def test_errors_raise_before_communication():
     took = run_distributed(_bad_rank_raises_alone, 2, timeout=60)
     assert took[-1] is not None and took[-1] < 10
+
+
+def _abort_in_world_of_one_keeps_the_buffer():
+    buf = mok.Buffer(num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T_MAX)
+    x, idx, w = good()
+    with pytest.raises(TypeError):
+        buf.dispatch(x.float(), idx, w)
+    buf.abort("asked")                 # nothing to stop: no peer
+    return buf.dispatch(x, idx, w).tokens.shape
+
+
+def test_an_error_in_a_world_of_one_does_not_stop_the_buffer():
+    assert _abort_in_world_of_one_keeps_the_buffer() == (10, H)
+
+
+def _combine_error_stops_the_rank(rank, world_size):
+    """Rank 1's combine refuses its input (wrong R): its Buffer stops there. Rank 0 is then
+    not made to wait (it would, in the reference's all_gather): it checks rank 1's verdict."""
+    import torch.distributed as dist
+
+    buf = mok.Buffer(None, num_experts=2 * world_size, hidden=H, topk=K, max_tokens_per_rank=T_MAX,
+                     backend="reference")
+    x, idx, w = make_inputs(4, world_size, [5] * world_size, 2 * world_size, H, K, torch.bfloat16)[rank]
+    res = buf.dispatch(x, idx, w)
+    out = None
+    if rank == 1:
+        with pytest.raises(ValueError):
+            buf.combine(res.tokens[:-1] if res.tokens.shape[0] else res.tokens.new_zeros(1, H), res.handle)
+        with pytest.raises(RuntimeError, match="stopped on rank 1"):
+            buf.dispatch(x, idx, w)
+        with pytest.raises(RuntimeError, match="stopped"):      # the backend refuses too (backward)
+            buf._backends["reference"].combine(res.tokens, res.handle)
+        buf.abort("again")                                         # idempotent
+        out = buf._aborted
+    dist.barrier()
+    return out
+
+
+def test_a_combine_error_stops_the_buffer_on_that_rank():
+    out = run_distributed(_combine_error_stops_the_rank, 2, timeout=60)
+    assert out[1].startswith("ValueError: "), out
 
 
 # ---------------------------------------------------------------------- CUDA not available

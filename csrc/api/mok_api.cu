@@ -410,6 +410,11 @@ int mok_layout_fused(const MokContext* ctx, int speculative) {
   return layout_is_fused(ctx->comm.ws.cfg, speculative != 0) ? 1 : 0;
 }
 
+int mok_stop_rank(MokContext* ctx, void* stream) {
+  if (int e = check_ready(ctx)) return e;
+  return check_launch(launch_stop_rank(ctx->comm, static_cast<cudaStream_t>(stream)), "stop_rank launch");
+}
+
 int mok_pack_rows(void* stream, void* dst, int64_t dst_bytes, const void* a, int64_t a_bytes,
                   const void* b, int64_t b_bytes, int64_t rows) {
   auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };

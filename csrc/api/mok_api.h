@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 15
+#define MOK_ABI_VERSION 16
 int mok_abi_version(void);
 
 /* expert_alignment >= 1: each local expert's rows are followed by zero rows (no source, prob 0)
@@ -137,6 +137,13 @@ int mok_combine(MokContext* ctx, void* stream, void* scratch, const void* expert
 int mok_pack_rows(void* stream, void* dst, int64_t dst_bytes, const void* a, int64_t a_bytes,
                   const void* b, int64_t b_bytes, int64_t rows);
 
+/* Stop this rank after an error of its own (the host raised in a dispatch or combine of this
+ * rank, or a device error was read): one kernel on `stream` marks this rank's error report
+ * aborted (code 4), poisons every flag its peers wait on for it (its routing slots, its
+ * dispatch and combine ring slots) and sets its releases in every peer to their end, so that
+ * peers inside the same call raise at once, naming this rank (code 7), instead of timing out.
+ * It waits for nothing. The context cannot be used for communication afterwards, on any rank. */
+int mok_stop_rank(MokContext* ctx, void* stream);
 const char* mok_last_error(void);
 int mok_sm_count(int device);
 /* A new CUDA stream (non-blocking) on `device`, or NULL. For loopback ranks (threads of one

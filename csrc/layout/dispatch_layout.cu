@@ -171,7 +171,7 @@ __device__ void count_block(const CommContext& c, const HandleArrays& h, const R
   for (int d = threadIdx.x; d < c.world; d += blockDim.x) dest_hist[d] = 0;
   if (threadIdx.x == 0) {
     tasks = 0;
-    ok = wait_geq(c, ws.meta_ready_at(peer) + slot, meta_seq + 1, s, kWaitRoutingReady, meta_seq);
+    ok = wait_published(c, ws.meta_ready_at(peer) + slot, meta_seq + 1, s, kWaitRoutingReady, meta_seq);
     src_tokens = ok ? *reinterpret_cast<volatile int32_t*>(ws.meta_count_at(peer, slot)) : 0;
     if (chunk == 0) h.src_count[s] = src_tokens;
   }

@@ -116,6 +116,7 @@ def _byte_rows(x):
 class ReferenceBackend:
     name = "reference"
     destroyed = False   # set by destroy(); every entry then raises, as the CUDA backend's does
+    aborted = None      # abort()'s reason; every entry then raises, as the CUDA backend's does
 
     def __init__(self, buf):
         self.buf = buf
@@ -126,6 +127,17 @@ class ReferenceBackend:
         if self.destroyed:
             raise RuntimeError("megatron_mok: this Buffer was destroyed (Buffer.destroy()); its "
                                "reference backend refuses every call; make a new Buffer")
+        # Likewise after abort() (the CUDA backend's peers cannot go on with a stopped rank).
+        if self.aborted is not None:
+            raise RuntimeError(f"megatron_mok: rank {self.buf.rank} stopped this Buffer after an "
+                               f"error ({self.aborted}); make a new Buffer on every rank")
+
+    def abort(self, reason: str) -> None:
+        """Refuse every later call on this rank (:meth:`Buffer.abort`). The peers are not told:
+        the reference exchanges through blocking collectives, and a collective issued for them
+        here would block this rank until they reach it (or hang if they never do)."""
+        if self.aborted is None:
+            self.aborted = reason
 
     # ----------------------------------------------------------------------------- dispatch
     def dispatch(self, x, topk_idx, topk_weights, rows_per_expert=None):

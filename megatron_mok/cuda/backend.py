@@ -94,6 +94,7 @@ class CudaBackend:
     # entry raises (_alive) instead of handing the kernels freed pointers. A class attribute, so
     # it reads False on an instance whose __init__ raised part-way.
     destroyed = False
+    stopped = False   # mok_stop_rank was launched (_stop_rank): once is enough
 
     def __init__(self, buf):
         self.buf = buf
@@ -307,7 +308,35 @@ class CudaBackend:
                 abandoned = abandoned_waits(self.error_words.cpu().tolist(),
                                             self.abandoned_words.cpu().tolist())
             self.broken = describe(words, self.timeout_s, self.buf.max_recv_tokens, abandoned)
+            # This rank stops here: its peers, maybe waiting for it in this very call (a data
+            # error is this rank's alone), must not wait until their timeout.
+            self._stop_rank()
             raise MokDeviceError(self.broken)
+
+    def abort(self, reason: str) -> None:
+        """Stop this rank after an error of its own (:meth:`Buffer.abort`): every later call
+        raises (``broken``), and its peers' waits for it end at once (:meth:`_stop_rank`)."""
+        if self.broken is None and not self.destroyed:
+            self.broken = (f"megatron_mok: rank {self.buf.rank} stopped this Buffer after an error "
+                           f"({reason}); it can no longer be used on any rank of its group: make "
+                           "a new Buffer on every rank")
+        self._stop_rank()
+
+    def _stop_rank(self) -> None:
+        """``mok_stop_rank`` once, on the current stream after this rank's queued work (the side
+        stream's too: nothing this rank publishes later may overwrite the poison): every flag a
+        peer waits on for this rank becomes "stopped", so their waits end with an error naming
+        this rank instead of a timeout. Not in a world of one rank, not while a CUDA graph is
+        captured (the launch would only run at a replay; the peers are capturing, not waiting),
+        not after destroy()."""
+        if (self.stopped or self.destroyed or self.buf.world_size == 1 or not getattr(self, "ctx", None)
+                or torch.cuda.is_current_stream_capturing()):
+            return
+        self.stopped = True
+        main = torch.cuda.current_stream(self.device)
+        if getattr(self, "side_stream", None) is not None:
+            main.wait_stream(self.side_stream)
+        self._check(self.lib.mok_stop_rank(self.ctx, self._stream()))
 
     def trace_view(self) -> torch.Tensor:
         """Diagnostics: ``[kTraceBlocks, 2]`` int64 view of the start/end times (globaltimer ns)

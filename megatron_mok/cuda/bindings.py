@@ -6,7 +6,7 @@ import ctypes
 from ctypes import c_double, c_float, c_int, c_int64, c_size_t, c_uint64, c_void_p, POINTER
 
 # The C ABI version this file declares (MOK_ABI_VERSION in csrc/api/mok_api.h).
-ABI_VERSION = 15
+ABI_VERSION = 16
 
 _SIGNATURES = {
     "mok_abi_version": (c_int, []),
@@ -36,6 +36,7 @@ _SIGNATURES = {
     "mok_combine": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int,
                             c_void_p, c_void_p, c_int64, c_int, c_int, c_int, c_int, c_int]),
     "mok_pack_rows": (c_int, [c_void_p, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_int64, c_int64]),
+    "mok_stop_rank": (c_int, [c_void_p, c_void_p]),
     "mok_last_error": (ctypes.c_char_p, []),
     "mok_sm_count": (c_int, [c_int]),
     "mok_stream_create": (c_void_p, [c_int]),

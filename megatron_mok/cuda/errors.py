@@ -104,6 +104,16 @@ def describe(report, timeout_s: float, max_recv_tokens, abandoned=()) -> str:
         return (f"megatron_mok: rank {rank}: local expert {peer} received {detail} rows, more than "
                 f"rows_per_expert={what}; its rows past {what} were dropped (not written, not "
                 "combined). The capacity must hold every routed row.")
+    if code == 4:
+        return (f"megatron_mok: rank {rank} stopped this Buffer after an error of its own (its "
+                "first error said which); it can no longer be used on any rank of its group.")
+    if code == 7 and what in (1, 5):
+        before = (f"publishing its routing for this dispatch (routing call {detail})" if what == 1
+                  else f"staging its partial sums for this combine (combine ring generation {detail})")
+        return (f"megatron_mok: rank {rank}: rank {peer} stopped after an error of its own (see "
+                f"its message: e.g. an input refused there, more tokens than max_tokens_per_rank, "
+                f"or a device error it read) before {before}, so this call's outputs are not "
+                "valid. This Buffer can no longer be used.")
     if code == 7 and what == PEER_STOPPED_WHILE_READ:
         return (f"megatron_mok: rank {rank}: rank {peer} stopped after an error of its own (see "
                 f"its message) while this rank was reading its staged tokens (dispatch ring "

@@ -398,12 +398,6 @@ class MokTokenDispatcher(MoETokenDispatcher):
             t_max = max(int(t.item()), 1)
             with _LOCK:
                 _T_MAX[gkey] = t_max
-        if num_tokens > t_max:
-            raise ValueError(
-                f"MoK: this MoE layer got {num_tokens} tokens on EP rank {self.ep_rank}, more "
-                f"than the Buffer's max_tokens_per_rank={t_max} (fixed at the first dispatch). "
-                f"Set MOK_MAX_TOKENS_PER_RANK to the largest sequence_length * micro_batch_size "
-                f"/ TP (with sequence parallelism) any step will use.")
         kwargs = {name: getattr(opts, name) for name in ("ring_bytes", "timeout_s")
                   if getattr(opts, name) is not None}
         num_sms = self.num_sms()
@@ -442,6 +436,16 @@ class MokTokenDispatcher(MoETokenDispatcher):
                               "the pure-torch reference backend on GPU tensors (correct, slow). "
                               "Build the extension, or set MOK_BACKEND=reference to say you mean it.",
                               stacklevel=2)
+        if num_tokens > t_max:
+            # This rank's alone: its EP peers are already in this dispatch, waiting for it.
+            # The Buffer (made first: its creation is collective) is stopped, so they raise
+            # at once, naming this rank, instead of waiting until their timeout.
+            msg = (f"MoK: this MoE layer got {num_tokens} tokens on EP rank {self.ep_rank}, more "
+                   f"than the Buffer's max_tokens_per_rank={t_max} (fixed at the first dispatch). "
+                   f"Set MOK_MAX_TOKENS_PER_RANK to the largest sequence_length * micro_batch_size "
+                   f"/ TP (with sequence parallelism) any step will use.")
+            buf.abort(msg)
+            raise ValueError(msg)
         return buf
 
     @property

@@ -8,7 +8,10 @@ have none), then another prefill.
 The Buffer's ``T_max`` is fixed at the first dispatch of the group (the largest token count
 of any EP rank there, one all-reduce), or by ``MOK_MAX_TOKENS_PER_RANK`` read when the
 dispatcher is built (``MokOptions.from_config``). A later call with more tokens raises a
-``ValueError`` naming that knob, on the rank that has them (``MokTokenDispatcher._get_buffer``).
+``ValueError`` naming that knob, on the rank that has them (``MokTokenDispatcher._get_buffer``),
+which first stops the group's Buffer (``Buffer.abort``): its EP peers, already in the same
+dispatch, raise at once naming that rank, and the Buffer refuses every later call (a world of
+one rank excepted) until the parallel state is re-initialised (``reset_buffers``).
 
 Every function tears down the parallel state, the shared Buffers and the env var it set in
 ``finally``: the ranks are pooled and take the next test's call.
@@ -143,8 +146,9 @@ def layer_small_first_dispatch(rank, world, backend_env=None, set_env=True):
     """The first dispatch a decode step (:data:`DECODE`'s first: T_max = the EP group's
     largest, 2 here), then a prefill larger than that on every rank: the dispatch raises a
     ``ValueError`` naming ``MOK_MAX_TOKENS_PER_RANK`` on each rank (before any communication
-    of the call, so no rank is left waiting), and the layer still serves a decode step after
-    it. Then, unless ``set_env=False`` (the mutant), ``MOK_MAX_TOKENS_PER_RANK`` = the largest
+    of the call). In a world of one rank the layer still serves a decode step after it; in a
+    larger one the error stopped the group's Buffer, and the decode step is refused naming the
+    first error. Then, unless ``set_env=False`` (the mutant), ``MOK_MAX_TOKENS_PER_RANK`` = the largest
     prefill is set before a new pair is built (the dispatcher reads it when built): the same
     sequence -- decode first, then the prefills -- runs, within tolerance of alltoall.
 
@@ -174,10 +178,20 @@ def layer_small_first_dispatch(rank, world, backend_env=None, set_env=True):
             assert message is not None, f"a {PREFILL[rank]} prefill passed a T_max={small} Buffer"
             assert "MOK_MAX_TOKENS_PER_RANK" in message and f"max_tokens_per_rank={small}" \
                 in message, message
-            # The failed call left nothing behind: the next decode step runs and agrees.
             x = _tokens(rank, 2, decode_first[2][1], dev)
             a2a.eval()
-            _close("decode after the error", _forward(mok, x), _forward(a2a, x), tol)
+            if world == 1:
+                # Nothing to stop without peers: the next decode step runs and agrees.
+                _close("decode after the error", _forward(mok, x), _forward(a2a, x), tol)
+            else:
+                # The error stopped the EP group's Buffer; every later call names it.
+                try:
+                    _forward(mok, x)
+                    refused = None
+                except RuntimeError as e:
+                    refused = str(e)
+                assert refused is not None and f"stopped on rank {rank}" in refused \
+                    and "MOK_MAX_TOKENS_PER_RANK" in refused, refused
         h.destroy_parallel()
 
         h = _setup(world, backend_env)           # pops MOK_MAX_TOKENS_PER_RANK
@@ -189,6 +203,37 @@ def layer_small_first_dispatch(rank, world, backend_env=None, set_env=True):
         t_max = mok.token_dispatcher.buffer.max_tokens_per_rank
         assert t_max == largest, (t_max, largest)
         return {"error": message, "t_max": t_max, "steps": {k: list(v) for k, v in gen.items()}}
+    finally:
+        os.environ.pop("MOK_MAX_TOKENS_PER_RANK", None)
+        h.destroy_parallel()
+
+
+def layer_one_rank_over_t_max(rank, world, backend_env=None):
+    """``MOK_MAX_TOKENS_PER_RANK`` = 22: rank 0's 24-token prefill (:data:`PREFILL`) is over it,
+    rank 1's 20 tokens are not. Rank 0 raises the ``ValueError`` naming the knob; rank 1, in the
+    same dispatch waiting for rank 0's routing, must raise at once (``MokDeviceError`` naming
+    rank 0 on the CUDA backend), not after its 60 s timeout. Returns ``(seconds, message)``."""
+    import time
+
+    h = _setup(world, backend_env)
+    os.environ["MOK_MAX_TOKENS_PER_RANK"] = "22"
+    dev = _device()
+    try:
+        kw = dict(num_experts=4 * world, topk=2, hidden=HIDDEN,
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+        mok, _ = _build_pair(h, world, dev, **kw)
+        mok.eval()
+        x = _tokens(rank, 1, PREFILL[rank], dev)
+        t0 = time.monotonic()
+        message = None
+        with torch.no_grad():
+            try:
+                _forward(mok, x)
+            except (ValueError, RuntimeError) as e:
+                message = f"{type(e).__name__}: {e}"
+        took = time.monotonic() - t0
+        assert message is not None, f"rank {rank}: the dispatch passed"
+        return took, message
     finally:
         os.environ.pop("MOK_MAX_TOKENS_PER_RANK", None)
         h.destroy_parallel()

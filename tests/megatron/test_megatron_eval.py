@@ -74,3 +74,14 @@ def test_generation_eval_mok_vs_alltoall_one_gpu():
 def test_small_first_dispatch_then_prefill_one_gpu():
     reports = run_distributed(W.layer_small_first_dispatch, 1, "cuda", backend="nccl")
     assert "MOK_MAX_TOKENS_PER_RANK" in reports[0]["error"] and reports[0]["t_max"] == 24
+
+
+@pytest.mark.multigpu
+def test_one_rank_over_t_max_stops_its_peer_at_once_two_ranks():
+    # Two processes (on one GPU in shared-GPU mode): rank 0 alone is over T_max. Its peer,
+    # already in the dispatch, names it within seconds instead of timing out after 60 s.
+    reports = run_distributed(W.layer_one_rank_over_t_max, 2, "cuda", backend="nccl", timeout=240)
+    (t0, m0), (t1, m1) = reports
+    assert m0.startswith("ValueError") and "MOK_MAX_TOKENS_PER_RANK" in m0, m0
+    assert m1.startswith("MokDeviceError") and "rank 0 stopped after an error of its own" in m1, m1
+    assert "before publishing its routing" in m1 and t1 < 20, (t1, m1)

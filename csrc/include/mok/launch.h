@@ -114,6 +114,10 @@ cudaError_t launch_dispatch_stage_copy(const CommContext& c, const DispatchSourc
                                        cudaStream_t s);
 bool dispatch_call_fits_ring(const Workspace& ws);
 
+// Stop this rank after an error of its own: poison every flag its peers wait on for it, give up
+// its waits for their releases (kernels/stop_rank.cu). One block on `s`; it waits for nothing.
+cudaError_t launch_stop_rank(const CommContext& c, cudaStream_t s);
+
 // rows x [a row | b row | zeros] into dst rows of dst_bytes (the FP8 dispatch's pack); every
 // width a multiple of 16 bytes, a_bytes + b_bytes <= dst_bytes, pointers 16-byte aligned.
 cudaError_t launch_pack_rows(void* dst, int64_t dst_bytes, const void* a, int64_t a_bytes, const void* b,

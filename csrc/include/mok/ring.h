@@ -110,4 +110,23 @@ __device__ inline int32_t dispatch_ready_format(uint64_t ready) { return static_
 // the reader reports kPeerStopped instead of reading rows the copy may be overwriting.
 constexpr uint64_t kReadyPoisoned = ~0ull;
 
+// A flag read without waiting: is what it guards published (generation `target` or later), and
+// not poisoned?
+__device__ inline bool is_published(uint64_t v, uint64_t target) { return v >= target && v != kReadyPoisoned; }
+
+// A wait for a peer's published flag (its routing slot's meta_ready, a combine ring slot's ready:
+// generation + 1) that also recognises the poison of a peer that stopped after an error of its
+// own (kernels/stop_rank.cu): wait_geq ends on it, as it is above every generation, and the
+// caller must not read what the flag guards. Then this reports kPeerStopped (peer, `what`, the
+// generation waited for) and returns false, as after a timeout. The dispatch ring's readers
+// compare the value they saw themselves (it also carries the row format).
+__device__ inline bool wait_published(const CommContext& c, const uint64_t* flag, uint64_t target,
+                                      int32_t peer, int32_t what, int64_t detail) {
+  uint64_t v;
+  if (!wait_geq(c, flag, target, peer, what, detail, &v)) return false;
+  if (v != kReadyPoisoned) return true;
+  report_error(c, kPeerStopped, peer, what, detail);
+  return false;
+}
+
 }  // namespace mok

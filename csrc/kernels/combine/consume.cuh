@@ -105,8 +105,9 @@ __device__ void consume(const CommContext& c, const HandleArrays& h, const Trans
           const uint64_t g = sh.gen(me, q / sh.C);
           const uint64_t* flag = RingView::combine(c.ws, c.peers.base[d0]).ready + sh.slot(me, q / sh.C);
           // Every lane acquires the flag itself before reading the data it guards. Not
-          // seen.set: the cache may only record chunks checked in token order.
-          if (seen.has(d0, g) || __all_sync(0xffffffffu, ld_acquire_sys(flag) >= g + 1)) {
+          // seen.set: the cache may only record chunks checked in token order. A poisoned slot
+          // (its rank stopped) is not streamed: the token's plan waits for it and reports it.
+          if (seen.has(d0, g) || __all_sync(0xffffffffu, is_published(ld_acquire_sys(flag), g + 1))) {
             ipartial = remote_partial<P>(c, sh, d0, q);
             streamed |= 1ull << (k % 64);
           }
@@ -332,7 +333,7 @@ __device__ void consume_staged(const CommContext& c, const HandleArrays& h, cons
       const uint64_t g = sh.gen(me, qd / sh.C);
       if (!seen.has(d, g)) {
         const uint64_t* flag = RingView::combine(c.ws, c.peers.base[d]).ready + sh.slot(me, qd / sh.C);
-        if (!wait_geq(c, flag, g + 1, d, kWaitCombineReady, static_cast<int64_t>(g))) return -1;
+        if (!wait_published(c, flag, g + 1, d, kWaitCombineReady, static_cast<int64_t>(g))) return -1;
         seen.set(d, g);
       }
     }

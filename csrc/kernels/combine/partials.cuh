@@ -50,7 +50,7 @@ __device__ bool wait_token_partials(const CommContext& c, const HandleArrays& h,
     const uint64_t g = sh.gen(me, q / sh.C);
     if (!seen.has(d, g)) {
       RingView theirs = RingView::combine(c.ws, c.peers.base[d]);
-      if (!wait_geq(c, theirs.ready + sh.slot(me, q / sh.C), g + 1, d, kWaitCombineReady, static_cast<int64_t>(g)))
+      if (!wait_published(c, theirs.ready + sh.slot(me, q / sh.C), g + 1, d, kWaitCombineReady, static_cast<int64_t>(g)))
         return false;
       seen.set(d, g);
     }

@@ -1,0 +1,286 @@
+"""A rank that raises stops its Buffer, and its peers raise at once (docs/CONTRACT.md, "Errors";
+NOTES item 53).
+
+An input refused on one rank only (here: more tokens than ``max_tokens_per_rank``, a cached
+dispatch or a combine of the wrong shape) raises there before anything is published, while its
+peers are already in the same call, waiting for that rank's routing, staged tokens or partial
+sums. Before, they waited until their ``timeout_s`` (60 s by default) and then named a timeout.
+Now the raising rank first stops the Buffer (``Buffer.abort``): on the CUDA backend a kernel
+poisons every flag its peers wait on for it, and their waits end with ``MokDeviceError`` naming
+it ("rank 1 stopped after an error of its own").
+
+GPU: loopback ranks (threads on one GPU, ``megatron_mok.loopback``) with a timeout of
+``TIMEOUT_S``; each peer must raise in well under it, with the message that names rank 1, for
+a refused eager dispatch (every layout and staging schedule), a static-shape dispatch, a cached
+dispatch, a combine (both combine schedules) and a narrow prob-gradient combine after an
+explicit ``abort()``. Also on two real GPUs (NCCL). CPU: what the Python side does (who calls
+``abort``, what a stopped Buffer refuses, that a world of one rank is never stopped).
+"""
+
+import time
+
+import pytest
+import torch
+
+import megatron_mok as mok
+from harness import make_inputs, rank_device, run_distributed, run_loopback
+from test_cuda_backend import GPU_WORLD_SIZES, mok_buffer
+
+gpu = pytest.mark.gpu
+# Long enough that a peer that waited for its timeout cannot pass the time check below.
+TIMEOUT_S = 20.0
+FAST_S = 8.0
+E_PER_RANK, H, K, T = 2, 64, 2, 32
+
+
+def _all_here():
+    """Every rank reaches this point before any goes on: none frees its workspace (destroy) while
+    a peer's kernels may still read it."""
+    import torch.distributed as dist
+
+    from harness import in_loopback, loopback_barrier
+
+    torch.cuda.current_stream().synchronize()
+    if in_loopback():
+        loopback_barrier()
+    else:
+        dist.barrier()
+
+
+def _one_rank_stops(rank, world_size, where, hidden=H):
+    """Rank 1 raises in ``where``; every other rank makes the same call with valid inputs and
+    must raise ``MokDeviceError`` naming rank 1. Returns ``(seconds, message)`` of each peer,
+    ``None`` for rank 1 (which checks its own refusal)."""
+    from megatron_mok.cuda.errors import MokDeviceError
+
+    dev = rank_device(rank)
+    E = E_PER_RANK * world_size
+    kw = {"max_recv_tokens": world_size * T * K} if where == "static" else {}
+    buf = mok_buffer(E, hidden, K, T, torch.bfloat16, "cuda", dev, timeout_s=TIMEOUT_S, **kw)
+    x, idx, w = make_inputs(5, world_size, [T - 3] * world_size, E, hidden, K, torch.bfloat16,
+                            device=dev)[rank]
+    bad = rank == 1
+    res = None
+    if where in ("cached", "combine", "narrow"):
+        res = buf.dispatch(x, idx, w)             # one good call on every rank first
+        torch.cuda.current_stream().synchronize()
+    t0 = time.monotonic()
+    if where == "device_error":
+        return _device_error_on_rank_1(buf, x, idx, w, bad, E, t0)
+    if bad:
+        if where in ("dispatch", "static"):
+            big = torch.zeros(T + 1, hidden, dtype=torch.bfloat16, device=dev)
+            with pytest.raises(ValueError, match="max_tokens_per_rank"):
+                buf.dispatch(big, torch.zeros(T + 1, K, dtype=torch.int64, device=dev),
+                             torch.zeros(T + 1, K, device=dev))
+            first = "ValueError"
+        elif where == "cached":
+            with pytest.raises(ValueError):
+                buf.dispatch(x[:-1], handle=res.handle)
+            first = "ValueError"
+        elif where == "combine":
+            with pytest.raises(ValueError):
+                buf.combine(res.tokens.new_zeros(res.tokens.shape[0] + 1, hidden), res.handle)
+            first = "ValueError"
+        else:
+            buf.abort("an expert raised on purpose")
+            first = "an expert raised on purpose"
+        with pytest.raises(RuntimeError, match=f"stopped on rank 1.*{first}"):
+            buf.dispatch(x, idx, w)
+        with pytest.raises(RuntimeError, match=f"rank 1 stopped this Buffer.*{first}"):
+            buf._get_backend("cuda").combine(res.tokens, res.handle) if res is not None \
+                else buf._get_backend("cuda").check_errors()
+        _all_here()
+        buf.destroy()
+        return None
+    with pytest.raises(MokDeviceError) as info:
+        if where in ("dispatch", "static"):
+            buf.dispatch(x, idx, w)
+        elif where == "cached":
+            buf.dispatch(x, handle=res.handle)
+        elif where == "combine":
+            buf.combine(res.tokens, res.handle)
+        else:
+            buf._get_backend("cuda").combine_prob_grads(res.handle, torch.ones_like(res.probs))
+        buf.check_errors()
+    took = time.monotonic() - t0
+    with pytest.raises(MokDeviceError):            # refused from now on
+        buf.dispatch(x, idx, w)
+    _all_here()
+    buf.destroy()
+    return took, str(info.value)
+
+
+def _device_error_on_rank_1(buf, x, idx, w, bad, E, t0):
+    """A data error (a bad expert id) on rank 1, read at its dispatch's host read after its
+    transfer was launched: the peers' call completes without an error (the stop waits for
+    their reads of what rank 1 published), and their next dispatch raises at once."""
+    from megatron_mok.cuda.errors import MokDeviceError
+
+    if bad:
+        idx = idx.clone()
+        idx[2, 0] = E
+        with pytest.raises(MokDeviceError, match="expert id"):
+            buf.dispatch(x, idx, w)
+        _all_here()
+        buf.destroy()
+        return None
+    res = buf.dispatch(x, idx, w)
+    buf.check_errors()                              # this call completed on every rank
+    assert res.tokens.shape[0] > 0
+    t0 = time.monotonic()
+    with pytest.raises(MokDeviceError) as info:
+        buf.dispatch(x, idx, w)
+        buf.check_errors()
+    took = time.monotonic() - t0
+    _all_here()
+    buf.destroy()
+    return took, str(info.value)
+
+
+def _check_peers(out, where):
+    assert out[1] is None
+    for rank, (took, msg) in enumerate(out):
+        if rank == 1:
+            continue
+        assert "rank 1 stopped after an error of its own" in msg, f"rank {rank}: {msg}"
+        assert took < FAST_S, f"rank {rank} raised after {took:.1f} s (timeout {TIMEOUT_S} s): {msg}"
+        if where in ("dispatch", "static", "device_error"):
+            assert "before publishing its routing" in msg, msg
+        if where in ("combine", "narrow"):
+            assert "before staging its partial sums" in msg, msg
+
+
+DISPATCH_SCHEDULES = [pytest.param({}, id="default"),
+                      pytest.param({"MOK_LAYOUT_FUSED": "0"}, id="three_kernel_layout"),
+                      pytest.param({"MOK_EAGER_STAGE_FIRST": "1"}, id="eager_stage_first"),
+                      pytest.param({"MOK_EAGER_SPECULATIVE": "1"}, id="eager_speculative")]
+
+
+@gpu
+@pytest.mark.parametrize("env", DISPATCH_SCHEDULES)
+def test_loopback_dispatch_refused_on_one_rank_stops_its_peers_at_once(env, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    _check_peers(run_loopback(_one_rank_stops, 3, "dispatch", timeout=120), "dispatch")
+
+
+@gpu
+@pytest.mark.parametrize("where", ("static", "cached", "narrow", "device_error"))
+def test_loopback_other_calls_refused_on_one_rank_stop_their_peers_at_once(where):
+    _check_peers(run_loopback(_one_rank_stops, 3, where, timeout=120), where)
+
+
+@gpu
+@pytest.mark.parametrize("env", [pytest.param({}, id="phased"),
+                                 pytest.param({"MOK_COMBINE_PHASED": "0"}, id="role_split")])
+def test_loopback_combine_refused_on_one_rank_stops_its_peers_at_once(env, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    _check_peers(run_loopback(_one_rank_stops, 3, "combine", timeout=120), "combine")
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
+@pytest.mark.parametrize("where", ("dispatch", "combine"))
+def test_one_rank_stops_its_peers_on_gpus(where, world_size):
+    _check_peers(run_distributed(_one_rank_stops, world_size, where, backend="nccl", timeout=120), where)
+
+
+# ------------------------------------------------------------------------------------ CPU
+class _Recorder:
+    """A backend stand-in that records what the Buffer asks of it."""
+
+    name = "reference"
+    destroyed = False
+
+    def __init__(self):
+        self.aborted = []
+
+    def abort(self, reason):
+        self.aborted.append(reason)
+
+    def destroy(self):
+        self.destroyed = True
+
+
+def _two_rank_buffer(monkeypatch):
+    """A Buffer that believes it is rank 0 of 2 (nothing is exchanged: every call below raises
+    before the backend is reached), with a recording backend."""
+    monkeypatch.setattr(mok.buffer, "group_rank_size", lambda group: (0, 2))
+    buf = mok.Buffer(None, num_experts=4, hidden=16, topk=2, max_tokens_per_rank=8, backend="reference")
+    rec = _Recorder()
+    buf._backends["reference"] = rec
+    return buf, rec
+
+
+def test_an_input_error_stops_the_buffer_and_names_itself(monkeypatch):
+    buf, rec = _two_rank_buffer(monkeypatch)
+    x = torch.zeros(9, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        buf.dispatch(x, torch.zeros(9, 2, dtype=torch.int64), torch.zeros(9, 2))
+    assert len(rec.aborted) == 1 and rec.aborted[0].startswith("ValueError: x has T=9"), rec.aborted
+    with pytest.raises(RuntimeError, match=r"stopped on rank 0 after an error \(ValueError: x has T=9"):
+        buf.dispatch(x[:2], torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2))
+    with pytest.raises(RuntimeError, match="stopped on rank 0"):
+        buf.combine(x, None)
+    buf.abort("later")
+    assert buf._aborted.startswith("ValueError") and len(rec.aborted) == 2   # the first reason stays
+
+
+def test_a_combine_input_error_stops_the_buffer(monkeypatch):
+    buf, rec = _two_rank_buffer(monkeypatch)
+    with pytest.raises((TypeError, ValueError)):
+        buf.combine(torch.zeros(3, 16), None)
+    assert len(rec.aborted) == 1
+    with pytest.raises(RuntimeError, match="stopped on rank 0"):
+        buf.combine(torch.zeros(3, 16), None)
+
+
+def test_a_failing_abort_does_not_hide_the_error(monkeypatch):
+    buf, rec = _two_rank_buffer(monkeypatch)
+
+    def broken(reason):
+        raise RuntimeError("launch failed")
+
+    rec.abort = broken
+    with pytest.warns(UserWarning, match="could not stop its peers"):
+        with pytest.raises(ValueError, match="max_tokens_per_rank"):
+            buf.dispatch(torch.zeros(9, 16, dtype=torch.bfloat16), torch.zeros(9, 2, dtype=torch.int64),
+                         torch.zeros(9, 2))
+
+
+def test_a_destroyed_buffer_is_not_stopped(monkeypatch):
+    buf, rec = _two_rank_buffer(monkeypatch)
+    buf.destroy()
+    buf.abort("after destroy")
+    assert rec.aborted == [] and buf._aborted is None
+
+
+def test_cuda_backend_abort_marks_it_broken_before_it_launches():
+    # The host half of CudaBackend.abort, without a GPU: the refusal message is set even when
+    # nothing can be launched (world of one rank in the stand-in: _stop_rank returns at once).
+    from types import SimpleNamespace
+
+    from megatron_mok.cuda.backend import CudaBackend
+    from megatron_mok.cuda.errors import MokDeviceError
+
+    be = CudaBackend.__new__(CudaBackend)
+    be.buf = SimpleNamespace(rank=3, world_size=1)
+    be.broken = None
+    be.abort("ValueError: bad")
+    assert "rank 3 stopped this Buffer after an error (ValueError: bad)" in be.broken
+    with pytest.raises(MokDeviceError, match="rank 3 stopped"):
+        be._alive()
+    assert not be.stopped                          # nothing launched in a world of one
+
+
+def test_peer_stopped_messages_name_what_the_peer_did_not_do():
+    from megatron_mok.cuda.errors import describe
+
+    routing = describe([7, 0, 1, 1, 5, 0, 0, 0], 60.0, None)
+    assert "rank 0: rank 1 stopped after an error of its own" in routing
+    assert "before publishing its routing for this dispatch (routing call 5)" in routing
+    partials = describe([7, 2, 1, 5, 9, 0, 0, 0], 60.0, None)
+    assert "rank 2: rank 1 stopped" in partials and "partial sums" in partials and "generation 9" in partials
+    own = describe([4, 1, -1, 0, 0, 0, 0, 0], 60.0, None)
+    assert "rank 1 stopped this Buffer after an error of its own" in own
