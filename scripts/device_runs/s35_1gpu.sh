@@ -33,12 +33,12 @@ stop)
     tests/test_stop_rank.py ;;
 regress)
   SAMPLE=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import mutation_audit_cuda as m; print(m.SAMPLE[-1])")
-  run_pytest sample 200 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py -k "$SAMPLE"
-  run_pytest narrow_fp8 150 -m "gpu and not multigpu" tests/test_fp8_dispatch.py tests/test_cuda_loopback.py \
+  run_pytest sample 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py -k "$SAMPLE"
+  run_pytest narrow_fp8 90 -m "gpu and not multigpu" tests/test_fp8_dispatch.py tests/test_cuda_loopback.py \
     tests/test_cuda_backend.py -k "prob_grads_only or narrow_rows or (fp8 and (cuda or loopback))"
-  run_pytest errors 200 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \
+  run_pytest errors 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \
     -k "missing_peer or overflow or bad_expert or lagging or past_its_waits or hang or timeout"
-  run_pytest schedules 240 -m "gpu and not multigpu" tests/test_cuda_loopback.py \
+  run_pytest schedules 120 -m "gpu and not multigpu" tests/test_cuda_loopback.py \
     -k "alternative_schedules or combine_split or streamed_produce or speculative" ;;
 audit)
   timeout -k 10 ${AUDIT_LIMIT_S:-420} python3 scripts/mutation_audit_cuda.py run --libs .mutants35 --out $R/audit \
