@@ -13,6 +13,7 @@ import torch
 from . import fp8, validation
 from .autograd import CachedDispatchFunction, CombineFunction, DispatchFunction
 from .comm import group_rank_size, resolve_group
+from .cuda.errors import MokDeviceError
 from .handle import DispatchHandle, DispatchResult
 
 BACKENDS = ("auto", "reference", "cuda")
@@ -283,7 +284,11 @@ class Buffer:
             b.abort(reason)
 
     def _abort_after(self, exc: BaseException) -> None:
-        """:meth:`abort` for ``exc`` leaving a call: it must not hide ``exc`` if it fails."""
+        """:meth:`abort` for ``exc`` leaving a call: it must not hide ``exc`` if it fails. Not
+        for a :class:`MokDeviceError`: the CUDA backend stopped the rank when it raised it, and
+        refuses every later call with it (the type a device error's callers expect)."""
+        if isinstance(exc, MokDeviceError):
+            return
         try:
             self.abort(f"{type(exc).__name__}: {exc}")
         except Exception as err:   # e.g. the launch failed: the peers time out instead

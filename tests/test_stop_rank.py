@@ -140,9 +140,10 @@ def _device_error_on_rank_1(buf, x, idx, w, bad, E, t0):
 
 def _check_peers(out, where):
     assert out[1] is None
-    for rank, (took, msg) in enumerate(out):
+    for rank, got in enumerate(out):
         if rank == 1:
             continue
+        took, msg = got
         assert "rank 1 stopped after an error of its own" in msg, f"rank {rank}: {msg}"
         assert took < FAST_S, f"rank {rank} raised after {took:.1f} s (timeout {TIMEOUT_S} s): {msg}"
         if where in ("dispatch", "static", "device_error"):
@@ -234,6 +235,18 @@ def test_a_combine_input_error_stops_the_buffer(monkeypatch):
     assert len(rec.aborted) == 1
     with pytest.raises(RuntimeError, match="stopped on rank 0"):
         buf.combine(torch.zeros(3, 16), None)
+
+
+def test_a_device_error_leaves_the_stop_to_the_cuda_backend(monkeypatch):
+    # The CUDA backend stopped the rank when it raised the MokDeviceError, and refuses later
+    # calls with it: the Buffer adds no stop of its own (its refusal would be a RuntimeError).
+    from megatron_mok.cuda.errors import MokDeviceError
+
+    buf, rec = _two_rank_buffer(monkeypatch)
+    buf._abort_after(MokDeviceError("megatron_mok: rank 0: rank 1 stopped ..."))
+    assert buf._aborted is None and rec.aborted == []
+    buf._abort_after(ValueError("bad"))
+    assert buf._aborted == "ValueError: bad" and rec.aborted == ["ValueError: bad"]
 
 
 def test_a_failing_abort_does_not_hide_the_error(monkeypatch):
