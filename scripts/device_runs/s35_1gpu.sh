@@ -41,8 +41,11 @@ regress)
   run_pytest schedules 120 -m "gpu and not multigpu" tests/test_cuda_loopback.py \
     -k "alternative_schedules or combine_split or streamed_produce or speculative" ;;
 audit)
+  # --only the carried mutants: without it the audit runs every mutant's baseline selection
+  # first (s35-3 spent its 540 s there).
+  ONLY=$(python3 -c "import json; print(','.join(json.load(open('.mutants35/manifest.json'))['mutants']))")
   timeout -k 10 ${AUDIT_LIMIT_S:-420} python3 scripts/mutation_audit_cuda.py run --libs .mutants35 --out $R/audit \
-    --fuzz-seconds 0 > $R/audit.log 2>&1
+    --only "$ONLY" --fuzz-seconds 0 > $R/audit.log 2>&1
   echo "[audit] rc=$?"; tail -12 $R/audit.log ;;
 megatron)
   [ -d $SITE/megatron ] || install_wheels .whl $SITE
