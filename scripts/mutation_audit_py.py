@@ -293,6 +293,16 @@ MUTANTS: List[Mutant] = [
       "        if self.aborted is not None:\n            raise RuntimeError(f\"megatron_mok: rank",
       "        if False:\n            raise RuntimeError(f\"megatron_mok: rank",
       [f"{ERRORS}::test_a_combine_error_stops_the_buffer_on_that_rank"]),
+    M("cuda_device_error_not_stopping", CB,
+      "            try:\n                self._stop_rank()\n            except Exception as err:\n"
+      "                warnings.warn(f\"megatron_mok: rank {self.buf.rank} could not stop its peers after \"\n"
+      "                              f\"a device error ({err}); they will wait until their timeout\")\n",
+      "", [f"{STOP}::test_a_failed_stop_does_not_hide_the_device_error"]),
+    M("cuda_failed_stop_hides_device_error", CB,
+      "            try:\n                self._stop_rank()\n            except Exception as err:\n"
+      "                warnings.warn(f\"megatron_mok: rank {self.buf.rank} could not stop its peers after \"\n"
+      "                              f\"a device error ({err}); they will wait until their timeout\")\n",
+      "            self._stop_rank()\n", [f"{STOP}::test_a_failed_stop_does_not_hide_the_device_error"]),
     M("mg_t_max_error_not_stopping", DISP, "            buf.abort(msg)\n", "",
       ["tests/megatron/test_megatron_eval.py::test_small_first_dispatch_then_prefill_cpu"]),
     M("err_peer_stopped_routing_unnamed", ERR, "    if code == 7 and what in (1, 5):",

@@ -287,6 +287,25 @@ def test_cuda_backend_abort_marks_it_broken_before_it_launches():
     assert not be.stopped                          # nothing launched in a world of one
 
 
+def test_a_failed_stop_does_not_hide_the_device_error():
+    # _raise_if_error stops the rank before it raises; here the stop itself fails (no GPU: the
+    # stream calls raise). The device error must still be what the caller gets.
+    from types import SimpleNamespace
+
+    from megatron_mok.cuda.backend import CudaBackend
+    from megatron_mok.cuda.errors import MokDeviceError
+
+    be = CudaBackend.__new__(CudaBackend)
+    be.buf = SimpleNamespace(rank=0, world_size=2, max_recv_tokens=None)
+    be.broken, be.ctx, be.timeout_s, be.device = None, 1, 60.0, torch.device("cuda", 0)
+    be.lib = SimpleNamespace(mok_stop_rank=lambda ctx, stream: 1,
+                             mok_last_error=lambda: b"launch failed")
+    with pytest.warns(UserWarning, match="could not stop its peers after a device error"):
+        with pytest.raises(MokDeviceError, match="expert id outside"):
+            be._raise_if_error([2, 0, -1, 0, 7, 0, 0, 0])
+    assert "expert id outside" in be.broken
+
+
 def test_peer_stopped_messages_name_what_the_peer_did_not_do():
     from megatron_mok.cuda.errors import describe
 

@@ -309,8 +309,13 @@ class CudaBackend:
                                             self.abandoned_words.cpu().tolist())
             self.broken = describe(words, self.timeout_s, self.buf.max_recv_tokens, abandoned)
             # This rank stops here: its peers, maybe waiting for it in this very call (a data
-            # error is this rank's alone), must not wait until their timeout.
-            self._stop_rank()
+            # error is this rank's alone), must not wait until their timeout. A failed stop
+            # must not hide the device error (the peers then time out, as before).
+            try:
+                self._stop_rank()
+            except Exception as err:
+                warnings.warn(f"megatron_mok: rank {self.buf.rank} could not stop its peers after "
+                              f"a device error ({err}); they will wait until their timeout")
             raise MokDeviceError(self.broken)
 
     def abort(self, reason: str) -> None:
