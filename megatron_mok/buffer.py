@@ -187,6 +187,12 @@ class Buffer:
             :class:`DispatchResult` with expert-major ``tokens [R, H]``, ``probs [R]``,
             ``tokens_per_expert [E_local]``, ``src_rank``/``src_token [R]`` and the handle.
             Gradients flow to ``x`` (through ``tokens``) and ``topk_weights`` (through ``probs``).
+
+        Raises:
+            ``TypeError`` / ``ValueError`` for bad input, ``MokDeviceError`` for a device error
+            read here (docs/CONTRACT.md, "Errors"). In a group of two ranks or more any
+            exception first stops the Buffer (:meth:`abort`): its peers raise too, and it can
+            no longer be used. ``combine`` alike.
         """
         self._check_alive()
         try:
