@@ -138,11 +138,14 @@ int mok_pack_rows(void* stream, void* dst, int64_t dst_bytes, const void* a, int
                   const void* b, int64_t b_bytes, int64_t rows);
 
 /* Stop this rank after an error of its own (the host raised in a dispatch or combine of this
- * rank, or a device error was read): one kernel on `stream` marks this rank's error report
- * aborted (code 4), poisons every flag its peers wait on for it (its routing slots, its
- * dispatch and combine ring slots) and sets its releases in every peer to their end, so that
- * peers inside the same call raise at once, naming this rank (code 7), instead of timing out.
- * It waits for nothing. The context cannot be used for communication afterwards, on any rank. */
+ * rank, or a device error was read): one kernel on `stream` first waits (with the timeout)
+ * until the peers have read what this rank published last (each routing slot's latest call,
+ * each ring slot's latest generation: a call that completed on this rank completes on them),
+ * then marks this rank's error report aborted (code 4), poisons every flag its peers wait on
+ * for it (its routing slots, its dispatch and combine ring slots) and sets its releases in every
+ * peer to their end, so that peers inside the next call raise at once, naming this rank (code
+ * 7), instead of timing out. The context cannot be used for communication afterwards, on any
+ * rank. */
 int mok_stop_rank(MokContext* ctx, void* stream);
 const char* mok_last_error(void);
 int mok_sm_count(int device);

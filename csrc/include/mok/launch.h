@@ -114,8 +114,9 @@ cudaError_t launch_dispatch_stage_copy(const CommContext& c, const DispatchSourc
                                        cudaStream_t s);
 bool dispatch_call_fits_ring(const Workspace& ws);
 
-// Stop this rank after an error of its own: poison every flag its peers wait on for it, give up
-// its waits for their releases (kernels/stop_rank.cu). One block on `s`; it waits for nothing.
+// Stop this rank after an error of its own: once its peers have read what it published last,
+// poison every flag they wait on for it and give up its waits for their releases
+// (kernels/stop_rank.cu). One block on `s`.
 cudaError_t launch_stop_rank(const CommContext& c, cudaStream_t s);
 
 // rows x [a row | b row | zeros] into dst rows of dst_bytes (the FP8 dispatch's pack); every

@@ -116,7 +116,7 @@ __device__ void consume_narrow(const CommContext& c, const HandleArrays& h, cons
       if (q < 0 || d == me) continue;
       const uint64_t g = sh.gen(me, q / sh.C);
       if (!wait_published(c, RingView::combine(c.ws, c.peers.base[d]).ready + sh.slot(me, q / sh.C), g + 1, d,
-                    kWaitCombineReady, static_cast<int64_t>(g)))
+                          kWaitCombineReady, static_cast<int64_t>(g)))
         return;
     }
     float acc[kCombineVec] = {};
