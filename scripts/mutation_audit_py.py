@@ -303,6 +303,11 @@ MUTANTS: List[Mutant] = [
       "                warnings.warn(f\"megatron_mok: rank {self.buf.rank} could not stop its peers after \"\n"
       "                              f\"a device error ({err}); they will wait until their timeout\")\n",
       "            self._stop_rank()\n", [f"{STOP}::test_a_failed_stop_does_not_hide_the_device_error"]),
+    M("hook_step_error_not_stopping", PATCH, "            _stop_buffers(exc)\n            raise\n",
+      "            raise\n", [f"{MG_INSTALL}::test_a_step_that_raises_stops_every_shared_buffer"]),
+    M("mg_stop_buffers_destroyed_too", DISP,
+      "        if not buf._destroyed:\n            buf._abort_after(exc)\n",
+      "        buf._abort_after(exc)\n", [f"{MG_INSTALL}::test_a_step_that_raises_stops_every_shared_buffer"]),
     M("mg_t_max_error_not_stopping", DISP, "            buf.abort(msg)\n", "",
       ["tests/megatron/test_megatron_eval.py::test_small_first_dispatch_then_prefill_cpu"]),
     M("err_peer_stopped_routing_unnamed", ERR, "    if code == 7 and what in (1, 5):",
@@ -316,8 +321,8 @@ MUTANTS: List[Mutant] = [
     M("mg_call_mode_combine_unchecked", DISP,
       "        if self.check_each_call and not _capturing():\n            self.buffer.check_errors()\n"
       "        return y\n", "        return y\n", [MG_INSTALL]),
-    M("hook_step_check_skipped", PATCH, "        out = fn(*args, **kwargs)\n        step_check()\n",
-      "        out = fn(*args, **kwargs)\n",
+    M("hook_step_check_skipped", PATCH, "            raise\n        step_check()\n",
+      "            raise\n",
       [MG_INSTALL] + mg("test_device_error_raised_before_the_optimizer_step_cpu[1]")),
     M("hook_destroy_keeps_buffers", PATCH,
       "        _reset_buffers()\n        return fn(*args, **kwargs)\n",

@@ -41,7 +41,9 @@ Seven narrow, reversible changes, all on class or module attributes (no file is 
    step's gradients, and under CUDA graphs (drop-and-pad's capturable dispatch) never. The
    check synchronises the device once per step (Megatron's step synchronises anyway for its
    loss and gradient-norm checks) and is skipped while a graph is being captured; the
-   full-iteration wrapper's replay is checked after it returns.
+   full-iteration wrapper's replay is checked after it returns. When they raise instead (an
+   expert out of memory on one rank, in the forward or the backward), the shared Buffers are
+   stopped first (``Buffer.abort``), so EP peers waiting for this rank raise at once.
 7. ``parallel_state.destroy_model_parallel`` first destroys the shared Buffers
    (:func:`~megatron_mok.megatron.dispatcher.reset_buffers`): they are bound to the groups it
    drops, and each holds CUDA peer memory.
@@ -334,12 +336,27 @@ def _reset_buffers() -> None:
         mod.reset_buffers()
 
 
+def _stop_buffers(exc: BaseException) -> None:
+    """Item 6's other half: this rank's step raised (an expert out of memory on the rank that
+    got the most tokens, any error of this rank's own), so every shared Buffer is stopped
+    (``Buffer.abort``): EP peers waiting in a dispatch or combine for this rank raise at once,
+    naming it, instead of timing out."""
+    mod = sys.modules.get(_DISPATCHER_MODULE)
+    if mod is not None:
+        mod.stop_buffers(exc)
+
+
 def _checked_after(fn):
-    """``fn`` followed by :func:`step_check` when it returns (an exception passes as it is)."""
+    """``fn`` followed by :func:`step_check` when it returns; when it raises, the shared Buffers
+    are stopped (:func:`_stop_buffers`) and the exception passes as it is."""
 
     @functools.wraps(fn)
     def checked(*args, **kwargs):
-        out = fn(*args, **kwargs)
+        try:
+            out = fn(*args, **kwargs)
+        except Exception as exc:
+            _stop_buffers(exc)
+            raise
         step_check()
         return out
 

@@ -243,6 +243,19 @@ def check_errors() -> bool:
     return True
 
 
+def stop_buffers(exc: BaseException) -> None:
+    """``Buffer.abort`` on every Buffer shared by this process's MoK layers, for ``exc`` that
+    ended this rank's step (the forward-backward schedules' hook, ``_patch._checked_after``):
+    its EP peers may be waiting for it in any layer's dispatch or combine. Nothing for a
+    :class:`~megatron_mok.cuda.errors.MokDeviceError` (the CUDA backend stopped when it raised
+    it) or in a world of one rank; a stop that fails warns and hides nothing."""
+    with _LOCK:
+        bufs = list(_BUFFERS.values())
+    for buf in bufs:
+        if not buf._destroyed:
+            buf._abort_after(exc)
+
+
 class MokTokenDispatcher(MoETokenDispatcher):
     """MoK token dispatcher for Megatron-Core's ``MoELayer`` (``moe_token_dispatcher_type="mok"``).
 

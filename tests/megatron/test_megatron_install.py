@@ -777,6 +777,68 @@ def test_step_check_mode(error_buffer, monkeypatch):
         _dispatcher()                       # refused where the layer is built, too
 
 
+class _StoppableBuffer:
+    """A stand-in for a cached ``mok.Buffer`` that records what stops it."""
+
+    def __init__(self, destroyed=False):
+        self._destroyed = destroyed
+        self.stopped_by = []
+
+    def _abort_after(self, exc):
+        self.stopped_by.append(exc)
+
+    def check_errors(self):
+        pass
+
+    def destroy(self):
+        self._destroyed = True
+
+
+def test_a_step_that_raises_stops_every_shared_buffer(fresh_buffers, monkeypatch):
+    # An error of this rank's own in the forward-backward (an expert out of memory on the rank
+    # that got the most tokens) leaves its EP peers waiting for it in a dispatch or combine:
+    # the schedule's hook stops every shared Buffer (Buffer.abort) before the error passes on.
+    from megatron_mok.megatron import _patch
+    from megatron_mok.megatron import dispatcher as D
+
+    monkeypatch.delenv("MOK_CHECK_ERRORS", raising=False)
+    live, gone = _StoppableBuffer(), _StoppableBuffer(destroyed=True)
+    D._BUFFERS[("a",)], D._BUFFERS[("b",)] = live, gone
+    oom = RuntimeError("CUDA out of memory (test)")
+
+    def step(**kwargs):
+        raise oom
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _patch._checked_after(step)(forward_only=False)
+    assert live.stopped_by == [oom] and gone.stopped_by == []
+    assert _patch._checked_after(lambda: "losses")() == "losses" and live.stopped_by == [oom]
+
+
+def test_a_step_error_stops_a_real_buffer_of_two_ranks(fresh_buffers, monkeypatch):
+    # The same through Buffer._abort_after: a Buffer of a two-rank group is stopped and names
+    # the error; one rank alone is not.
+    import megatron_mok as mok
+    from megatron_mok.megatron import _patch
+    from megatron_mok.megatron import dispatcher as D
+
+    monkeypatch.setattr(mok.buffer, "group_rank_size", lambda group: (1, 2))
+    two = mok.Buffer(None, num_experts=4, hidden=16, topk=2, max_tokens_per_rank=8, backend="reference")
+    monkeypatch.setattr(mok.buffer, "group_rank_size", lambda group: (0, 1))
+    one = mok.Buffer(None, num_experts=4, hidden=16, topk=2, max_tokens_per_rank=8, backend="reference")
+    D._BUFFERS[("two",)], D._BUFFERS[("one",)] = two, one
+
+    def step():
+        raise ValueError("expert failed (test)")
+
+    with pytest.raises(ValueError):
+        _patch._checked_after(step)()
+    assert two._aborted == "ValueError: expert failed (test)" and one._aborted is None
+    with pytest.raises(RuntimeError, match="stopped on rank 1 after an error .ValueError: expert failed"):
+        two.dispatch(torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.int64),
+                     torch.zeros(1, 2))
+
+
 def test_runtime_hooks_installed_once_and_undone():
     # install() wraps Megatron's forward-backward schedules and the full-iteration graph's
     # __call__ (the per-step check after them) and destroy_model_parallel (the Buffers reset
