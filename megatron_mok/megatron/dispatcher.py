@@ -235,12 +235,16 @@ def check_errors() -> bool:
     """
     if _capturing():
         return False
-    with _LOCK:
-        bufs = list(_BUFFERS.values())
-    for buf in bufs:
-        if not buf._destroyed:
-            buf.check_errors()
+    for buf in _live_buffers():
+        buf.check_errors()
     return True
+
+
+def _live_buffers() -> list:
+    """The shared Buffers not destroyed, as a list taken under the lock (the caller acts on each
+    outside it)."""
+    with _LOCK:
+        return [buf for buf in _BUFFERS.values() if not buf._destroyed]
 
 
 def stop_buffers(exc: BaseException) -> None:
@@ -249,11 +253,8 @@ def stop_buffers(exc: BaseException) -> None:
     its EP peers may be waiting for it in any layer's dispatch or combine. Nothing for a
     :class:`~megatron_mok.cuda.errors.MokDeviceError` (the CUDA backend stopped when it raised
     it) or in a world of one rank; a stop that fails warns and hides nothing."""
-    with _LOCK:
-        bufs = list(_BUFFERS.values())
-    for buf in bufs:
-        if not buf._destroyed:
-            buf._abort_after(exc)
+    for buf in _live_buffers():
+        buf._abort_after(exc)
 
 
 class MokTokenDispatcher(MoETokenDispatcher):
