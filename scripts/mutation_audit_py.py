@@ -290,8 +290,8 @@ MUTANTS: List[Mutant] = [
       "        if False:\n            raise RuntimeError(",
       [f"{STOP}::test_an_input_error_stops_the_buffer_and_names_itself"]),
     M("ref_abort_not_refusing", REF,
-      "        if self.aborted is not None:\n            raise RuntimeError(f\"megatron_mok: rank",
-      "        if False:\n            raise RuntimeError(f\"megatron_mok: rank",
+      "        if self.aborted is not None:\n            raise RuntimeError(stopped_message(",
+      "        if False:\n            raise RuntimeError(stopped_message(",
       [f"{ERRORS}::test_a_combine_error_stops_the_buffer_on_that_rank"]),
     M("cuda_device_error_not_stopping", CB,
       "            try:\n                self._stop_rank()\n            except Exception as err:\n"

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ..comm import all_gather_exact, all_gather_ints
+from ..cuda.errors import stopped_message
 from ..fp8 import PairRows
 from ..loopback import settle  # host-syncing ops below: wait for the stream first there
 from ..handle import DispatchHandle
@@ -129,8 +130,7 @@ class ReferenceBackend:
                                "reference backend refuses every call; make a new Buffer")
         # Likewise after abort() (the CUDA backend's peers cannot go on with a stopped rank).
         if self.aborted is not None:
-            raise RuntimeError(f"megatron_mok: rank {self.buf.rank} stopped this Buffer after an "
-                               f"error ({self.aborted}); make a new Buffer on every rank")
+            raise RuntimeError(stopped_message(self.buf.rank, self.aborted))
 
     def abort(self, reason: str) -> None:
         """Refuse every later call on this rank (:meth:`Buffer.abort`). The peers are not told:

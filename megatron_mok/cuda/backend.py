@@ -30,7 +30,7 @@ from ..rows import aligned_rows
 from . import bindings, library
 from .launch_policy import env_int, launch_policy
 from .errors import (ABANDONED_ENTRY_BYTES, ABANDONED_OFFSET, WAIT_KIND_COUNT, MokDeviceError,
-                     abandoned_waits, describe)
+                     abandoned_waits, describe, stopped_message)
 from .peer_memory import PeerMemory
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -322,9 +322,7 @@ class CudaBackend:
         """Stop this rank after an error of its own (:meth:`Buffer.abort`): every later call
         raises (``broken``), and its peers' waits for it end at once (:meth:`_stop_rank`)."""
         if self.broken is None and not self.destroyed:
-            self.broken = (f"megatron_mok: rank {self.buf.rank} stopped this Buffer after an error "
-                           f"({reason}); it can no longer be used on any rank of its group: make "
-                           "a new Buffer on every rank")
+            self.broken = stopped_message(self.buf.rank, reason)
         self._stop_rank()
 
     def _stop_rank(self) -> None:

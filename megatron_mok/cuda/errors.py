@@ -59,6 +59,13 @@ def abandoned_waits(report, table_words) -> list:
     return out
 
 
+def stopped_message(rank: int, reason: str) -> str:
+    """What every backend of a Buffer stopped on this rank (``Buffer.abort``) raises at its later
+    calls, the backward's included."""
+    return (f"megatron_mok: rank {rank} stopped this Buffer after an error ({reason}); it can no "
+            "longer be used on any rank of its group: make a new Buffer on every rank")
+
+
 class MokDeviceError(RuntimeError):
     """An error reported by the MoK kernels (timeout, bad routing, overflow)."""
 
