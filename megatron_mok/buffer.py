@@ -154,7 +154,8 @@ class Buffer:
     def dispatch(self, x, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *,
                  handle: Optional[DispatchHandle] = None,
-                 rows_per_expert: Optional[int] = None) -> DispatchResult:
+                 rows_per_expert: Optional[int] = None,
+                 recv_budget: Optional[int] = None) -> DispatchResult:
         """Send each routed token to the ranks of its experts.
 
         Args:
@@ -182,6 +183,20 @@ class Buffer:
                 ``max_recv_tokens``, ``E_local * N`` must fit in it. ``R`` being known, the
                 CUDA backend's dispatch is CUDA-graph capturable on any Buffer (while captured
                 it reads nothing: errors surface at ``check_errors``).
+            recv_budget: ``M``, a receive budget for this call (Megatron's
+                ``moe_expert_rank_capacity_factor``, HybridEP's static ``num_permuted_tokens``):
+                ``tokens`` has exactly ``M`` rows, as in static-shape mode (the ``R`` received
+                rows first, then zero rows; the CUDA backend reads nothing on the host, so the
+                call is CUDA-graph capturable on any Buffer). When this rank receives more than
+                ``M`` rows, the rows past ``M`` in contract order are **dropped, not an error**:
+                never written, never combined, their slots get no gradient, and
+                ``handle.over_budget`` (``[1]`` bool on the device, no host read) says so;
+                ``handle.rows_received`` (``[1]`` int64) holds the rows before the budget. A
+                caller that must not lose tokens checks the flag and redoes the step without a
+                budget (Megatron's ``PagedStashRunner`` does). An int >= 0, a multiple of
+                ``expert_alignment``; not with ``rows_per_expert`` or ``handle=``; on a
+                static-shape Buffer it replaces ``max_recv_tokens`` for this call
+                (docs/CONTRACT.md, "Receive budget").
 
         Returns:
             :class:`DispatchResult` with expert-major ``tokens [R, H]``, ``probs [R]``,
@@ -196,12 +211,13 @@ class Buffer:
         """
         self._check_alive()
         try:
-            return self._dispatch(x, topk_idx, topk_weights, handle, rows_per_expert)
+            return self._dispatch(x, topk_idx, topk_weights, handle, rows_per_expert, recv_budget)
         except Exception as exc:
             self._abort_after(exc)
             raise
 
-    def _dispatch(self, x, topk_idx, topk_weights, handle, rows_per_expert) -> DispatchResult:
+    def _dispatch(self, x, topk_idx, topk_weights, handle, rows_per_expert,
+                  recv_budget=None) -> DispatchResult:
         """:meth:`dispatch` after the alive check (an exception here stops the Buffer)."""
         pair = fp8.is_fp8_pair(x)
         # (The pair's own checks, its length first, come below; the backend only looks at a tensor.)
@@ -209,8 +225,9 @@ class Buffer:
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("pass either (topk_idx, topk_weights) or handle=, not both")
-            if rows_per_expert is not None:
-                raise ValueError("rows_per_expert is for routed dispatches: a cached dispatch "
+            if rows_per_expert is not None or recv_budget is not None:
+                what = "rows_per_expert" if rows_per_expert is not None else "recv_budget"
+                raise ValueError(f"{what} is for routed dispatches: a cached dispatch "
                                  "reuses its handle's layout")
             if pair:
                 x = validation.check_cached_fp8_inputs(self, x, handle)
@@ -229,10 +246,11 @@ class Buffer:
         validation.check_dispatch_inputs(self, x[0] if pair else x, topk_idx, topk_weights,
                                          check_values=backend.name == "reference", fp8=pair)
         validation.check_rows_per_expert(self, rows_per_expert)
+        validation.check_recv_budget(self, recv_budget, rows_per_expert)
         out_handle = []
         rows = fp8.dispatch_rows(*x, packed=self._fp8_pack) if pair else x
         tokens, probs = DispatchFunction.apply(backend, out_handle, rows, topk_weights, topk_idx,
-                                               rows_per_expert)
+                                               rows_per_expert, recv_budget)
         h = out_handle[0]
         return DispatchResult(tokens=self._fp8_rows(tokens, x) if pair else tokens, probs=probs,
                               tokens_per_expert=h.tokens_per_expert,
@@ -382,8 +400,11 @@ class Buffer:
             raise ValueError(f"backend='cuda' needs a CUDA device, but this Buffer works on {self.device}")
         return self.device
 
-    def _out_rows(self, num_rows: int) -> int:
-        """Rows to allocate for ``R`` received rows: ``R``, or ``max_recv_tokens``."""
+    def _out_rows(self, num_rows: int, recv_budget: Optional[int] = None) -> int:
+        """Rows to allocate for ``R`` received rows: ``R``, ``max_recv_tokens``, or the call's
+        ``recv_budget`` (rows past it are dropped, not an error: the caller truncates)."""
+        if recv_budget is not None:
+            return recv_budget
         if self.max_recv_tokens is None:
             return num_rows
         if num_rows > self.max_recv_tokens:

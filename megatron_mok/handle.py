@@ -28,7 +28,14 @@ class DispatchHandle:
         src_rank: ``[num_out_rows]`` int64, source rank of each row (-1 for padding rows).
         src_token: ``[num_out_rows]`` int64, token index on the source rank (-1 for padding).
         tokens_per_expert: ``[E_local]`` int64, rows per local expert.
-        num_rows_device: ``[1]`` int64 on the device, ``R``.
+        num_rows_device: ``[1]`` int64 on the device, ``R`` (the rows written: with a receive
+            budget at most ``M``).
+        over_budget: ``[1]`` bool on the device for a dispatch with ``recv_budget=M``: True
+            when this rank received more than ``M`` rows and dropped the rest; ``None``
+            otherwise (nothing is ever dropped then).
+        rows_received: ``[1]`` int64 on the device for a dispatch with ``recv_budget``: the
+            rows this rank received before the budget (``R`` if nothing was dropped); ``None``
+            otherwise.
         state: backend-private layout (index tensors, sequence numbers); not part of the API.
     """
 
@@ -42,6 +49,8 @@ class DispatchHandle:
     tokens_per_expert: torch.Tensor
     num_rows_device: torch.Tensor
     state: Any = field(repr=False, default=None)
+    over_budget: Optional[torch.Tensor] = None
+    rows_received: Optional[torch.Tensor] = None
 
 
 @dataclass(eq=False)
@@ -68,3 +77,9 @@ class DispatchResult:
     src_rank: torch.Tensor
     src_token: torch.Tensor
     handle: DispatchHandle
+
+    @property
+    def over_budget(self) -> Optional[torch.Tensor]:
+        """``handle.over_budget``: ``[1]`` bool on the device, True when a dispatch with
+        ``recv_budget`` dropped rows on this rank; ``None`` without a budget."""
+        return self.handle.over_budget

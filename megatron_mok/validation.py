@@ -89,6 +89,25 @@ def check_rows_per_expert(buf, rows_per_expert) -> None:
                          f"max_recv_tokens={buf.max_recv_tokens}")
 
 
+def check_recv_budget(buf, recv_budget, rows_per_expert=None) -> None:
+    """``Buffer.dispatch(recv_budget=M)``: at most ``M`` rows for this rank, the rest dropped."""
+    if recv_budget is None:
+        return
+    m = recv_budget
+    if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+        raise ValueError(f"recv_budget must be None or an int >= 0, got {m!r}")
+    if m >= 2 ** 31:
+        raise ValueError(f"recv_budget={m} is more rows than the layout's 32-bit row indices hold")
+    if rows_per_expert is not None:
+        raise ValueError("pass rows_per_expert or recv_budget, not both: rows_per_expert already "
+                         "fixes the rows (E_local x N)")
+    if m % buf.expert_alignment != 0:
+        # Each expert's rows start at a multiple of A; a budget that is one too keeps every
+        # count of the rows kept a multiple of A (what an FP8 grouped GEMM needs).
+        raise ValueError(f"recv_budget={m} is not a multiple of the Buffer's "
+                         f"expert_alignment={buf.expert_alignment}")
+
+
 def check_cached_dispatch_inputs(buf, x: torch.Tensor, handle) -> None:
     """Checks for ``Buffer.dispatch(x, handle=...)``."""
     _check_handle(buf, handle)

@@ -656,24 +656,26 @@ def sample_expert(res, tokens: torch.Tensor, probs: torch.Tensor, seed: int, dty
 def full_pass(buf, x0: torch.Tensor, idx: torch.Tensor, w0: torch.Tensor, seed: int,
               expert_out_override: Optional[torch.Tensor] = None,
               by_hand: Optional[bool] = None,
-              rows_per_expert: Optional[int] = None) -> Dict[str, torch.Tensor]:
+              rows_per_expert: Optional[int] = None,
+              recv_budget: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """One forward + backward through ``buf``: dispatch, :func:`sample_expert`, combine, and a
     seeded upstream gradient. Returns every output and gradient (detached, on CPU) for
-    bitwise comparisons between runs/backends.
+    bitwise comparisons between runs/backends. ``rows_per_expert`` / ``recv_budget``: the
+    dispatch's (``by_hand`` takes no budget).
 
     ``by_hand`` (default: for the reference backend in a loopback run on a GPU) writes the
     chain rule out instead of calling autograd: see :func:`backward_by_hand`."""
     if by_hand is None:
         by_hand = in_loopback() and x0.is_cuda and buf.requested_backend == "reference"
     if by_hand:
-        assert expert_out_override is None
+        assert expert_out_override is None and recv_budget is None
         gy = seeded(seed + 1, (x0.shape[0], buf.hidden), device=x0.device)
         return _on_cpu(backward_by_hand(buf, x0, idx, w0,
                                         lambda r, t, p: sample_expert(r, t, p, seed, buf.dtype), gy,
                                         rows_per_expert))
     x = x0.detach().clone().requires_grad_(True)
     w = w0.detach().clone().requires_grad_(True)
-    res = buf.dispatch(x, idx, w, rows_per_expert=rows_per_expert)
+    res = buf.dispatch(x, idx, w, rows_per_expert=rows_per_expert, recv_budget=recv_budget)
     eo = sample_expert(res, res.tokens, res.probs, seed, buf.dtype)
     if expert_out_override is not None:
         eo = expert_out_override

@@ -569,12 +569,17 @@ def _graph(rank, world_size, seed, backward, fixed_rows=None):
     mode in one CUDA graph; replay it on new inputs copied into the static tensors.
     ``fixed_rows``: the dispatch passes ``rows_per_expert`` (N = every row a local expert
     could get), with max_recv_tokens 3 rows past E_local * N (``"static"``) or on an eager
-    Buffer, whose dispatch then reads nothing while captured (``"eager"``)."""
+    Buffer, whose dispatch then reads nothing while captured (``"eager"``); ``"budget"``: the
+    dispatch passes ``recv_budget`` = 7/8 T x K rows (under a rank's mean with every slot routed,
+    over it with a quarter unrouted ("mixed"): some replays drop rows, some do not) on an eager Buffer, and the over-budget flag and the rows received are
+    compared too."""
     dev = rank_device(rank)
     E, H, K, T, dtype = 4 * world_size, 128, 4, 64, torch.bfloat16
     M = T * K * world_size                                    # never overflows
-    n = None
-    if fixed_rows:
+    n = budget = None
+    if fixed_rows == "budget":
+        M, budget = None, T * K * 7 // 8
+    elif fixed_rows:
         n = T * K * world_size
         M = 4 * n + 3 if fixed_rows == "static" else None
     buf = mok_buffer(E, H, K, T, dtype, "cuda", dev, max_recv_tokens=M, timeout_s=30)
@@ -598,11 +603,13 @@ def _graph(rank, world_size, seed, backward, fixed_rows=None):
         return (tokens.float() * probs[:, None] * 1.5).to(dtype)
 
     def step(b, x, idx, w):
-        res = b.dispatch(x, idx, w, rows_per_expert=n)
+        res = b.dispatch(x, idx, w, rows_per_expert=n, recv_budget=budget)
         y = b.combine(expert(res.tokens, res.probs), res.handle)
         outs = [res.tokens, res.probs, res.src_rank, res.src_token, res.tokens_per_expert, y]
         if backward:
             outs += list(torch.autograd.grad((y.float() * gy_s).sum(), (x, w)))
+        if budget is not None:
+            outs += [res.handle.over_budget, res.handle.rows_received]
         return [o.detach() for o in outs]
 
     load(0)
@@ -620,7 +627,10 @@ def _graph(rank, world_size, seed, backward, fixed_rows=None):
             return step(buf, x_s, idx_s, w_s)
 
     outs_g = capture_in_turn(rank, world_size, capture)
-    names = ["tokens", "probs", "src_rank", "src_token", "tokens_per_expert", "y", "grad_x", "grad_w"]
+    names = ["tokens", "probs", "src_rank", "src_token", "tokens_per_expert", "y"]
+    names += ["grad_x", "grad_w"] if backward else []
+    names += ["over_budget", "rows_received"] if budget is not None else []
+    dropped = 0
     for it in range(1, 7):
         x, idx, w = load(it)
         graph.replay()
@@ -632,11 +642,14 @@ def _graph(rank, world_size, seed, backward, fixed_rows=None):
                                    "y", "grad_x", "grad_topk_weights")]
         else:
             want = step(ref, x.clone().requires_grad_(backward), idx, w.clone().requires_grad_(backward))
+        assert len(outs_g) == len(want) == len(names)
         for nm, a, b in zip(names, outs_g, want):
             assert_bitwise(a, b, f"graph replay {it} {nm} rank {rank}")
+        if budget is not None:
+            dropped += int(outs_g[-2].item())
     buf.destroy()
     ref.destroy()
-    return True
+    return dropped
 
 
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
@@ -653,6 +666,16 @@ def test_cuda_graph_static_shape_forward_backward(world_size):
 @pytest.mark.parametrize("mode", ("static", "eager"))
 def test_cuda_graph_rows_per_expert(world_size, mode):
     run_distributed(_graph, world_size, 8, True, mode, backend="nccl", timeout=300, fresh=True)
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.gpu)] + GPU_WORLD_SIZES)
+def test_cuda_graph_receive_budget(world_size):
+    """A dispatch with ``recv_budget`` on an eager Buffer reads nothing on the host: captured
+    with its combine and backward, replayed on new routings, bitwise the reference's, the
+    over-budget flag included; some replays dropped rows, some did not."""
+    dropped = run_distributed(_graph, world_size, 9, True, "budget", backend="nccl", timeout=300,
+                              fresh=True)
+    assert 0 < sum(dropped) < 6 * world_size, f"replays over budget per rank: {dropped}"
 
 
 def _missing_peer(rank, world_size, timeout_s):

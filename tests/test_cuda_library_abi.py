@@ -219,11 +219,11 @@ def test_a_library_of_another_abi_version_is_refused(monkeypatch):
 
 
 def _launch(lib, ctx, steps, num_tokens=0, blocks=24, producers=4, mode=0, rows_per_expert=-1,
-            row_bytes=0, x=None, x2=None, two_sources=0):
+            row_bytes=0, x=None, x2=None, two_sources=0, drop_over_cap=0):
     """mok_dispatch_launch with null (or fake) tensors (every case below fails in its checks)."""
     return lib.mok_dispatch_launch(ctx, None, steps, None, None, 0, None, num_tokens, 256, None,
                                    None, None, None, 1, x, x2, None, 0, blocks, producers, mode,
-                                   rows_per_expert, row_bytes, two_sources)
+                                   rows_per_expert, row_bytes, two_sources, drop_over_cap)
 
 
 @pytest.mark.parametrize("dst_bytes,a_bytes,b_bytes,a_ptr,message", [
@@ -294,7 +294,7 @@ def test_dispatch_from_two_sources_needs_hidden_a_multiple_of_16():
     ctx = _with_fake_peers(lib, hidden=7176, disp_chunks=64)   # a multiple of 8, not of 16
     try:
         assert lib.mok_dispatch_layout(ctx, None, None, None, 0, None, 0, 256, None, 0, -1, 0, -1,
-                                       7392, 1) != 0
+                                       7392, 1, 0) != 0
         assert "hidden a multiple of 16" in lib.mok_last_error().decode()
     finally:
         lib.mok_destroy(ctx)
@@ -367,6 +367,8 @@ def test_dispatch_launch_refuses_unknown_steps(steps):
     (2 | 8, dict(blocks=0, producers=0, mode=2), "num_blocks >= 1"),
     (1 | 2 | 8, dict(rows_per_expert=-2), "rows_per_expert must be -1 or in [0"),
     (1 | 2 | 8, dict(rows_per_expert=1 << 40), "rows_per_expert must be -1 or in [0"),
+    (1 | 2 | 8, dict(drop_over_cap=2), "drop_over_cap must be 0 or 1"),
+    (1 | 2 | 8, dict(drop_over_cap=-1), "drop_over_cap must be 0 or 1"),
 ])
 def test_dispatch_launch_checks_every_step_before_launching_any(steps, kwargs, message):
     lib = library.get()
@@ -374,6 +376,22 @@ def test_dispatch_launch_checks_every_step_before_launching_any(steps, kwargs, m
     try:
         assert _launch(lib, ctx, steps, **kwargs) != 0
         assert message in lib.mok_last_error().decode()
+    finally:
+        lib.mok_destroy(ctx)
+
+
+def test_layout_drop_over_cap_is_not_for_a_speculative_layout():
+    # A receive budget drops the rows past row_cap; a speculative layout instead redoes a short
+    # transfer on every rank, so the two do not mix (refused before any launch).
+    lib = library.get()
+    ctx = _with_fake_peers(lib)
+    try:
+        assert lib.mok_dispatch_layout(ctx, None, None, None, 0, None, 0, 256, None, 0, 64, 0, -1,
+                                       0, 0, 1) != 0
+        assert "speculative" in lib.mok_last_error().decode()
+        assert lib.mok_dispatch_layout(ctx, None, None, None, 0, None, 0, 256, None, 0, -1, 0, -1,
+                                       0, 0, 3) != 0
+        assert "drop_over_cap must be 0 or 1" in lib.mok_last_error().decode()
     finally:
         lib.mok_destroy(ctx)
 

@@ -611,7 +611,7 @@ def _failed_launch_launches_nothing(rank, world_size):
     idx = torch.randint(0, E, (T, K), dtype=torch.int64, device=dev)
     w = torch.rand(T, K, dtype=torch.float32, device=dev)
     scratch = torch.empty(impl.scratch_bytes, dtype=torch.uint8, device=dev)
-    tpe = torch.full((buf.num_local_experts + 1,), -7, dtype=torch.int64, device=dev)
+    tpe = torch.full((buf.num_local_experts + 2,), -7, dtype=torch.int64, device=dev)
     probs = torch.full((rows,), -7.0, dtype=torch.float32, device=dev)
     src = torch.full((2, rows), -7, dtype=torch.int64, device=dev)
     out = torch.empty(rows, H, dtype=torch.bfloat16, device=dev)
@@ -620,7 +620,7 @@ def _failed_launch_launches_nothing(rank, world_size):
     rc = lib.mok_dispatch_launch(impl.ctx, impl._stream(), steps, scratch.data_ptr(), idx.data_ptr(), 1,
                                  w.data_ptr(), T, E, tpe.data_ptr(), src[0].data_ptr(),
                                  src[1].data_ptr(), probs.data_ptr(), 1, x.data_ptr(), None, out.data_ptr(),
-                                 rows, 24, 24, 0, bindings.NO_ROWS_PER_EXPERT, 0, 0)
+                                 rows, 24, 24, 0, bindings.NO_ROWS_PER_EXPERT, 0, 0, 0)
     assert rc != 0 and "num_producers" in lib.mok_last_error().decode()
     torch.cuda.synchronize()
     assert (tpe == -7).all() and (probs == -7).all() and (src == -7).all(), "a step was launched"

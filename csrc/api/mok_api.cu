@@ -153,15 +153,24 @@ int check_rows_per_expert(const MokContext* ctx, int64_t rows_per_expert, int64_
   return 0;
 }
 
+// drop_over_cap (a receive budget): 0 or 1, and not for a speculative layout (its verdict
+// redoes a short transfer instead of dropping).
+int check_drop_over_cap(int drop_over_cap, int64_t spec_cap) {
+  if (drop_over_cap != 0 && drop_over_cap != 1) return fail("drop_over_cap must be 0 or 1");
+  if (drop_over_cap && spec_cap >= 0) return fail("drop_over_cap does not go with a speculative layout");
+  return 0;
+}
+
 int layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx, int idx_is_64,
            const float* topk_weights, int num_tokens, int num_experts, int64_t* tokens_per_expert,
            int64_t row_cap, int64_t spec_cap, int write_report, int64_t rows_per_expert,
-           const DispatchSource& rows) {
+           const DispatchSource& rows, int drop_over_cap) {
   HandleArrays h = HandleArrays::make(ctx->comm.ws.cfg, static_cast<char*>(scratch));
   RoutingArgs r{topk_idx, idx_is_64, topk_weights, num_tokens, num_experts, spec_cap,
                 row_format(rows.row_bytes, rows.two_sources())};
   RowOutputs out{nullptr, nullptr, nullptr, tokens_per_expert, row_cap, 0,
-                 write_report ? ctx->host_report_dev : nullptr, static_cast<int32_t>(rows_per_expert)};
+                 write_report ? ctx->host_report_dev : nullptr, static_cast<int32_t>(rows_per_expert),
+                 drop_over_cap};
   return check_launch(launch_dispatch_layout(ctx->comm, h, r, out, static_cast<cudaStream_t>(stream)),
                       "dispatch layout launch");
 }
@@ -302,14 +311,16 @@ int mok_set_peers(MokContext* ctx, const uint64_t* peer_bases, int n, double tim
 int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
                         int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
                         int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap,
-                        int write_report, int64_t rows_per_expert, int row_bytes, int two_sources) {
+                        int write_report, int64_t rows_per_expert, int row_bytes, int two_sources,
+                        int drop_over_cap) {
   if (int e = check_ready(ctx)) return e;
   if (int e = check_layout(ctx, num_tokens, write_report)) return e;
   if (int e = check_rows_per_expert(ctx, rows_per_expert, spec_cap)) return e;
+  if (int e = check_drop_over_cap(drop_over_cap, spec_cap)) return e;
   DispatchSource src;  // the size and the choice only: the layout reads no rows
   if (int e = resolve_source(ctx, nullptr, nullptr, two_sources, 0, row_bytes, &src)) return e;
   return layout(ctx, stream, scratch, topk_idx, idx_is_64, topk_weights, num_tokens, num_experts,
-                tokens_per_expert, row_cap, spec_cap, write_report, rows_per_expert, src);
+                tokens_per_expert, row_cap, spec_cap, write_report, rows_per_expert, src, drop_over_cap);
 }
 
 int mok_dispatch_fill(MokContext* ctx, void* stream, void* scratch,
@@ -344,7 +355,7 @@ int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
                         int64_t* src_rank, int64_t* src_token, float* probs, int pad,
                         const void* x, const void* x2, void* out_rows, int64_t row_cap,
                         int num_blocks, int num_producers, int transfer_mode,
-                        int64_t rows_per_expert, int row_bytes, int two_sources) {
+                        int64_t rows_per_expert, int row_bytes, int two_sources, int drop_over_cap) {
   if (int e = check_ready(ctx)) return e;
   if (steps <= 0 || (steps & ~(MOK_STEP_LAYOUT | MOK_STEP_FILL | MOK_STEP_STAGE_COPY | MOK_STEP_TRANSFER)) != 0)
     return fail("mok_dispatch_launch: steps must be a non-empty or of MOK_STEP_* flags");
@@ -353,6 +364,7 @@ int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
   if (steps & MOK_STEP_LAYOUT) {
     if (int e = check_layout(ctx, num_tokens, 0)) return e;
     if (int e = check_rows_per_expert(ctx, rows_per_expert, -1)) return e;
+    if (int e = check_drop_over_cap(drop_over_cap, -1)) return e;
   }
   if (steps & MOK_STEP_STAGE_COPY)
     if (int e = check_stage_copy(ctx, num_tokens)) return e;
@@ -364,7 +376,7 @@ int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
   if (int e = resolve_source(ctx, x, x2, two_sources, reads_rows ? num_tokens : 0, row_bytes, &src)) return e;
   if (steps & MOK_STEP_LAYOUT)
     if (int e = layout(ctx, stream, scratch, topk_idx, idx_is_64, topk_weights, num_tokens, num_experts,
-                       tokens_per_expert, row_cap, -1, 0, rows_per_expert, src))
+                       tokens_per_expert, row_cap, -1, 0, rows_per_expert, src, drop_over_cap))
       return e;
   if (steps & MOK_STEP_FILL)
     if (int e = fill(ctx, stream, scratch, src_rank, src_token, probs, row_cap, pad)) return e;

@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 16
+#define MOK_ABI_VERSION 17
 int mok_abi_version(void);
 
 /* expert_alignment >= 1: each local expert's rows are followed by zero rows (no source, prob 0)
@@ -44,13 +44,18 @@ int mok_set_host_report(MokContext* ctx, void* host_report);
  * rows (R = E_local * N; a multiple of expert_alignment; not speculative). An expert with more
  * than N rows: the rows past N are dropped (not written, not combined) and the error report
  * says so (code 6, a data error: the protocol goes on). -1: rows as received (or aligned).
- * tokens_per_expert [E_local + 1]: the rows of each local expert, then R, counting only rows
+ * tokens_per_expert [E_local + 2]: the rows of each local expert, then R, counting only rows
  * below row_cap: with more rows than row_cap (static shape: code 3 in the error report) the
- * counts are of the rows written, and sum to row_cap. */
+ * counts are of the rows written, and sum to row_cap; then the rows received (row_cap or
+ * fewer, or more with an overflow).
+ * drop_over_cap 1: rows past row_cap are dropped without an error (a receive budget,
+ * Buffer.dispatch(recv_budget=); the caller compares tokens_per_expert[E_local + 1] with
+ * row_cap); 0: they are error 3. Not with spec_cap >= 0. */
 int mok_dispatch_layout(MokContext* ctx, void* stream, void* scratch, const void* topk_idx,
                         int idx_is_64, const float* topk_weights, int num_tokens, int num_experts,
                         int64_t* tokens_per_expert, int64_t row_cap, int64_t spec_cap,
-                        int write_report, int64_t rows_per_expert, int row_bytes, int two_sources);
+                        int write_report, int64_t rows_per_expert, int row_bytes, int two_sources,
+                        int drop_over_cap);
 /* Per-row outputs [row_cap]. pad 1: rows [R, row_cap) are written as "no source" (static
  * shape); pad 0: only rows < R are written (an eager dispatch passes a bound on R, so that
  * the fill can run before the host has read R). */
@@ -107,7 +112,7 @@ int mok_dispatch_launch(MokContext* ctx, void* stream, int steps, void* scratch,
                         int64_t* src_rank, int64_t* src_token, float* probs, int pad,
                         const void* x, const void* x2, void* out_rows, int64_t row_cap,
                         int num_blocks, int num_producers, int transfer_mode,
-                        int64_t rows_per_expert, int row_bytes, int two_sources);
+                        int64_t rows_per_expert, int row_bytes, int two_sources, int drop_over_cap);
 /* 1 when mok_dispatch_layout runs publish, count and scan as one kernel (small layouts: at most
  * MOK_LAYOUT_FUSED_MAX_GROUPS, default 8192, (local expert, source, chunk) groups; not for
  * speculative calls, spec_cap >= 0; never with MOK_LAYOUT_FUSED=0), 0 when as three. Reads the

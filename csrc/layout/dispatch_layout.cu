@@ -387,7 +387,9 @@ __device__ void scan_block(const CommContext& c, const HandleArrays& h, const Ro
       // R on the device, int64, after the E_local counts: the rows written (clamped as the
       // counts are; h.totals[0] and the error report keep the rows received).
       out.tokens_per_expert[E] = min(static_cast<int64_t>(rows), out.row_cap);
-      if (rows > out.row_cap) report_error(c, kRecvOverflow, -1, kWaitNone, rows);
+      // The rows received, for a receive budget's over-budget flag (read on the device).
+      out.tokens_per_expert[E + 1] = rows;
+      if (rows > out.row_cap && !out.drop_over_cap) report_error(c, kRecvOverflow, -1, kWaitNone, rows);
       totals[0] = rows;
       totals[1] = tasks;
       totals[2] = over;

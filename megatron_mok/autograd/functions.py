@@ -96,8 +96,10 @@ class DispatchFunction(torch.autograd.Function):
     returned through ``out_handle`` (a one-element list), since it is not a tensor."""
 
     @staticmethod
-    def forward(ctx, backend, out_handle, x, topk_weights, topk_idx, rows_per_expert=None):
-        tokens, probs, handle = backend.dispatch(x, topk_idx, topk_weights, rows_per_expert)
+    def forward(ctx, backend, out_handle, x, topk_weights, topk_idx, rows_per_expert=None,
+                recv_budget=None):
+        tokens, probs, handle = backend.dispatch(x, topk_idx, topk_weights, rows_per_expert,
+                                                 recv_budget)
         ctx.backend, ctx.handle = backend, handle
         out_handle.append(handle)
         # Packed FP8 rows (megatron_mok/fp8.py) are data: only probs carries a gradient.
@@ -113,15 +115,15 @@ class DispatchFunction(torch.autograd.Function):
         want_w = ctx.needs_input_grad[3]
         if ctx.packed:
             if not want_w:
-                return None, None, None, None, None, None
+                return None, None, None, None, None, None, None
             # Only the prob gradients travel back (the FP8 tokens have none): a combine whose
             # rows are 8 zeros wide, not a full one (benchmarks/NOTES.md #56).
             grad_w = ctx.backend.combine_prob_grads(ctx.handle, grad_probs.contiguous())
-            return None, None, None, grad_w, None, None
+            return None, None, None, grad_w, None, None, None
         grad_x, grad_w = ctx.backend.combine(
             grad_tokens.contiguous(), ctx.handle,
             grad_probs=grad_probs.contiguous() if want_w else None)
-        return None, None, grad_x, grad_w, None, None
+        return None, None, grad_x, grad_w, None, None, None
 
 
 class CombineFunction(torch.autograd.Function):

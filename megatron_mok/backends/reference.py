@@ -90,6 +90,14 @@ def padded_positions(row_e: torch.Tensor, num_local_experts: int, alignment: int
     return pos, padded, int(padded.sum())
 
 
+def budget_counts(tokens_per_expert: torch.Tensor, budget: int) -> torch.Tensor:
+    """Each expert's rows among the first ``budget`` rows (``tokens_per_expert [E_local]``
+    counts a layout's rows, experts in order): the counts of a dispatch whose rows past the
+    budget were dropped."""
+    ends = torch.cumsum(tokens_per_expert, 0).clamp(max=budget)
+    return ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+
+
 def group_rows_by_task(row_s: torch.Tensor, row_t: torch.Tensor, t_max: int, topk: int):
     """Group rows by source token, keeping row order inside each group.
 
@@ -140,7 +148,7 @@ class ReferenceBackend:
             self.aborted = reason
 
     # ----------------------------------------------------------------------------- dispatch
-    def dispatch(self, x, topk_idx, topk_weights, rows_per_expert=None):
+    def dispatch(self, x, topk_idx, topk_weights, rows_per_expert=None, recv_budget=None):
         self._alive()
         x = _byte_rows(x)
         settle(x.device)
@@ -161,7 +169,17 @@ class ReferenceBackend:
         # expert's rows)
         pos, tpe, R = padded_positions(row_e, b.num_local_experts, b.expert_alignment,
                                        rows_per_expert, b.rank)
-        out_rows = b._out_rows(R)
+        over_budget = rows_received = None
+        if recv_budget is not None:
+            # A receive budget: the rows past it in contract order are dropped (no error),
+            # every output describes the rows kept (docs/CONTRACT.md, "Receive budget").
+            rows_received = torch.tensor([R], dtype=torch.int64, device=x.device)
+            over_budget = rows_received > recv_budget
+            keep = pos < recv_budget
+            row_e, row_s, row_t, row_k, pos = (v[keep] for v in (row_e, row_s, row_t, row_k, pos))
+            tpe = budget_counts(tpe, recv_budget)
+            R = min(R, recv_budget)
+        out_rows = b._out_rows(R, recv_budget)
         tokens = x.new_zeros(out_rows, x.shape[1])  # token rows, or packed FP8 rows
         tokens[pos] = all_x[row_s, row_t]
         probs = torch.zeros(out_rows, dtype=torch.float32, device=x.device)
@@ -187,7 +205,7 @@ class ReferenceBackend:
             buffer_id=b.serial, backend=self.name, num_tokens=T, num_rows=R, num_out_rows=out_rows,
             src_rank=src_rank, src_token=src_token, tokens_per_expert=tpe,
             num_rows_device=torch.tensor([R], dtype=torch.int64, device=x.device),
-            state=layout)
+            state=layout, over_budget=over_budget, rows_received=rows_received)
         return tokens, probs, handle
 
     def dispatch_cached(self, x, handle: DispatchHandle):

@@ -365,43 +365,49 @@ class CudaBackend:
         self._raise_if_error(self.error_words.cpu().tolist())
 
     # ---------------------------------------------------------------------------- dispatch
-    def dispatch(self, x, topk_idx, topk_weights, rows_per_expert=None):
+    def dispatch(self, x, topk_idx, topk_weights, rows_per_expert=None, recv_budget=None):
         self._alive()
         x = self._rows(x, "x")  # before the layout publishes anything (a refusal or a copy)
         b = self.buf
         T = x.shape[0]
         stream = self._stream()
         scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=x.device)
-        tpe = torch.empty(b.num_local_experts + 1, dtype=torch.int64, device=x.device)  # counts, R
+        # The counts, R (the rows written), then the rows received (a receive budget's flag).
+        tpe = torch.empty(b.num_local_experts + 2, dtype=torch.int64, device=x.device)
         idx = topk_idx.contiguous()
         w = topk_weights.contiguous()
-        static = b.max_recv_tokens is not None
+        # A receive budget is a static-shape call whose rows past the cap are dropped, not an
+        # error (docs/CONTRACT.md, "Receive budget").
+        drop = recv_budget is not None
+        static_cap = recv_budget if drop else b.max_recv_tokens
+        static = static_cap is not None
         fixed = bindings.NO_ROWS_PER_EXPERT if rows_per_expert is None else rows_per_expert
         known_R = None if rows_per_expert is None else b.num_local_experts * rows_per_expert
         if known_R is not None and not static:
             return self._dispatch_fixed(x, T, idx, w, scratch, tpe, stream, fixed, known_R)
-        layout_cap = b.max_recv_tokens if static else (1 << 62)
+        layout_cap = static_cap if static else (1 << 62)
         if self.speculative and not static:
             return self._dispatch_speculative(x, T, idx, w, scratch, tpe, stream)
         ce_side = self.ce_overlap and not self.speculative
         if static and not ce_side and not self.separate_launches:
-            return self._dispatch_static(x, T, idx, w, scratch, tpe, stream, fixed, known_R)
+            return self._dispatch_static(x, T, idx, w, scratch, tpe, stream, fixed, known_R,
+                                         static_cap, drop)
         main = torch.cuda.current_stream(self.device)
         if static:
             # (A static dispatch staged beside the layout, MOK_DISPATCH_CE_OVERLAP=1: the transfer
             # waits for the side stream, so its launches stay separate.) Every output's size is
             # known before the layout: allocate now (NOTES (GG)).
-            tokens = self._rows_like(x, b.max_recv_tokens)
-            probs_all, src_all = self._row_outputs(b.max_recv_tokens, x.device)
+            tokens = self._rows_like(x, static_cap)
+            probs_all, src_all = self._row_outputs(static_cap, x.device)
         if ce_side:
             self._stage_copy_beside(x, T, main)
-        self._layout(stream, scratch, idx, w, T, tpe, layout_cap, -1, not static, fixed, x)
+        self._layout(stream, scratch, idx, w, T, tpe, layout_cap, -1, not static, fixed, x, drop)
         staged = None
         fill_first = self.fill_first and not static
         if fill_first:
             probs_all, src_all = self._row_outputs(self.rows_bound, x.device)
         if static:
-            R, cap = known_R, b.max_recv_tokens
+            R, cap = known_R, static_cap
         else:
             # The one host read of an eager dispatch: R (and the error report with it). The
             # host waits for the layout kernels only: the fill (fill-first) or the staging
@@ -453,25 +459,26 @@ class CudaBackend:
             # knows: its transfer is launched like its peers' (they wait for its staged tokens),
             # then it raises. Raising before the launch would leave the peers to time out.
             self._raise_if_error(self.host_report[4:])
-        return tokens, probs, self._handle(T, R, cap, src_rank, src_token, tpe, scratch)
+        return tokens, probs, self._handle(T, R, cap, src_rank, src_token, tpe, scratch, drop)
 
     def _dispatch_static(self, x, T, idx, w, scratch, tpe, stream, fixed=bindings.NO_ROWS_PER_EXPERT,
-                         known_R=None):
+                         known_R=None, cap=None, drop=False):
         """A static-shape dispatch (``max_recv_tokens``): every output is allocated first, then
         layout, fill, copy-engine staging and transfer are queued by ONE library call
         (``mok_dispatch_launch``): nothing but that call's own host time between the launches
         (NOTES #51). Reads nothing on the host; graph-capturable. With ``rows_per_expert``
-        (``fixed`` >= 0) R = E_local * N is known here (``known_R``)."""
-        b = self.buf
-        cap = b.max_recv_tokens
+        (``fixed`` >= 0) R = E_local * N is known here (``known_R``). ``cap``: the rows
+        (``max_recv_tokens``, or the call's receive budget, ``drop``: rows past it dropped)."""
+        if cap is None:
+            cap = self.buf.max_recv_tokens
         tokens = self._rows_like(x, cap)
         probs, src = self._row_outputs(cap, x.device)
         steps = bindings.STEP_LAYOUT | bindings.STEP_FILL | bindings.STEP_TRANSFER
         if self.ce_stage:
             steps |= bindings.STEP_STAGE_COPY
         self._launch(steps, stream, scratch, x, T, idx, w, tpe, probs, src, tokens, cap, self.ce_mode,
-                     fixed)
-        return tokens, probs, self._handle(T, known_R, cap, src[0], src[1], tpe, scratch)
+                     fixed, drop)
+        return tokens, probs, self._handle(T, known_R, cap, src[0], src[1], tpe, scratch, drop)
 
     def _dispatch_fixed(self, x, T, idx, w, scratch, tpe, stream, n, R):
         """``rows_per_expert`` on an eager Buffer: R = E_local * N is known before the layout, so
@@ -498,20 +505,21 @@ class CudaBackend:
             self._raise_if_error(self.host_report[4:])
         return tokens, probs, self._handle(T, R, R, src[0], src[1], tpe, scratch)
 
-    def _layout(self, stream, scratch, idx, w, T, tpe, cap, spec_cap, report, fixed, x) -> None:
+    def _layout(self, stream, scratch, idx, w, T, tpe, cap, spec_cap, report, fixed, x,
+                drop=False) -> None:
         """``mok_dispatch_layout`` alone: counts, offsets and each row's source into ``scratch``
         and ``tpe`` for at most ``cap`` rows; ``spec_cap`` >= 0: the speculative verdict against
         that capacity; ``report``: the host report is written (for a read of R or errors);
         ``fixed``: rows_per_expert; ``x``: the rows, whose size and sources (one tensor, or an
         FP8 pair read in place) are published with the routing: every rank checks its peers'
-        are the same."""
+        are the same; ``drop``: rows past ``cap`` are dropped without an error (a receive budget)."""
         self._check(self.lib.mok_dispatch_layout(
             self.ctx, stream, self._ptr(scratch), self._ptr(idx), int(idx.dtype == torch.int64),
             self._ptr(w), T, self.buf.num_experts, self._ptr(tpe), cap, spec_cap, int(report), fixed,
-            self._row_bytes(x), self._two(x)))
+            self._row_bytes(x), self._two(x), int(drop)))
 
     def _launch(self, steps, stream, scratch, x, T, idx, w, tpe, probs, src, out, cap, mode,
-                fixed=bindings.NO_ROWS_PER_EXPERT) -> None:
+                fixed=bindings.NO_ROWS_PER_EXPERT, drop=False) -> None:
         """``mok_dispatch_launch``: the ``steps`` of a dispatch (layout, fill, copy-engine
         staging, transfer; ``bindings.STEP_*``) queued by one library call. Fill pads rows
         [R, cap); the transfer's blocks come from the call's size (``_roles``); ``fixed``: the
@@ -523,7 +531,7 @@ class CudaBackend:
             self.ctx, stream, steps, scratch.data_ptr(), ptr(idx),
             int(idx is not None and idx.dtype == torch.int64), ptr(w), T, self.buf.num_experts,
             ptr(tpe), src_rank, src_token, ptr(probs), 1, ptr(x), self._ptr2(x), ptr(out), cap, blocks,
-            producers, mode, fixed, self._row_bytes(x), self._two(x)))
+            producers, mode, fixed, self._row_bytes(x), self._two(x), int(drop)))
 
     def _dispatch_speculative(self, x, T, idx, w, scratch, tpe, stream):
         """Eager dispatch in the issue's order: allocate, launch, then read R.
@@ -563,14 +571,19 @@ class CudaBackend:
         handle = self._handle(T, R, R, src_all[0, :R], src_all[1, :R], tpe, scratch)
         return tokens, probs_all.resize_(R), handle
 
-    def _handle(self, T, R, cap, src_rank, src_token, tpe, scratch) -> DispatchHandle:
+    def _handle(self, T, R, cap, src_rank, src_token, tpe, scratch, budget=False) -> DispatchHandle:
         """The handle of a dispatch of T tokens into ``cap`` rows (``R`` of them real, ``None``
-        in static-shape mode): ``tpe`` holds the counts, then R on the device."""
+        in static-shape mode): ``tpe`` holds the counts, R (the rows written), then the rows
+        received, on the device. ``budget``: ``cap`` is the call's receive budget, whose
+        over-budget flag is computed on the device (one small kernel, no host read)."""
+        E = self.buf.num_local_experts
+        received = tpe[E + 1:E + 2] if budget else None
         return DispatchHandle(
             buffer_id=self.buf.serial, backend=self.name, num_tokens=T, num_rows=R,
             num_out_rows=cap, src_rank=src_rank, src_token=src_token,
-            tokens_per_expert=tpe[:-1], num_rows_device=tpe[-1:],
-            state=CudaLayout(scratch=scratch))
+            tokens_per_expert=tpe[:E], num_rows_device=tpe[E:E + 1],
+            state=CudaLayout(scratch=scratch),
+            over_budget=None if received is None else received > cap, rows_received=received)
 
     def _spec_capacity(self) -> int:
         """Rows to allocate before R is known: SPEC_MARGIN over the largest recent R plus one

@@ -6,7 +6,7 @@ import ctypes
 from ctypes import c_double, c_float, c_int, c_int64, c_size_t, c_uint64, c_void_p, POINTER
 
 # The C ABI version this file declares (MOK_ABI_VERSION in csrc/api/mok_api.h).
-ABI_VERSION = 16
+ABI_VERSION = 17
 
 _SIGNATURES = {
     "mok_abi_version": (c_int, []),
@@ -20,7 +20,8 @@ _SIGNATURES = {
     "mok_set_peers": (c_int, [c_void_p, POINTER(c_uint64), c_int, c_double]),
     "mok_set_host_report": (c_int, [c_void_p, c_void_p]),
     "mok_dispatch_layout": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int,
-                                    c_int, c_void_p, c_int64, c_int64, c_int, c_int64, c_int, c_int]),
+                                    c_int, c_void_p, c_int64, c_int64, c_int, c_int64, c_int, c_int,
+                                    c_int]),
     "mok_dispatch_fill": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int]),
     "mok_dispatch_transfer": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int,
                                       c_void_p, c_int64, c_int, c_int, c_int, c_int, c_int]),
@@ -29,7 +30,7 @@ _SIGNATURES = {
     "mok_dispatch_launch": (c_int, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_void_p,
                                     c_int, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_int,
                                     c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int, c_int, c_int64, c_int,
-                                    c_int]),
+                                    c_int, c_int]),
     "mok_layout_fused": (c_int, [c_void_p, c_int]),
     "mok_set_pdl": (c_int, [c_void_p, c_int]),
     "mok_pdl": (c_int, [c_void_p]),

@@ -38,7 +38,8 @@ struct RowOutputs {
   int64_t* src_rank;          // [row_cap]
   int64_t* src_token;         // [row_cap]
   float* probs;               // [row_cap]
-  int64_t* tokens_per_expert; // [E_local + 1]: the counts, then R
+  int64_t* tokens_per_expert; // [E_local + 2]: the counts, then R (rows written), then the rows
+                              // received (past row_cap with an overflow)
   int64_t row_cap;            // rows allocated (R, a bound on R, or max_recv_tokens)
   int pad;                    // fill: rows [R, row_cap) say "no source" (static shape); 0: untouched
   // Layout: the host report (pinned, mapped host memory, int32 [12]) the scan kernel writes at
@@ -49,6 +50,9 @@ struct RowOutputs {
   // Layout: rows_per_expert N >= 0 gives every local expert exactly N rows (zero rows after its
   // received ones; rows past N dropped, error kExpertOverflow); -1: off.
   int32_t rows_per_expert = -1;
+  // Layout: 1, rows past row_cap are dropped without an error (a receive budget: the caller
+  // reads tokens_per_expert[E_local + 1] for the rows received); 0, they are kRecvOverflow.
+  int32_t drop_over_cap = 0;
 };
 
 // Publish my routing (send-side layout included) and build the receive layout's counts.
