@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Session 36's one-GPU calls (benchmarks/NOTES.md, item 54: the receive budget).
+#
+#   bash scripts/device_runs/s36_1gpu.sh COMMIT "PARTS" [FUZZ_S]
+#     PARTS: any of budget regress megatron
+#
+# budget    tests/test_recv_budget.py's GPU tests (world 1, and 2 processes sharing the GPU:
+#           MOK_TEST_SHARED_GPU=1), the CUDA-graph replay with a budget, the static-shape and
+#           rows_per_expert overflow tests (their error path shares the layout's changed
+#           lines), the C ABI tests and the failed-launch test (ABI 17).
+# regress   the CUDA regression sample of the mutation audit, the narrow / FP8 selections, the
+#           error paths and the alternative schedules at world size 4 (every dispatch runs the
+#           changed layout scan).
+# megatron  tests/megatron's GPU tests of the budget file(s) (test_megatron_*budget*.py), on
+#           megatron-core 0.19.2 (the carried .whl).
+# Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
+# Carry: megatron_mok/_lib, .whl (megatron-core 0.19.2).
+C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
+. "$(dirname "$0")/common.sh"
+SITE=/tmp/site
+run_pytest() {  # run_pytest NAME LIMIT_S PYTEST ARGS...: into $R/NAME.log and .xml
+    local name=$1 limit=$2; shift 2
+    timeout -s INT -k 30 $limit python3 -m pytest -q -rfE -p no:cacheprovider "$@" \
+      --junitxml=$R/$name.xml > $R/$name.log 2>&1
+    echo "[$name] rc=$?"; tail -2 $R/$name.log; grep -E "^FAILED|^ERROR" $R/$name.log | cut -c1-300 | head -20
+}
+for PART in $PARTS; do
+t0=$SECONDS
+case $PART in
+budget)
+  MOK_TEST_SHARED_GPU=1 run_pytest budget ${BUDGET_LIMIT_S:-420} -m "gpu or multigpu" --durations=12 \
+    tests/test_recv_budget.py tests/test_cuda_backend.py tests/test_cuda_loopback.py tests/test_cuda_library_abi.py \
+    -k "budget or static_overflow or rows_per_expert_overflow or failed_dispatch_launch or test_cuda_library_abi" ;;
+regress)
+  SAMPLE=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import mutation_audit_cuda as m; print(m.SAMPLE[-1])")
+  run_pytest sample 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py -k "$SAMPLE"
+  run_pytest narrow_fp8 90 -m "gpu and not multigpu" tests/test_fp8_dispatch.py tests/test_cuda_loopback.py \
+    tests/test_cuda_backend.py -k "prob_grads_only or narrow_rows or (fp8 and (cuda or loopback))"
+  run_pytest errors 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \
+    -k "missing_peer or overflow or bad_expert or lagging or past_its_waits or hang or timeout"
+  run_pytest schedules 120 -m "gpu and not multigpu" tests/test_cuda_loopback.py \
+    -k "alternative_schedules or combine_split or streamed_produce or speculative" ;;
+megatron)
+  [ -d $SITE/megatron ] || install_wheels .whl $SITE
+  FILES=$(ls tests/megatron/test_megatron_*budget*.py 2>/dev/null)
+  PYTHONPATH=$SITE:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
+    run_pytest megatron ${MEGATRON_LIMIT_S:-240} -m "gpu or multigpu" --durations=10 $FILES ;;
+*) echo "unknown part $PART"; exit 2 ;;
+esac
+echo "[$PART] $((SECONDS - t0)) s"
+done
+fuzz $FUZZ fuzz
+cd $OUT && tar czf r.tgz r && rm -rf r
