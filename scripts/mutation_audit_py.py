@@ -85,6 +85,7 @@ MG_ENTRY = "tests/megatron/test_megatron_entrypoints.py"
 SAFETY = "tests/test_handle_safety.py"
 STOP = "tests/test_stop_rank.py"
 INPUTS = "tests/test_input_checks.py"
+BUDGET = "tests/test_recv_budget.py"
 REF_ALL = [CONTRACT, AUTOGRAD, CACHED, STATIC, ALIGN, RPE, DETERM]
 
 
@@ -276,9 +277,9 @@ MUTANTS: List[Mutant] = [
     # ------------------------------------- drop-and-pad switched on a built dispatcher (s34)
     # ---------------------------------------------- a rank's error stops its Buffer (item 53)
     M("buf_dispatch_error_not_stopping", BUF,
-      "            return self._dispatch(x, topk_idx, topk_weights, handle, rows_per_expert)\n"
+      "            return self._dispatch(x, topk_idx, topk_weights, handle, rows_per_expert, recv_budget)\n"
       "        except Exception as exc:\n            self._abort_after(exc)\n",
-      "            return self._dispatch(x, topk_idx, topk_weights, handle, rows_per_expert)\n"
+      "            return self._dispatch(x, topk_idx, topk_weights, handle, rows_per_expert, recv_budget)\n"
       "        except Exception as exc:\n            pass\n",
       [f"{STOP}::test_an_input_error_stops_the_buffer_and_names_itself"]),
     M("buf_world_of_one_stopped", BUF,
@@ -407,6 +408,23 @@ MUTANTS: List[Mutant] = [
       [MG_INSTALL]),
     M("bridge_finder_not_installed", PATCH, "    sys.meta_path.insert(0, finder)\n",
       "    pass\n", [MG_INSTALL]),
+    # ------------------------------------------------------------- receive budget (item 54)
+    M("ref_budget_keeps_one_row_more", REF, "            keep = pos < recv_budget\n",
+      "            keep = pos <= recv_budget\n", [BUDGET]),
+    M("ref_budget_counts_unclamped", REF, "            tpe = budget_counts(tpe, recv_budget)\n", "",
+      [BUDGET]),
+    M("ref_budget_flag_off_by_one", REF, "            over_budget = rows_received > recv_budget\n",
+      "            over_budget = rows_received >= recv_budget\n", [BUDGET]),
+    M("ref_budget_rows_unclamped", REF, "            R = min(R, recv_budget)\n", "", [BUDGET]),
+    M("val_budget_alignment_unchecked", VAL,
+      "    if m % buf.expert_alignment != 0:\n        # Each expert's", "    if False:\n        # Each expert's",
+      [BUDGET]),
+    M("val_budget_with_rows_per_expert", VAL,
+      "    if rows_per_expert is not None:\n        raise ValueError(\"pass rows_per_expert or recv_budget",
+      "    if False:\n        raise ValueError(\"pass rows_per_expert or recv_budget", [BUDGET]),
+    M("buf_budget_on_cached_dispatch", BUF,
+      "            if rows_per_expert is not None or recv_budget is not None:\n",
+      "            if rows_per_expert is not None:\n", [BUDGET]),
 ]
 
 
