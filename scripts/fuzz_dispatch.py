@@ -15,10 +15,15 @@ calls ("steps") on that one Buffer, so ring state carries over between them. Eve
 routing (distinct top-k, duplicate experts in a row, skewed, everything to one expert or one
 rank, -1 slots up to all of them, int32 ids), values, FP8 pair input (``fp8.quantize`` or raw
 bytes with byte scales), ``rows_per_expert`` (drop-and-pad, capacity drawn at or above the
-fullest expert), a cached dispatch along the handle, and a backward through autograd or the
-chain rule written out (dispatch backward = combine of the row gradients + prob gradients,
-combine backward = cached dispatch of grad_y). Invalid combinations are never drawn (they are
-excluded by construction, never by catching errors): any exception is a failure.
+fullest expert), a receive budget (``recv_budget=M``, in about a quarter of the steps without
+rows_per_expert, from a stream of its own: each rank's M against its own rows R, alignment
+padding included: 0, below R so rows are dropped, exactly R, above R, or no budget on that
+rank; a multiple of expert_alignment; on a static-shape Buffer it replaces max_recv_tokens for
+that call, which then need not hold that rank's rows), a cached dispatch along the handle
+(also a budget's), and a backward through autograd or the chain rule written out (dispatch
+backward = combine of the row gradients + prob gradients, combine backward = cached dispatch of
+grad_y). Invalid combinations are never drawn (they are excluded by construction, never by
+catching errors): any exception is a failure.
 
 The ranks run as threads on one device (``megatron_mok.loopback``), each case under a
 timeout, so nothing can hang: a timeout is a failure, after which the run stops (hung
@@ -30,7 +35,15 @@ bytes): dispatch ``tokens`` (or FP8 rows + scales), ``probs``, ``tokens_per_expe
 backward, the gradient of its input; ``grad_x``, ``grad_topk_weights`` and the gradient of the
 expert output. The padding rows (expert_alignment, rows_per_expert, static shape) must be
 zero rows with probs 0 and sources -1 (and zero gradient); NaN is written into the expert
-output's padding rows in some steps, which combine must never read.
+output's padding rows in some steps, which combine must never read. With a receive budget
+also ``over_budget``, ``rows_received`` and ``num_rows_device``, bitwise, and its invariants
+from the draw alone (on both results of a GPU run, so they hold even where both backends agree
+on a wrong answer): exactly M rows, the flag equal to R > M, the rows received R,
+``num_rows_device`` min(R, M), ``tokens_per_expert`` the padded counts clamped to the first M
+rows, no source on a row past min(R, M), and no error at the ``check_errors`` that ends every
+case (a drop is not one). The CPU expectation of a budget is the oracle's layout without one
+cut to its rows before row M, with the combine and every gradient summed over those kept rows
+only (the dropped slots get +0.0).
 
 - ``--device cuda``: the CUDA backend against the reference backend, both run on the same
   inputs in the same loopback ranks on one GPU (the reference's backward is written out by
@@ -46,33 +59,43 @@ streams of their own, so the rest of a case's draw is the same on either device)
   (``SCHEDULES`` below: the entries of the test lists ALT_SCHEDULES / SPLIT_SCHEDULES in
   tests/test_cuda_backend.py, LOOPBACK_SCHEDULES in tests/test_cuda_loopback.py and
   FP8_SCHEDULES in tests/test_fp8_dispatch.py, each drawn only where its requirement holds:
-  the speculative eager dispatch on eager Buffers with expert_alignment 1, fill-first on eager
-  Buffers, the copy staged beside the layout at world > 1 and never in a graph case, plain
-  launches and small calls on num_sms at world 1, where loopback groups do not already do so,
-  the 8-SM small-call budget where its routing kernels fit beside the transfers). They are
+  the speculative eager dispatch on eager Buffers with expert_alignment 1 and no step where
+  only some ranks pass a receive budget, fill-first on eager Buffers, the copy staged beside
+  the layout at world > 1 and never in a graph case, plain launches and small calls on num_sms
+  at world 1, where loopback groups do not already do so, the 8-SM small-call budget where its
+  routing kernels fit beside the transfers). They are
   set in ``os.environ`` for the whole case (every loopback rank is a thread of this process,
   so all make the same choice) and the previous values are put back afterwards, also when
   the case fails or times out. The case config records them (``schedule``: the entries' ids
   and the environment), the case line shows them, and ``schedule`` and
   ``schedule_<id>`` count as features.
-- CUDA graphs (``--no-graphs``): about half the static-shape cases end with a graph step on
-  the same Buffer: new tokens per rank (each at most T_max), 3..5 routings and inputs drawn
-  for those token counts (max_recv_tokens raised, where needed, to every rank's rows in every
-  one of them), and as drawn an FP8 pair input (one kind for all of them) or a
-  rows_per_expert that holds every one of them (not both). The dispatch + expert + combine
-  of the first runs once outside the capture (compared too), is captured into one CUDA graph
+- CUDA graphs (``--no-graphs``): about half the static-shape cases, and a quarter of the eager
+  ones, end with a graph step on the same Buffer: new tokens per rank (each at most T_max),
+  3..5 routings and inputs drawn for those token counts (max_recv_tokens raised, where needed,
+  to the rows in every one of them of every rank without a budget), and as drawn an FP8 pair
+  input (one kind for all of them) or a rows_per_expert that holds every one of them (not both;
+  static-shape Buffers only), and a receive budget (never with rows_per_expert; on an eager
+  Buffer always, on every rank: its call reads nothing on the host; on a static-shape one in 40%
+  of the graph steps without rows_per_expert, on some ranks or all): one M per rank for every
+  input, the captured call's argument, drawn against that rank's rows in the inputs so that
+  some replays drop rows and some do not (its flag, rows received and num_rows_device come back
+  from every replay). The dispatch + expert + combine of the first runs once outside the
+  capture (compared too), is captured into one CUDA graph
   (one rank at a time, tests/harness.py ``capture_in_turn``, as tests/test_cuda_loopback.py
   does), then each other input is copied into the captured input tensors, the graph is
   replayed, and its outputs (dispatch rows, probs, counts, sources, combine output) are
   compared with the reference backend's eager run on that same input; ``check_errors`` after
-  every replay. Features ``cuda_graph`` (and ``cuda_graph_fp8`` / ``cuda_graph_rows_per_expert``).
+  every replay. Features ``cuda_graph`` (and ``cuda_graph_fp8`` / ``cuda_graph_rows_per_expert``
+  / ``cuda_graph_recv_budget`` / ``cuda_graph_eager_buffer``).
   On the CPU (tests only: a CPU draw has no graph) an eager stand-in runs the step at each
   "replay", which checks the fuzzer's own graph plumbing against the oracle.
 
-Output: a case line each (seed, shape, features, result), a progress line every 10 cases,
-and ``DIR/fuzz.json`` (rewritten after every failure and at the end): the arguments, the
-number of cases, per-feature case counts, every failure (case seed, config, first mismatch,
-traceback) and the elapsed time. Exit status 1 on any failure, 0 otherwise.
+Output: a case line each (seed, shape, receive budgets per step and rank, features, result), a
+progress line every 10 cases, and ``DIR/fuzz.json`` (rewritten after every failure and at the
+end): the arguments, the number of cases, per-feature case counts (``recv_budget``: cases with a
+budget step; ``recv_budget_drop``: those where a rank received more rows than its budget; the
+last line says both too), every failure (case seed, config, first mismatch, traceback) and the
+elapsed time. Exit status 1 on any failure, 0 otherwise.
 
 A case's draw depends on its seed, ``--max-world``, ``--max-tokens``, the device, the GPU's SM
 count (num_sms is kept within what loopback ranks may take), ``MOK_CHUNK_TOKENS`` (ring sizes),
@@ -87,10 +110,14 @@ schedules: ``MOK_CHUNK_TOKENS`` (the draw's ring sizes and routing-kernel bounds
 in its chunks: run the whole fuzzer with it set instead), ``MOK_PDL=1`` on shared-GPU groups
 (not run forced by the tests either), ``MOK_FP8_PACK``, the role counts
 (``MOK_DISPATCH_PRODUCERS`` / ``MOK_COMBINE_PRODUCERS``), ``MOK_LAYOUT_FUSED_MAX_GROUPS``, and
-settings that differ between ranks. Of CUDA graphs: eager Buffers (rows_per_expert graphs
-there), backward passes and cached dispatches in the graph, several steps in one graph,
-replays with other token counts, FP8 with rows_per_expert in a graph, and
-``MOK_DISPATCH_CE_OVERLAP`` in a graph case (its side-stream fork is not captured by any test).
+settings that differ between ranks. Of CUDA graphs: eager Buffers without a receive budget
+(rows_per_expert graphs there), backward passes and cached dispatches in the graph, several
+steps in one graph, replays with other token counts or another budget, FP8 with
+rows_per_expert in a graph, and ``MOK_DISPATCH_CE_OVERLAP`` in a graph case (its side-stream
+fork is not captured by any test). Of receive budgets: the refusals (with rows_per_expert or
+``handle=``, not a multiple of the alignment), reading the flag on the host to rerun a step
+(the caller's part), and, under ``MOK_EAGER_SPECULATIVE``, a step where some ranks pass a
+budget and others do not (the speculative layout refuses such peers: not drawn).
 """
 
 from __future__ import annotations
@@ -138,9 +165,14 @@ MAIN_FEATURES = ("world_1", "fp8", "fp8_byte_scales", "static_shape", "expert_al
                  "cached", "backward_autograd", "backward_by_hand", "cached_backward",
                  "nan_padding", "partial_fp32", "rank_with_zero_tokens", "unrouted_slots",
                  "duplicate_experts", "all_to_one_expert", "idx_int32", "dtype_bfloat16",
-                 "dtype_float32", "t_max_exact")
+                 "dtype_float32", "t_max_exact", "recv_budget", "recv_budget_drop")
+# Kinds of receive budget a test run should see at least once (case_features, _budget_features).
+BUDGET_FEATURES = ("recv_budget_zero", "recv_budget_below", "recv_budget_exact", "recv_budget_above",
+                   "recv_budget_mixed_ranks", "recv_budget_static", "recv_budget_past_max_recv",
+                   "recv_budget_alignment", "recv_budget_fp8", "recv_budget_cached",
+                   "recv_budget_backward")
 # Features only a --device cuda case can have (shown on its case line too).
-CUDA_FEATURES = ("schedule", "cuda_graph")
+CUDA_FEATURES = ("schedule", "cuda_graph", "cuda_graph_recv_budget")
 
 # Alternative schedules of the CUDA backend, chosen by MOK_* environment variables (read when a
 # Buffer is made, megatron_mok/cuda/backend.py and launch_policy.py, or at each kernel launch,
@@ -153,7 +185,9 @@ CUDA_FEATURES = ("schedule", "cuda_graph")
 # schedule_allowed) says where an entry is valid or does anything:
 #   eager       an eager Buffer (no max_recv_tokens): the static dispatch ignores it
 #   eager_a1    an eager Buffer with expert_alignment 1 (the speculative dispatch is turned off,
-#               with a warning, by an alignment)
+#               with a warning, by an alignment) and no step in which some ranks pass a receive
+#               budget and others do not (a budget's call is not speculative, and the
+#               speculative layout refuses peers that are not: kConfigMismatch)
 #   multi_nograph  world > 1 (the backend ignores it at one rank) and no graph in the case
 #               (the copy forked onto the side stream is not captured by any test)
 #   world1      world 1: loopback groups of 2+ ranks already launch plainly
@@ -196,6 +230,18 @@ SCHEDULE_WEIGHT = {"eager_speculative": 3, "eager_fill_first": 2, "plain_launche
 SCHEDULE_P = 0.5          # of --device cuda cases run under a schedule; of those, two settings:
 TWO_SETTINGS_P = 0.35
 GRAPH_P = 0.5             # of static-shape --device cuda cases that end with a graph step
+GRAPH_EAGER_P = 0.25      # of eager --device cuda cases that end with one (a budget on every rank)
+GRAPH_BUDGET_P = 0.4      # of static-shape graph steps without rows_per_expert that have a budget
+# Receive budgets (dispatch(recv_budget=M)): of the steps without rows_per_expert, those that pass
+# one; each rank's M against its own rows R (the rows it receives, alignment padding included):
+# 0, below R (rows dropped), exactly R, above R, or no budget on that rank ("none", a peer that
+# dispatches without one: only the receiver's rows depend on M).
+BUDGET_P = 0.25
+BUDGET_KINDS = [("zero", 10), ("below", 40), ("exact", 18), ("above", 22), ("none", 10)]
+# A graph step's budget against its rank's rows in each of its inputs (one M for all of them,
+# the captured call's argument): 0, within the inputs' fewest rows (every replay drops rows),
+# between the fewest and the most (some do, some do not), the most (none does), above it.
+GRAPH_BUDGET_KINDS = [("zero", 8), ("low", 22), ("mid", 40), ("most", 15), ("above", 15), ("none", 10)]
 
 
 # ----------------------------------------------------------------------------- the draw
@@ -313,11 +359,12 @@ def draw_config(case_seed: int, max_world: int = 4, device_sms: int = NOMINAL_SM
     slack = rng.choice([0, 0, 1, rng.randint(2, 200)])
     cfg["max_tokens_per_rank"] = min(cap, most_tokens + slack)
     cfg["ring_chunks"], cfg["ring_bytes"] = _draw_ring(rng, cfg, C)
-    _derive_capacities(rng, cfg)
+    _derive_capacities(rng, cfg, random.Random(_mix(case_seed, 7003)))
     cfg["graph"] = cfg["schedule"] = None
     if device == "cuda":
         if graphs:
-            cfg["graph"] = _draw_graph(random.Random(_mix(case_seed, 7001)), cfg)
+            cfg["graph"] = _draw_graph(random.Random(_mix(case_seed, 7001)), cfg,
+                                       random.Random(_mix(case_seed, 7004)))
         if schedules:
             cfg["schedule"] = _draw_schedule(random.Random(_mix(case_seed, 7002)), cfg, device_sms)
     return cfg
@@ -337,10 +384,13 @@ def _draw_ring(rng: random.Random, cfg: dict, C: int):
     return chunks, chunks * max(disp, comb)
 
 
-def _derive_capacities(rng: random.Random, cfg: dict) -> None:
+def _derive_capacities(rng: random.Random, cfg: dict, budget_rng: Optional[random.Random] = None) -> None:
     """rows_per_expert (per step and rank: at or above its fullest expert, a multiple of the
-    alignment) and max_recv_tokens (at or above every rank's R in every step), from the
-    routing the steps will use."""
+    alignment), the receive budgets (``recv_budget``, per step and rank, from ``budget_rng``, a
+    stream of its own so the rest of the draw is what it was without budgets; None: no budget
+    anywhere) and max_recv_tokens (at or above every rank's R in every step, except where
+    that rank passes a budget, which replaces max_recv_tokens for its call), from the routing
+    the steps will use."""
     A, W = cfg["expert_alignment"], cfg["world_size"]
     el = cfg["num_experts"] // W
     most_rows = 0
@@ -353,13 +403,94 @@ def _derive_capacities(rng: random.Random, cfg: dict) -> None:
         else:
             st["rows_per_expert"] = None
             rows = [sum(_round_up(int(c), A) for c in counts[d]) for d in range(W)]
-        most_rows = max(most_rows, max(rows))
+        st["recv_budget"] = None
+        if budget_rng is not None and st["rows_per_expert"] is None and budget_rng.random() < BUDGET_P:
+            budgets = [_draw_budget(budget_rng, rows[d], A) for d in range(W)]
+            st["recv_budget"] = None if all(m is None for m in budgets) else budgets
+        ms = step_budgets(cfg, st)
+        most_rows = max([most_rows] + [rows[d] for d in range(W) if ms[d] is None])
     static = rng.random() < 0.3
     cfg["max_recv_tokens"] = most_rows + rng.choice([0, 1, 5, 100]) if static else None
 
 
 def _round_up(n: int, a: int) -> int:
     return -(-n // a) * a
+
+
+def _draw_budget(rng: random.Random, rows: int, A: int, allow_none: bool = True) -> Optional[int]:
+    """A receive budget for a rank that receives ``rows`` rows (a multiple of ``A``, as every
+    budget is): BUDGET_KINDS."""
+    kind = _weighted(rng, [kw for kw in BUDGET_KINDS if allow_none or kw[0] != "none"])
+    if kind == "zero":
+        return 0
+    if kind == "below":
+        return A * rng.randint(0, (rows - 1) // A) if rows > 0 else 0
+    if kind == "exact":
+        return rows
+    if kind == "above":
+        return rows + _round_up(rng.choice([1, 1, 2, 5, rng.randint(1, 300)]), A)
+    return None
+
+
+def _draw_graph_budget(rng: random.Random, rows: List[int], A: int, allow_none: bool) -> Optional[int]:
+    """A graph step's budget for a rank whose rows in the step's inputs are ``rows``
+    (GRAPH_BUDGET_KINDS)."""
+    kind = _weighted(rng, [kw for kw in GRAPH_BUDGET_KINDS if allow_none or kw[0] != "none"])
+    lo, hi = min(rows), max(rows)
+    if kind == "zero":
+        return 0
+    if kind == "low":
+        return A * rng.randint(0, max(0, lo - 1) // A)
+    if kind == "mid":
+        return A * rng.randint(lo // A, hi // A)
+    if kind == "most":
+        return hi
+    if kind == "above":
+        return hi + _round_up(rng.choice([1, 2, rng.randint(1, 100)]), A)
+    return None
+
+
+def step_budgets(cfg: dict, st: dict) -> List[Optional[int]]:
+    """Every rank's ``recv_budget`` in step (or graph input) ``st`` (None: that rank passes none)."""
+    return list(st.get("recv_budget") or [None] * cfg["world_size"])
+
+
+def _kept_counts(padded: List[int], budget: int) -> List[int]:
+    """Each local expert's rows among the first ``budget`` rows of a layout whose experts have
+    ``padded`` rows each (alignment padding included): a budget's ``tokens_per_expert``."""
+    out, start = [], 0
+    for n in padded:
+        out.append(max(0, min(start + n, budget) - start))
+        start += n
+    return out
+
+
+def budget_expectations(cfg: dict, st: dict) -> List[Optional[Dict[str, Any]]]:
+    """What a budget's invariants say each rank of step (or graph input) ``st`` gets, from the
+    draw alone (no backend, no oracle): ``{"R", "M", "tokens_per_expert"}`` for a rank with
+    a budget (R: the rows it receives, padding included; never with rows_per_expert), None for
+    a rank without one."""
+    ms = step_budgets(cfg, st)
+    if all(m is None for m in ms):
+        return [None] * cfg["world_size"]
+    A = cfg["expert_alignment"]
+    counts = _expert_counts(cfg, st)
+    out = []
+    for d, M in enumerate(ms):
+        if M is None:
+            out.append(None)
+            continue
+        padded = [_round_up(int(c), A) for c in counts[d]]
+        out.append({"R": sum(padded), "M": M, "tokens_per_expert": _kept_counts(padded, M)})
+    return out
+
+
+def mixed_budget(cfg: dict) -> bool:
+    """Whether a step (or the graph step) has ranks with and without a budget (an eager Buffer
+    then mixes static-path and eager calls across ranks: not with MOK_EAGER_SPECULATIVE, whose
+    layout refuses peers that are not speculative, kConfigMismatch)."""
+    sts = list(cfg["steps"]) + graph_steps(cfg)[:1]
+    return any(len({m is None for m in step_budgets(cfg, st)}) > 1 for st in sts)
 
 
 def _rows_of(cfg: dict, st: dict) -> List[int]:
@@ -375,23 +506,31 @@ def _rows_of(cfg: dict, st: dict) -> List[int]:
 # ------------------------------------------------------------------ the graph step (cuda)
 # What the inputs of a graph step share (the captured call's shapes and arguments) and what
 # each draws anew (routing, values).
-GRAPH_SHARED = ("tokens", "idx_dtype", "fp8", "rows_per_expert", "nan_padding", "expert_seed")
+GRAPH_SHARED = ("tokens", "idx_dtype", "fp8", "rows_per_expert", "recv_budget", "nan_padding", "expert_seed")
 
 
-def _draw_graph(rng: random.Random, cfg: dict) -> Optional[dict]:
-    """A graph step for a static-shape case (else None): token counts (at most T_max), the
-    input kind, and 3..5 inputs of those shapes (the first for the warm-up call and the capture,
-    the others replayed). ``rows_per_expert`` (only without FP8) holds every input's fullest
-    expert; ``max_recv_tokens`` is raised to every rank's rows in every input."""
-    if cfg["max_recv_tokens"] is None or rng.random() >= GRAPH_P:
+def _draw_graph(rng: random.Random, cfg: dict, budget_rng: random.Random) -> Optional[dict]:
+    """A graph step (else None) for a static-shape case, or, less often, for an eager one with
+    a receive budget on every rank (the budget's call reads nothing on the host: capturable on
+    any Buffer): token counts (at most T_max), the input kind, and 3..5 inputs of those shapes
+    (the first for the warm-up call and the capture, the others replayed). ``rows_per_expert``
+    (only without FP8, only on a static-shape Buffer) holds every input's fullest expert;
+    ``recv_budget`` (never with rows_per_expert; from ``budget_rng``) is one M per rank for all
+    the inputs, so some replays drop rows and some do not; ``max_recv_tokens`` is raised to the
+    rows in every input of every rank without a budget."""
+    static = cfg["max_recv_tokens"] is not None
+    if static and rng.random() >= GRAPH_P:
+        return None
+    if not static and budget_rng.random() >= GRAPH_EAGER_P:
         return None
     W, E, A = cfg["world_size"], cfg["num_experts"], cfg["expert_alignment"]
     T_max = cfg["max_tokens_per_rank"]
     g = {"tokens": [_draw_tokens(rng, T_max) for _ in range(W)],
          "idx_dtype": "int32" if rng.random() < 0.2 else "int64",
          "fp8": _fp8_choice(rng, cfg["hidden"], DTYPES[cfg["dtype"]]) if rng.random() < 0.25 else None,
-         "rows_per_expert": None, "nan_padding": rng.random() < 0.5, "expert_seed": rng.getrandbits(40)}
-    fixed = g["fp8"] is None and rng.random() < 0.3
+         "rows_per_expert": None, "recv_budget": None, "nan_padding": rng.random() < 0.5,
+         "expert_seed": rng.getrandbits(40)}
+    fixed = g["fp8"] is None and rng.random() < 0.3 and static
     g["replays"] = [{"seed": rng.getrandbits(40), "routing": _weighted(rng, ROUTINGS),
                      "hot_expert": rng.randrange(E), "hot_rank": rng.randrange(W),
                      "one_slot": rng.random() < 0.5,
@@ -403,8 +542,15 @@ def _draw_graph(rng: random.Random, cfg: dict) -> Optional[dict]:
         counts = [_expert_counts(cfg, st) for st in graph_steps(cfg)]
         g["rows_per_expert"] = [_round_up(max(int(c[d].max()) for c in counts) + rng.choice([0, 0, 1, 3, 17]), A)
                                 for d in range(W)]
-    most = max(max(_rows_of(cfg, st)) for st in graph_steps(cfg))
-    cfg["max_recv_tokens"] = max(cfg["max_recv_tokens"], most + rng.choice([0, 0, 1, 5]))
+    rows = [_rows_of(cfg, st) for st in graph_steps(cfg)]          # [input][rank]
+    if not fixed and (not static or budget_rng.random() < GRAPH_BUDGET_P):
+        budgets = [_draw_graph_budget(budget_rng, [r[d] for r in rows], A, allow_none=static)
+                   for d in range(W)]
+        g["recv_budget"] = None if all(m is None for m in budgets) else budgets
+    if static:
+        ms = step_budgets(cfg, g)
+        most = max([0] + [r[d] for r in rows for d in range(W) if ms[d] is None])
+        cfg["max_recv_tokens"] = max(cfg["max_recv_tokens"], most + rng.choice([0, 0, 1, 5]))
     return g
 
 
@@ -414,7 +560,7 @@ def graph_steps(cfg: dict) -> List[dict]:
     g = cfg.get("graph")
     if not g:
         return []
-    shared = {k: (list(g[k]) if isinstance(g[k], list) else g[k]) for k in GRAPH_SHARED}
+    shared = {k: (list(g[k]) if isinstance(g[k], list) else g[k]) for k in GRAPH_SHARED if k in g}
     return [dict(r, **shared, rows_extra=None, cached=False, grad="none") for r in g["replays"]]
 
 
@@ -437,7 +583,7 @@ def schedule_allowed(sid: str, cfg: dict, device_sms: int = NOMINAL_SMS) -> bool
     if need == "eager":
         return not static
     if need == "eager_a1":
-        return not static and cfg["expert_alignment"] == 1
+        return not static and cfg["expert_alignment"] == 1 and not mixed_budget(cfg)
     if need == "multi_nograph":
         return W > 1 and not cfg.get("graph")
     if need == "world1":
@@ -638,13 +784,15 @@ def run_step(buf, cfg: dict, st: dict, data: Dict[str, Any], rank: int, grad: st
     "none", "autograd" or "by_hand") and a cached dispatch. Returns every output (device)."""
     dtype, is_fp8 = buf.dtype, st["fp8"] is not None
     n = st["rows_per_expert"][rank] if st["rows_per_expert"] else None
+    budget = step_budgets(cfg, st)[rank]
     x, w = data["pair"] if is_fp8 else data["x"], data["w"]
     if grad == "autograd":
         x = x if is_fp8 else x.clone().requires_grad_(True)
         w = w.clone().requires_grad_(True)
-    res = buf.dispatch(x, data["idx"], w, rows_per_expert=n)
+    res = buf.dispatch(x, data["idx"], w, rows_per_expert=n, recv_budget=budget)
     out = dict(_row_fields(res.tokens, is_fp8, ""), probs=res.probs,
                tokens_per_expert=res.tokens_per_expert, src_rank=res.src_rank, src_token=res.src_token)
+    out.update(_budget_fields(res, budget))
     dense, probs = dense_rows(res.tokens, is_fp8, dtype), res.probs
     if grad == "by_hand":           # leaves of the local expert's graph
         probs = probs.detach().requires_grad_(True)
@@ -665,6 +813,20 @@ def run_step(buf, cfg: dict, st: dict, data: Dict[str, Any], rank: int, grad: st
     if st["cached"]:
         out.update(_cached_step(buf, st, data, res.handle, rank, grad, is_fp8))
     return out
+
+
+def _budget_fields(res, budget: Optional[int]) -> Dict[str, torch.Tensor]:
+    """A budget's device outputs: ``over_budget`` (also ``res.over_budget``), ``rows_received``
+    and ``num_rows_device``. Without a budget none (the first two must then be None: one that is
+    not is recorded, and is a field the expectation lacks). One that is missing where a budget
+    was passed is left out (budget_problems reports it)."""
+    h = res.handle
+    fields = {"over_budget": res.over_budget, "rows_received": h.rows_received}
+    if budget is not None:
+        fields["num_rows_device"] = h.num_rows_device
+        if res.over_budget is not h.over_budget:
+            fields["over_budget_of_result"] = res.over_budget
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def _backward_by_hand(buf, res, eo, dense, probs, data, is_fp8: bool) -> Dict[str, Any]:
@@ -853,18 +1015,35 @@ def _expected(cfg: dict, st: dict, inputs: List[dict]) -> List[Dict[str, torch.T
     plain = [(d["x"], d["idx"], d["w"]) for d in inputs]
     routing = oracle.route(plain, E)
     packed = [(fp8.pack(*d["pair"]), d["idx"], d["w"]) for d in inputs] if is_fp8 else None
-    want, real_rows = [], []
+    budgets = step_budgets(cfg, st)
+    want, real_rows, kept_routing = [], [], []
     for d in range(W):
         exp = oracle.expected_dispatch(packed or plain, E, d, routing)
         n = st["rows_per_expert"][d] if st["rows_per_expert"] else None
         pos, tpe, R = harness.padded_row_positions(exp["tokens_per_expert"], cfg["expert_alignment"], n)
         rows = R if cfg["max_recv_tokens"] is None else cfg["max_recv_tokens"]
+        M, kept = budgets[d], len(pos)
+        if M is not None:
+            # A receive budget: the first rows of the layout without one that lie before row M
+            # (rows in contract order: a prefix), M rows out; the rest are never written,
+            # combined or given a gradient (the routing the combine below sums is that prefix).
+            kept, rows = int((pos < M).sum()), M
+            pos, tpe = pos[:kept], torch.tensor(_kept_counts(tpe.tolist(), M), dtype=torch.int64)
+            exp = {k: (v if k == "tokens_per_expert" else v[:kept]) for k, v in exp.items()}
         tokens = _place(exp["tokens"], pos, rows, 0)
         w = dict(_row_fields(_split_packed(tokens, inputs[0]["pair"]) if is_fp8 else tokens, is_fp8, ""),
                  probs=_place(exp["probs"], pos, rows, 0.0), tokens_per_expert=tpe,
                  src_rank=_place(exp["src_rank"], pos, rows, -1), src_token=_place(exp["src_token"], pos, rows, -1))
+        if M is not None:
+            w.update(over_budget=torch.tensor([R > M]), rows_received=torch.tensor([R], dtype=torch.int64),
+                     num_rows_device=torch.tensor([min(R, M)], dtype=torch.int64))
         want.append(w)
         real_rows.append(pos)
+        el = E // W
+        kept_rows = routing[d].rows[:kept]
+        kept_routing.append(oracle.RankRows(rows=kept_rows, tokens_per_expert=[
+            sum(1 for r in kept_rows if r[0] == e) for e in range(el)]))
+    routing = kept_routing
     _expected_combine_and_grads(cfg, st, inputs, routing, want, real_rows, dtype, partial, is_fp8)
     if st["cached"]:
         _expected_cached(cfg, st, inputs, routing, want, real_rows, dtype, partial, is_fp8)
@@ -970,20 +1149,59 @@ def padding_problems(got: Dict[str, torch.Tensor], tag: str) -> List[str]:
     return problems
 
 
+def budget_problems(got: Dict[str, torch.Tensor], exp: Optional[Dict[str, Any]], tag: str) -> List[str]:
+    """A receive budget's invariants on one rank's result, from the draw alone (``exp``:
+    :func:`budget_expectations`; None: no budget on that rank, nothing to check): exactly M
+    rows; ``over_budget`` a ``[1]`` bool equal to R > M; ``rows_received`` ``[1]`` int64 R;
+    ``num_rows_device`` ``[1]`` int64 min(R, M); ``tokens_per_expert`` the layout's padded
+    counts clamped to the first M rows; every row past min(R, M) a padding row (source -1;
+    :func:`padding_problems` then checks it is a zero row)."""
+    if exp is None:
+        return []
+    R, M = exp["R"], exp["M"]
+    n = min(R, M)
+    wants = {"over_budget": torch.tensor([R > M]), "rows_received": torch.tensor([R], dtype=torch.int64),
+             "num_rows_device": torch.tensor([n], dtype=torch.int64),
+             "tokens_per_expert": torch.tensor(exp["tokens_per_expert"], dtype=torch.int64)}
+    problems = []
+    for k, w in wants.items():
+        if k not in got:
+            problems.append(f"{tag} {k}: missing from a dispatch with recv_budget={M}")
+            continue
+        msg = bitwise_mismatch(got[k], w, f"{tag} {k} (budget invariant, R={R} M={M})")
+        if msg:
+            problems.append(msg)
+    rows = got["src_rank"].shape[0]
+    if rows != M:
+        problems.append(f"{tag}: {rows} rows returned for recv_budget={M} (R={R})")
+    elif bool((got["src_rank"][n:] >= 0).any()):
+        problems.append(f"{tag} src_rank: a row past the {n} kept rows has a source (R={R} M={M})")
+    return problems
+
+
+def result_budgets(cfg: dict) -> List[List[Optional[Dict[str, Any]]]]:
+    """:func:`budget_expectations` of each of a case's results (:func:`result_labels`)."""
+    return [budget_expectations(cfg, st) for st in list(cfg["steps"]) + graph_steps(cfg)]
+
+
 def compare_case(got: List[List[dict]], want: List[List[dict]], want_is_backend: bool = False,
-                 labels: Optional[List[str]] = None) -> List[str]:
+                 labels: Optional[List[str]] = None,
+                 budgets: Optional[List[List[Optional[Dict[str, Any]]]]] = None) -> List[str]:
     """``got[i][r]`` (step i, rank r) against ``want[i][r]``, plus the padding rows of ``got``
     (and of ``want`` when it is a backend's result too: the reference is the yardstick).
-    ``labels``: what each result is called (:func:`result_labels`; default "step i")."""
+    ``labels``: what each result is called (:func:`result_labels`; default "step i").
+    ``budgets``: :func:`result_budgets`, whose invariants are checked on ``got`` (and ``want``
+    when it is a backend's) on every rank with a receive budget."""
     problems = []
     if len(got) != len(want):
         return [f"{len(got)} steps returned, {len(want)} expected"]
     for i, (g_step, w_step) in enumerate(zip(got, want)):
         for r, (g, w) in enumerate(zip(g_step, w_step)):
             tag = f"{labels[i] if labels else f'step {i}'} rank {r}"
-            problems += compare_step(g, w, tag) + padding_problems(g, tag)
+            exp = budgets[i][r] if budgets else None
+            problems += compare_step(g, w, tag) + padding_problems(g, tag) + budget_problems(g, exp, tag)
             if want_is_backend:
-                problems += padding_problems(w, f"reference {tag}")
+                problems += padding_problems(w, f"reference {tag}") + budget_problems(w, exp, f"reference {tag}")
     return problems
 
 
@@ -1030,7 +1248,8 @@ def run_case(cfg: dict, device: str, case_timeout_s: float) -> Optional[dict]:
     except Exception as e:  # noqa: BLE001  (any exception is a finding, recorded with its trace)
         return {"kind": "exception", "message": f"{type(e).__name__}: {e}".splitlines()[0],
                 "traceback": traceback.format_exc()}
-    problems = compare_case(got, want, want_is_backend=device == "cuda", labels=result_labels(cfg))
+    problems = compare_case(got, want, want_is_backend=device == "cuda", labels=result_labels(cfg),
+                            budgets=result_budgets(cfg))
     if not problems:
         return None
     return {"kind": "mismatch", "message": problems[0], "mismatches": problems[:10],
@@ -1077,7 +1296,39 @@ def case_features(cfg: dict) -> List[str]:
         f.add("cuda_graph")
         f |= {"cuda_graph_fp8"} if graph["fp8"] else set()
         f |= {"cuda_graph_rows_per_expert"} if graph["rows_per_expert"] is not None else set()
+        f |= {"cuda_graph_eager_buffer"} if cfg["max_recv_tokens"] is None else set()
+        if graph.get("recv_budget"):
+            f.add("cuda_graph_recv_budget")
+            exps = [budget_expectations(cfg, st) for st in graph_steps(cfg)]
+            drops = [any(e is not None and e["R"] > e["M"] for e in es) for es in exps]
+            f |= {"cuda_graph_recv_budget_drop"} if any(drops) else set()
+            f |= {"cuda_graph_recv_budget_drop_and_not"} if any(drops) and not all(drops) else set()
     return sorted(f)
+
+
+def _budget_features(cfg: dict, st: dict) -> set:
+    """A step's receive-budget features (none without a budget)."""
+    exps = budget_expectations(cfg, st)
+    budgeted = [e for e in exps if e is not None]
+    if not budgeted:
+        return set()
+    cap = cfg["max_recv_tokens"]
+    flags = {
+        "recv_budget": True,
+        "recv_budget_drop": any(e["R"] > e["M"] for e in budgeted),
+        "recv_budget_zero": any(e["M"] == 0 for e in budgeted),
+        "recv_budget_below": any(0 < e["M"] < e["R"] for e in budgeted),
+        "recv_budget_exact": any(e["M"] == e["R"] > 0 for e in budgeted),
+        "recv_budget_above": any(e["M"] > e["R"] for e in budgeted),
+        "recv_budget_mixed_ranks": len(budgeted) < len(exps),
+        "recv_budget_static": cap is not None,
+        "recv_budget_past_max_recv": cap is not None and any(max(e["R"], e["M"]) > cap for e in budgeted),
+        "recv_budget_alignment": cfg["expert_alignment"] > 1,
+        "recv_budget_fp8": st["fp8"] is not None,
+        "recv_budget_cached": st["cached"],
+        "recv_budget_backward": st["grad"] != "none",
+    }
+    return {k for k, v in flags.items() if v}
 
 
 def _step_features(cfg: dict, i: int, st: dict, C: int) -> set:
@@ -1101,7 +1352,7 @@ def _step_features(cfg: dict, i: int, st: dict, C: int) -> set:
         "call_larger_than_ring": cfg["ring_chunks"] is not None
         and max(st["tokens"]) > cfg["ring_chunks"] * C,
     }
-    return f | {k for k, v in flags.items() if v}
+    return f | {k for k, v in flags.items() if v} | _budget_features(cfg, st)
 
 
 def _has_duplicate(idx: torch.Tensor) -> bool:
@@ -1118,12 +1369,24 @@ def describe(cfg: dict) -> str:
     text = (f"W={cfg['world_size']} E={cfg['num_experts']} K={cfg['topk']} H={cfg['hidden']} "
             f"{cfg['dtype']} T_max={cfg['max_tokens_per_rank']} steps={len(cfg['steps'])} "
             f"tokens={[st['tokens'] for st in cfg['steps']]}")
+    budgets = [f"{i}:{_budget_text(st['recv_budget'])}" for i, st in enumerate(cfg["steps"])
+               if st.get("recv_budget")]
+    if budgets:
+        text += f" budget={';'.join(budgets)}"
     if cfg.get("graph"):
         g = cfg["graph"]
         text += f" graph={g['tokens']}x{len(g['replays'])}"
+        if g.get("recv_budget"):
+            text += f" graph_budget={_budget_text(g['recv_budget'])}"
+        if cfg["max_recv_tokens"] is None:
+            text += " (eager Buffer)"
     if cfg.get("schedule"):
         text += " " + ",".join(f"{k}={v}" for k, v in cfg["schedule"]["env"].items())
     return text
+
+
+def _budget_text(budgets: List[Optional[int]]) -> str:
+    return "[" + ",".join("-" if m is None else str(m) for m in budgets) + "]"
 
 
 # ---------------------------------------------------------------------------------- main
@@ -1224,7 +1487,8 @@ def main(argv=None) -> int:
     doc["feature_counts"] = dict(sorted(counts.items()))
     _write_json(out_path, doc)
     print(f"fuzz_dispatch: {doc['cases']} cases, {len(doc['failures'])} failures, "
-          f"{doc['elapsed_s']} s ({doc['stopped']}); {out_path}", flush=True)
+          f"{doc['elapsed_s']} s ({doc['stopped']}); {counts.get('recv_budget', 0)} with a receive "
+          f"budget, {counts.get('recv_budget_drop', 0)} of them dropping rows; {out_path}", flush=True)
     return 1 if doc["failures"] else 0
 
 

@@ -27,13 +27,15 @@ import fuzz_dispatch as fz  # noqa: E402
 from megatron_mok import fp8, loopback  # noqa: E402
 
 # A master seed whose first 6 cases (max world 3) cover every kind of call: FP8 pairs, both
-# backward paths, cached dispatches, static shape, alignment, rows_per_expert, a wrapped ring.
+# backward paths, cached dispatches, static shape, alignment, rows_per_expert, a wrapped ring,
+# receive budgets (one that drops rows, one beside a cached dispatch, a peer without one).
 # A failure here is a reference/oracle disagreement, a library error or a fuzzer bug; fuzz.json
 # (and the message below) names the case seed to --replay.
 SEED = 5
 # What those 6 cases must have exercised (so a change of the draw cannot quietly hollow it out).
 COVERED = ("fp8", "backward_autograd", "backward_by_hand", "cached", "cached_backward", "static_shape",
-           "expert_alignment", "rows_per_expert", "call_larger_than_ring", "rank_with_zero_tokens")
+           "expert_alignment", "rows_per_expert", "call_larger_than_ring", "rank_with_zero_tokens",
+           "recv_budget", "recv_budget_drop", "recv_budget_cached", "recv_budget_mixed_ranks")
 
 
 def test_fuzzer_runs_cases_on_cpu_and_writes_json(tmp_path):
@@ -65,6 +67,7 @@ def _check_valid(cfg: dict, device_sms: int = fz.NOMINAL_SMS) -> None:
     for i, st in enumerate(cfg["steps"]):
         assert len(st["tokens"]) == W and all(0 <= t <= T_max for t in st["tokens"])
         counts = fz.expert_counts(cfg, i)
+        budgets = _check_budgets(cfg, st)
         for d in range(W):
             idx = fz.step_routing(cfg, i, d)
             assert tuple(idx.shape) == (st["tokens"][d], K)
@@ -74,8 +77,8 @@ def _check_valid(cfg: dict, device_sms: int = fz.NOMINAL_SMS) -> None:
                 assert n % A == 0 and n >= int(counts[d].max())
             rows = (E // W * st["rows_per_expert"][d] if st["rows_per_expert"] is not None
                     else sum(-(-int(c) // A) * A for c in counts[d]))
-            if cfg["max_recv_tokens"] is not None:
-                assert rows <= cfg["max_recv_tokens"]
+            if cfg["max_recv_tokens"] is not None and budgets[d] is None:
+                assert rows <= cfg["max_recv_tokens"]      # (a budget replaces it for its call)
         if st["fp8"] is not None:
             scale_cols, scale_dtype = ((H // st["fp8"]["block"], torch.float32) if st["fp8"]["kind"] == "quantize"
                                        else (st["fp8"]["scale_cols"], torch.uint8))
@@ -84,15 +87,35 @@ def _check_valid(cfg: dict, device_sms: int = fz.NOMINAL_SMS) -> None:
     _check_schedule(cfg, device_sms)
 
 
+def _check_budgets(cfg: dict, st: dict) -> list:
+    """A step's (or graph step's) receive budgets, per rank: None, or a list with at least one
+    int >= 0 that is a multiple of the alignment (None: that rank passes none); never with
+    rows_per_expert (dispatch refuses both). Returns them per rank."""
+    b = st.get("recv_budget")
+    W = cfg["world_size"]
+    if b is None:
+        return [None] * W
+    assert isinstance(b, list) and len(b) == W and any(m is not None for m in b), b
+    assert st["rows_per_expert"] is None
+    for m in b:
+        assert m is None or (type(m) is int and m >= 0 and m % cfg["expert_alignment"] == 0), b
+    return b
+
+
 def _check_graph(cfg: dict) -> None:
-    """A graph step: static shape only; every input the captured shapes and arguments; every
-    rank's rows of every input within max_recv_tokens; rows_per_expert over every input's
-    fullest expert, never with FP8; an FP8 row that fits the token row."""
+    """A graph step: static shape, or on an eager Buffer a receive budget on every rank (no
+    host read: capturable); every input the captured shapes and arguments; every rank's rows of
+    every input within max_recv_tokens, but a rank with a budget; rows_per_expert over every
+    input's fullest expert, never with FP8, a budget or an eager Buffer; an FP8 row that fits
+    the token row."""
     g = cfg.get("graph")
     if g is None:
         return
     W, E, A, H = cfg["world_size"], cfg["num_experts"], cfg["expert_alignment"], cfg["hidden"]
-    assert cfg["max_recv_tokens"] is not None
+    budgets = _check_budgets(cfg, g)
+    if cfg["max_recv_tokens"] is None:
+        assert all(m is not None for m in budgets), budgets
+        assert g["rows_per_expert"] is None
     assert len(g["tokens"]) == W and all(0 <= t <= cfg["max_tokens_per_rank"] for t in g["tokens"])
     assert 3 <= len(g["replays"]) <= 5
     assert not (g["fp8"] and g["rows_per_expert"] is not None)
@@ -117,13 +140,20 @@ def _check_graph(cfg: dict) -> None:
                 rows = E // W * n
             else:
                 rows = sum(-(-int(c) // A) * A for c in counts[d])
-            assert rows <= cfg["max_recv_tokens"]
+            if budgets[d] is None:
+                assert rows <= cfg["max_recv_tokens"]
 
 
 # The requirement of each schedule, written out again here (not read from the script).
 def _schedule_ok(env: dict, cfg: dict, device_sms: int) -> bool:
     W, static = cfg["world_size"], cfg["max_recv_tokens"] is not None
     if "MOK_EAGER_SPECULATIVE" in env and (static or cfg["expert_alignment"] != 1):
+        return False
+    # A step where some ranks pass a budget (not speculative) and others not (speculative): the
+    # speculative layout refuses such peers.
+    steps = list(cfg["steps"]) + ([cfg["graph"]] if cfg["graph"] else [])
+    if "MOK_EAGER_SPECULATIVE" in env and any(
+            st.get("recv_budget") and None in st["recv_budget"] for st in steps):
         return False
     if "MOK_EAGER_FILL_FIRST" in env and static:
         return False
@@ -171,9 +201,41 @@ def test_draw_is_deterministic_valid_and_turns_every_feature_on_and_off():
             counts[f] = counts.get(f, 0) + 1
     on_and_off = {f: counts.get(f, 0) for f in fz.MAIN_FEATURES}
     assert all(0 < c < n for c in on_and_off.values()), on_and_off
+    assert "recv_budget" in on_and_off and "recv_budget_drop" in on_and_off
     for w in (1, 2, 3, 4):
         assert counts.get(f"world_{w}", 0) > 0, counts
     assert not any(k.startswith("world_5") for k in counts)
+    budget_kinds = {f: counts.get(f, 0) for f in fz.BUDGET_FEATURES}
+    assert all(0 < c < n for c in budget_kinds.values()), budget_kinds
+
+
+def test_budgets_are_drawn_below_at_and_above_each_ranks_rows():
+    """Each budgeted rank's M against its own rows R, counted here from the routing (not from
+    the fuzzer's features): 0, below R (a drop), exactly R, above R, a peer without a budget,
+    on eager and static Buffers, R past max_recv_tokens (the budget replaces it), alignment
+    multiples; never a step with rows_per_expert."""
+    kinds = {}
+    for s in range(200):
+        cfg = fz.draw_config(s, max_world=4)
+        A, W, E = cfg["expert_alignment"], cfg["world_size"], cfg["num_experts"]
+        for i, st in enumerate(cfg["steps"]):
+            if st["recv_budget"] is None:
+                continue
+            assert st["rows_per_expert"] is None
+            counts = fz.expert_counts(cfg, i)
+            for d, M in enumerate(st["recv_budget"]):
+                if M is None:
+                    kinds["none"] = kinds.get("none", 0) + 1
+                    continue
+                R = sum(-(-int(c) // A) * A for c in counts[d])
+                kind = ("zero" if M == 0 else "below" if M < R else "exact" if M == R else "above")
+                for k in (kind, "static" if cfg["max_recv_tokens"] is not None else "eager",
+                          "aligned" if A > 1 else None,
+                          "past_cap" if cfg["max_recv_tokens"] is not None and R > cfg["max_recv_tokens"] else None):
+                    if k:
+                        kinds[k] = kinds.get(k, 0) + 1
+    for k in ("zero", "below", "exact", "above", "none", "static", "eager", "aligned", "past_cap"):
+        assert kinds.get(k, 0) > 0, kinds
 
 
 def _test_list_settings() -> dict:
@@ -214,7 +276,7 @@ def test_cuda_draw_adds_valid_schedules_and_graphs_and_cpu_draw_never_does():
         # the rest of the draw is the CPU draw (a graph step may only raise max_recv_tokens)
         assert {k: v for k, v in cfg.items() if k not in ("schedule", "graph", "max_recv_tokens")} == \
             {k: v for k, v in cpu.items() if k not in ("schedule", "graph", "max_recv_tokens")}
-        if cfg["graph"] is None:
+        if cfg["graph"] is None or cpu["max_recv_tokens"] is None:     # (eager: a budget graph)
             assert cfg["max_recv_tokens"] == cpu["max_recv_tokens"]
         else:
             assert cfg["max_recv_tokens"] >= cpu["max_recv_tokens"]
@@ -228,7 +290,8 @@ def test_cuda_draw_adds_valid_schedules_and_graphs_and_cpu_draw_never_does():
         for sid in (cfg["schedule"] or {}).get("ids", ()):
             ids[sid] = ids.get(sid, 0) + 1
             assert f"schedule_{sid}" in feats
-    for f in ("schedule", "cuda_graph", "cuda_graph_fp8", "cuda_graph_rows_per_expert"):
+    for f in ("schedule", "cuda_graph", "cuda_graph_fp8", "cuda_graph_rows_per_expert",
+              "cuda_graph_recv_budget", "cuda_graph_eager_buffer", "cuda_graph_recv_budget_drop_and_not"):
         assert 0 < counts.get(f, 0) < n, (f, counts.get(f))
     assert sum(1 for s in range(n) if len((fz.draw_config(s, 4, device="cuda")["schedule"] or {}).get("ids", ())) == 2) > 0
     assert len(ids) >= 15, ids
@@ -351,29 +414,43 @@ def test_replay_reproduces_the_schedule_and_the_graph_step(tmp_path, monkeypatch
     assert "--no-schedules --no-graphs" in doc["failures"][0]["replay"]
 
 
-def _graph_cfg(fp8_input=False, fixed=False) -> dict:
-    """A small cuda-mode case (2+ ranks) with a graph step of that kind."""
+def _graph_cfg(fp8_input=False, fixed=False, budget=None) -> dict:
+    """A small cuda-mode case (2+ ranks) with a graph step of that kind (``budget``: None, or a
+    receive budget in the graph, on a "static" Buffer or an "eager" one, whose replays drop rows
+    on some rank in some replays but not all)."""
     return _cuda_cfg(lambda c: c["graph"] is not None and c["world_size"] > 1 and c["hidden"] <= 256
                      and bool(c["graph"]["fp8"]) == fp8_input
                      and (c["graph"]["rows_per_expert"] is not None) == fixed
-                     and max(max(st["tokens"]) for st in c["steps"]) <= 300)
+                     and (c["graph"]["recv_budget"] is not None) == (budget is not None)
+                     and (c["max_recv_tokens"] is None) == (budget == "eager")
+                     and (budget is None or "cuda_graph_recv_budget_drop_and_not" in fz.case_features(c))
+                     and max(max(st["tokens"]) for st in c["steps"]) <= (300 if budget is None else 450))
 
 
-@pytest.mark.parametrize("kind", ["plain", "fp8", "rows_per_expert"])
+@pytest.mark.parametrize("kind", ["plain", "fp8", "rows_per_expert", "budget", "eager_budget"])
 def test_the_graph_step_plumbing_on_the_cpu_stand_in(kind, monkeypatch):
     """The graph step's code with the eager stand-in for the graph and the reference backend
     under test, against the oracle: its inputs land in the captured tensors, its results come
-    in order (warm-up, then each replay), and a replay that sees stale inputs is caught."""
-    cfg = _graph_cfg(fp8_input=kind == "fp8", fixed=kind == "rows_per_expert")
+    in order (warm-up, then each replay), and a replay that sees stale inputs is caught. With a
+    receive budget (on a static-shape or an eager Buffer): its fields come back from every
+    replay, some replays over the budget and some not."""
+    budget = {"budget": "static", "eager_budget": "eager"}.get(kind)
+    cfg = _graph_cfg(fp8_input=kind == "fp8", fixed=kind == "rows_per_expert", budget=budget)
     labels = fz.result_labels(cfg)
     assert labels[len(cfg["steps"])] == "graph warm-up" and labels[-1] == f"graph replay {len(cfg['graph']['replays']) - 1}"
     got, want = fz.execute_case(cfg, "cpu", 60.0)
     assert len(got) == len(want) == len(labels)
-    assert fz.compare_case(got, want, labels=labels) == []
+    assert fz.compare_case(got, want, labels=labels, budgets=fz.result_budgets(cfg)) == []
     last = got[-1][1]
-    assert set(last) == {"tokens", "probs", "tokens_per_expert", "src_rank", "src_token", "y"} - (
+    M = (cfg["graph"]["recv_budget"] or [None] * cfg["world_size"])[1]
+    assert set(last) == ({"tokens", "probs", "tokens_per_expert", "src_rank", "src_token", "y"} - (
         {"tokens"} if kind == "fp8" else set()) | ({"fp8_bytes", "scale_bytes"} if kind == "fp8" else set())
-    assert last["src_rank"].shape[0] == cfg["max_recv_tokens"]
+        | (set() if M is None else {"over_budget", "rows_received", "num_rows_device"}))
+    assert last["src_rank"].shape[0] == (cfg["max_recv_tokens"] if M is None else M)
+    if budget:
+        flags = {bool(res[r]["over_budget"]) for res in got[len(cfg["steps"]):] for r in range(cfg["world_size"])
+                 if "over_budget" in res[r]}
+        assert flags == {True, False}, flags
     if last["y"].numel():
         _flip_low_bit(last["y"], (0, 0))
         problems = fz.compare_case(got, want, labels=labels)
@@ -441,6 +518,88 @@ def test_the_checker_reports_a_corrupted_result():
     # a missing field is reported, not skipped
     del got[0][1]["grad_w"]
     assert "step 0 rank 1 grad_w: only in the expectation" in fz.compare_case(got, want)
+
+
+def _small_budget_case() -> dict:
+    """:func:`_small_case` with a receive budget: rank 0 a row of experts short of its rows (a
+    drop), rank 1 room past its rows (zero rows after them)."""
+    cfg = _small_case()
+    st = cfg["steps"][0]
+    R = fz._rows_of(cfg, st)
+    assert R[0] >= 8, R
+    st["recv_budget"] = [R[0] - 4, R[1] + 4]
+    return cfg
+
+
+def _copy(got):
+    return [[{k: v.clone() for k, v in r.items()} for r in step] for step in got]
+
+
+def test_a_budget_case_passes_and_its_invariants_need_no_expectation():
+    """A budget step (with a backward and a cached dispatch along its handle) matches the
+    oracle; then each budget invariant, broken in a result and in a copy of it taken as the
+    expectation (so the bitwise comparison sees nothing), is still reported: the flag, the
+    rows received, num_rows_device, the clamped counts, a row past the kept ones, a field
+    missing."""
+    cfg = _small_budget_case()
+    budgets = fz.result_budgets(cfg)
+    got, want = fz.execute_case(cfg, "cpu", 60.0)
+    assert fz.compare_case(got, want, budgets=budgets) == []
+    r0, r1 = got[0]
+    assert bool(r0["over_budget"]) and not bool(r1["over_budget"])
+    R0, M0 = budgets[0][0]["R"], budgets[0][0]["M"]
+    assert int(r0["rows_received"]) == R0 and int(r0["num_rows_device"]) == M0 == r0["src_rank"].shape[0]
+    for field in ("grad_x", "grad_w", "grad_eo", "cached_tokens", "grad_cached_x"):
+        assert field in r0, field
+
+    def broken(rank, change):
+        g = _copy(got)
+        change(g[0][rank])
+        return fz.compare_case(g, _copy(g), budgets=budgets)
+
+    def bump(field):
+        def change(r):
+            r[field] += 1
+        return change
+
+    def flip(r):
+        r["over_budget"] = ~r["over_budget"]
+
+    def past_kept(r):
+        r["src_rank"][-1] = 0
+
+    def drop_flag(r):
+        del r["over_budget"]
+
+    for rank, change, needle in [(0, flip, "step 0 rank 0 over_budget (budget invariant"),
+                                 (1, flip, "step 0 rank 1 over_budget (budget invariant"),
+                                 (0, bump("rows_received"), "rows_received (budget invariant"),
+                                 (1, bump("num_rows_device"), "num_rows_device (budget invariant"),
+                                 (0, bump("tokens_per_expert"), "tokens_per_expert (budget invariant"),
+                                 (1, past_kept, "a row past the"),
+                                 (0, drop_flag, "over_budget: missing from a dispatch with recv_budget")]:
+        problems = broken(rank, change)
+        assert problems and all(f"rank {rank}" in p for p in problems), problems
+        assert any(needle in p for p in problems), (needle, problems)
+    # checked on the reference too when it is the expectation of a GPU run
+    g = _copy(got)
+    flip(g[0][0])
+    assert any(p.startswith("reference step 0 rank 0 over_budget")
+               for p in fz.compare_case(_copy(got), g, want_is_backend=True, budgets=budgets))
+
+
+def test_a_broken_reference_budget_is_reported(monkeypatch):
+    """The reference backend with a broken budget (counts not clamped to the rows kept) fails
+    the fuzzer's case: a check that cannot fail would pass every fuzz run."""
+    from megatron_mok.backends import reference
+
+    cfg = _small_budget_case()
+    monkeypatch.setattr(reference, "budget_counts", lambda tpe, budget: tpe)
+    got, want = fz.execute_case(cfg, "cpu", 60.0)
+    problems = fz.compare_case(got, want, budgets=fz.result_budgets(cfg))
+    assert any(p.startswith("step 0 rank 0 tokens_per_expert:") for p in problems), problems
+    assert any("tokens_per_expert (budget invariant" in p for p in problems), problems
+    assert not any("rank 1" in p for p in problems), problems     # rank 1 kept every row
 
 
 def test_padding_check_needs_no_expectation():
