@@ -51,13 +51,16 @@ megatron)
   PYTHONPATH=$SITE:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
     run_pytest megatron ${MEGATRON_LIMIT_S:-240} -m "gpu or multigpu" --durations=10 $FILES ;;
 replay)
+  # This tree runs s36-1's fuzzer (scripts/fuzz_dispatch_s36r1.py, untracked: the merged
+  # fuzzer draws budgets, so its cases differ); .base_tree runs its own, which is the same file.
   for TREE in . .base_tree; do
+    FZ=scripts/fuzz_dispatch.py; [ $TREE = . ] && FZ=scripts/fuzz_dispatch_s36r1.py
     for i in 1 2 3; do
-      (cd $TREE && timeout -k 10 120 python3 scripts/fuzz_dispatch.py --device cuda --replay 57587769775781 \
+      (cd $TREE && timeout -k 10 120 python3 $FZ --device cuda --replay 57587769775781 \
         --max-world 4 --max-tokens 600 --out $R/replay_${TREE#.}_$i > $R/replay_${TREE#.}_$i.log 2>&1)
       echo "[replay $TREE $i] rc=$?"; tail -1 $R/replay_${TREE#.}_$i.log
     done
-    (cd $TREE && timeout -k 10 150 python3 scripts/fuzz_dispatch.py --device cuda --seed 1003114137 --cases 142 \
+    (cd $TREE && timeout -k 10 150 python3 $FZ --device cuda --seed 1003114137 --cases 142 \
       --max-world 4 --max-tokens 600 --out $R/seq_${TREE#.} > $R/seq_${TREE#.}.log 2>&1)
     echo "[sequence $TREE] rc=$?"; tail -1 $R/seq_${TREE#.}.log; grep -E "FAILED" $R/seq_${TREE#.}.log | cut -c1-200
   done ;;
