@@ -19,12 +19,6 @@
 C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
 . "$(dirname "$0")/common.sh"
 SITE=/tmp/site
-run_pytest() {  # run_pytest NAME LIMIT_S PYTEST ARGS...: into $R/NAME.log and .xml
-    local name=$1 limit=$2; shift 2
-    timeout -s INT -k 30 $limit python3 -m pytest -q -rfE -p no:cacheprovider "$@" \
-      --junitxml=$R/$name.xml > $R/$name.log 2>&1
-    echo "[$name] rc=$?"; tail -2 $R/$name.log; grep -E "^FAILED|^ERROR" $R/$name.log | cut -c1-300 | head -20
-}
 for PART in $PARTS; do
 t0=$SECONDS
 case $PART in
