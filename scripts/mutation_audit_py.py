@@ -61,6 +61,7 @@ PM = "megatron_mok/cuda/peer_memory.py"
 LAUNCH = "megatron_mok/launch.py"
 PATCH = "megatron_mok/megatron/_patch.py"
 CB = "megatron_mok/cuda/backend.py"
+BUD = "megatron_mok/megatron/budget.py"
 
 # pytest targets, most likely killer first (-x stops at the first failure)
 CONTRACT = "tests/test_contract.py"
@@ -82,6 +83,7 @@ ERRT = "tests/test_device_errors.py"
 BINDT = "tests/test_bindings_constants.py"
 PMT = "tests/test_peer_memory.py"
 MG_ENTRY = "tests/megatron/test_megatron_entrypoints.py"
+MG_BUDGET = "tests/megatron/test_megatron_budget.py"
 SAFETY = "tests/test_handle_safety.py"
 STOP = "tests/test_stop_rank.py"
 INPUTS = "tests/test_input_checks.py"
@@ -277,10 +279,10 @@ MUTANTS: List[Mutant] = [
     # ------------------------------------- drop-and-pad switched on a built dispatcher (s34)
     # ---------------------------------------------- a rank's error stops its Buffer (item 53)
     M("buf_dispatch_error_not_stopping", BUF,
-      "            return self._dispatch(x, topk_idx, topk_weights, handle, rows_per_expert, recv_budget)\n"
-      "        except Exception as exc:\n            self._abort_after(exc)\n",
-      "            return self._dispatch(x, topk_idx, topk_weights, handle, rows_per_expert, recv_budget)\n"
-      "        except Exception as exc:\n            pass\n",
+      "            return self._dispatch(x, topk_idx, topk_weights, handle, rows_per_expert, "
+      "recv_budget)\n        except Exception as exc:\n            self._abort_after(exc)\n",
+      "            return self._dispatch(x, topk_idx, topk_weights, handle, rows_per_expert, "
+      "recv_budget)\n        except Exception as exc:\n            pass\n",
       [f"{STOP}::test_an_input_error_stops_the_buffer_and_names_itself"]),
     M("buf_world_of_one_stopped", BUF,
       "        if self._destroyed or self.world_size == 1:\n            return\n        if self._aborted",
@@ -342,8 +344,61 @@ MUTANTS: List[Mutant] = [
     M("cfg_empty_scopes_not_whole_layer", CFG,
       'whole_layer = not scopes or "full" in scopes', 'whole_layer = "full" in scopes',
       [MG_INSTALL]),
-    M("cfg_full_iteration_accepted", CFG, 'if impl == "full_iteration" and not drop_and_pad:',
-      "if False:", [MG_INSTALL]),
+    M("cfg_full_iteration_accepted", CFG,
+      'if impl == "full_iteration" and not drop_and_pad and factor is None:', "if False:",
+      [MG_INSTALL]),
+    # ------------------------------------------- Megatron 0.19's per-rank budget (budget.py)
+    M("cfg_budget_full_iteration_refused", CFG,
+      'if impl == "full_iteration" and not drop_and_pad and factor is None:',
+      'if impl == "full_iteration" and not drop_and_pad:', [MG_INSTALL]),
+    M("cfg_paged_stash_refused_with_factor", CFG,
+      'if getattr(config, "moe_paged_stash", False) and factor is None:',
+      'if getattr(config, "moe_paged_stash", False):', [MG_INSTALL]),
+    M("cfg_budget_factor_zero_accepted", CFG,
+      "    if not (math.isfinite(factor) and factor > 0):",
+      "    if not (math.isfinite(factor) and factor >= 0):", [MG_INSTALL]),
+    M("mg_budget_without_etp", DISP, "self.topk * self.etp, factor, align",
+      "self.topk, factor, align", [MG_INSTALL]),
+    M("mg_budget_with_drop_and_pad", DISP,
+      "        if factor is None or self.drop_and_pad:\n            return None",
+      "        if factor is None:\n            return None", [MG_INSTALL]),
+    M("mg_budget_factor_from_config", DISP,
+      "        factor = self._comm_manager.moe_expert_rank_capacity_factor\n",
+      "        factor = getattr(self.config, 'moe_expert_rank_capacity_factor', None)\n",
+      [MG_INSTALL, MG_BUDGET]),
+    M("mg_budget_flag_not_accumulated", DISP,
+      "            self._comm_manager.accumulate(res.over_budget)", "            pass",
+      [MG_INSTALL, MG_BUDGET]),
+    M("mg_budget_rows_not_sliced", DISP,
+      "            hidden_states, probs = hidden_states[:kept], probs[:kept]\n", "",
+      [MG_INSTALL, MG_BUDGET]),
+    M("mg_budget_output_not_padded", DISP,
+      "            hidden_states = budget.pad_rows(hidden_states, pad_to)", "            pass",
+      [MG_INSTALL, MG_BUDGET]),
+    M("mg_budget_full_iteration_unchecked", DISP,
+      "        if problem:\n            raise MokConfigError(f\"MokTokenDispatcher cannot run this "
+      "config:\\n  - {problem}\")", "        pass", [MG_INSTALL]),
+    M("bud_flag_overwritten", BUD, "        flag |= dropped.view(1)",
+      "        flag.copy_(dropped.view(1))", [MG_INSTALL, MG_BUDGET]),
+    M("bud_flag_replaced", BUD, "        flag |= dropped.view(1)",
+      "        self.over_budget = flag | dropped.view(1)", [MG_INSTALL]),
+    M("bud_reset_noop", BUD, "            self.over_budget.fill_(0)", "            pass",
+      [MG_INSTALL, MG_BUDGET]),
+    M("bud_budget_off_by_one", BUD, "    rows = int(num_tokens * routes_per_token * factor)",
+      "    rows = int(num_tokens * routes_per_token * factor) + 1", [MG_INSTALL, MG_BUDGET]),
+    M("bud_no_pad_multiple", BUD,
+      "    return buffer_alignment * pad // math.gcd(buffer_alignment, pad)",
+      "    return buffer_alignment", [MG_INSTALL]),
+    M("bud_fused_experts_exact", BUD, "    return PADDED\n\n\ndef kept_rows",
+      "    return EXACT\n\n\ndef kept_rows", [MG_INSTALL]),
+    M("bud_declared_rows_ignored", BUD,
+      "    if declared is not None:\n        return PADDED if declared else EXACT\n", "",
+      [MG_INSTALL, MG_BUDGET]),
+    M("bud_fp8_self_padding_padded", BUD,
+      "    if quantized and not getattr(config, \"moe_router_padding_for_quantization\", False):\n"
+      "        return EXACT\n", "", [MG_INSTALL]),
+    M("bud_host_counts_captured", BUD, "    if counts_on_host:\n        return (",
+      "    if False:\n        return (", [MG_INSTALL]),
     M("ver_full_iteration_016_without_impl", VER,
       '        elif impl == "local":\n            impl = "full_iteration"',
       '        else:\n            impl = "full_iteration"', [MG_INSTALL]),

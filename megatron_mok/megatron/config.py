@@ -13,8 +13,8 @@ the same name in lower case with a ``moe_`` prefix set on the config object wins
 
 from __future__ import annotations
 
+import math
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +35,18 @@ def _effective_etp(config) -> int:
     if etp is None:                       # Megatron defaults ETP to TP in __post_init__
         etp = getattr(config, "tensor_model_parallel_size", 1) or 1
     return int(etp)
+
+
+def rank_capacity_factor_problem(factor) -> Optional[str]:
+    """What is wrong with a ``moe_expert_rank_capacity_factor`` value (``None``: nothing): it
+    must be ``None`` or a finite number > 0 (0 would drop every row of every step)."""
+    if factor is None:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        return f"moe_expert_rank_capacity_factor must be a number > 0 or None, got {factor!r}"
+    if not (math.isfinite(factor) and factor > 0):
+        return f"moe_expert_rank_capacity_factor must be a finite number > 0, got {factor!r}"
+    return None
 
 
 def config_problems(config) -> list:
@@ -64,32 +76,41 @@ def config_problems(config) -> list:
     # Megatron's 1F1B EP overlap (overlap_moe_expert_parallel_comm) works: the config is
     # validated as alltoall's and install() keeps the schedule nodes' inputs that mok still
     # needs (_patch.py); without that wrap the config is refused there, naming why.
-    if getattr(config, "moe_paged_stash", False):
-        # megatron-core 0.19's paged stash runs the experts on a static per-rank budget
-        # (moe_expert_rank_capacity_factor): HybridEP drops the routes over it and flags them,
-        # and Megatron reruns the step without the budget (check_over_budget). MoK's dispatch
-        # is dropless and has no such budget or flag.
-        p.append("moe_paged_stash is set; it needs a dispatch with a static per-rank budget "
-                 "(moe_expert_rank_capacity_factor) that flags the routes over it so that "
-                 "Megatron reruns the step, which HybridEP / NCCL EP have and MoK's dropless "
-                 "dispatch does not: unset moe_paged_stash")
+    # megatron-core 0.19's per-rank receive budget (moe_expert_rank_capacity_factor; a
+    # 0.16 config has no such field): every dispatch returns a static row count and drops,
+    # flagged, the rows over it; Megatron's PagedStashRunner reruns such a step dropless
+    # (budget.py). Megatron itself accepts the factor only with moe_flex_dispatcher_backend
+    # 'hybridep' (and use_transformer_engine_op_fuser) or 'ncclep'; that check is its own.
+    factor = getattr(config, "moe_expert_rank_capacity_factor", None)
+    problem = rank_capacity_factor_problem(factor)
+    if problem:
+        p.append(problem)
+    if getattr(config, "moe_paged_stash", False) and factor is None:
+        # (Megatron 0.19 refuses it too; this also catches a config edited after its check.)
+        p.append("moe_paged_stash is set without moe_expert_rank_capacity_factor: the paged "
+                 "stash sizes its buffers from the dispatch's static per-rank budget; set "
+                 "moe_expert_rank_capacity_factor (or unset moe_paged_stash)")
     if getattr(config, "moe_enable_deepep", False):
         p.append("moe_enable_deepep is set; it selects DeepEP for the 'flex' dispatcher: unset "
                  "it to use MoK")
     impl = cuda_graph_impl(config)
     drop_and_pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
-    if impl == "full_iteration" and not drop_and_pad:
+    if impl == "full_iteration" and not drop_and_pad and factor is None:
         # One graph over the whole forward-backward of a step (Megatron's FullCudaGraphWrapper),
         # so over every MoE dispatch too: a dropless dispatch reads its row count R on the host
         # (to size its output), which a capture can neither do nor replay. Drop-and-pad's
-        # dispatch knows its rows (capacity x EP per expert) and reads nothing while captured,
-        # as for the 'moe' scope below.
+        # dispatch knows its rows (capacity x EP per expert) and the budget's has a static
+        # row count (PagedStashRunner resets this graph before its dropless rerun): both read
+        # nothing while captured. (With the budget the experts must take its padded rows:
+        # checked when the layer is built, budget.full_iteration_problem.)
         p.append("CUDA graphs capture the whole training iteration (cuda_graph_impl="
                  "'full_iteration'; megatron-core 0.16 / 0.17: cuda_graph_impl='local' with the "
                  "scope 'full_iteration'), MoK's dropless dispatch included, which reads its row "
                  "count on the host and cannot be captured: use drop-and-pad "
-                 "(moe_pad_expert_input_to_capacity with moe_expert_capacity_factor), whose "
-                 "dispatch reads nothing while captured; or per-layer graphs that leave the "
+                 "(moe_pad_expert_input_to_capacity with moe_expert_capacity_factor) or "
+                 "megatron-core 0.19's per-rank budget (moe_expert_rank_capacity_factor, with "
+                 "experts that take its padded rows), whose dispatches read nothing while "
+                 "captured; or per-layer graphs that leave the "
                  "dispatch eager (cuda_graph_impl='local' / 'transformer_engine' over "
                  "'moe_router' / 'moe_preprocess' and attention scopes); or disable CUDA graphs")
     if impl in ("local", "transformer_engine"):
@@ -115,14 +136,21 @@ def config_problems(config) -> list:
         if not drop_and_pad and (whole_layer or "moe" in scopes):
             # Drop-and-pad's dispatch knows its rows (capacity x EP per expert) and reads
             # nothing while captured, so there the MoE layer can be captured whole ('moe', or
-            # the whole layer); a dropless dispatch reads its row count R on the host.
+            # the whole layer); a dropless dispatch reads its row count R on the host. The
+            # per-rank budget does not lift this: PagedStashRunner resets only the
+            # full-iteration graph before its dropless rerun, so a per-layer graph would
+            # replay the budgeted dispatch in the rerun, dropping the same rows again.
             what = "the whole layer" if whole_layer else "scope 'moe'"
+            budget = ("; moe_expert_rank_capacity_factor does not lift this: Megatron's "
+                      "PagedStashRunner resets only a full-iteration graph before its dropless "
+                      "rerun, so a per-layer graph would replay the budgeted dispatch there"
+                      if factor is not None else "")
             p.append(f"CUDA graphs cover the MoE dispatch ({what}); MoK's dropless dispatch "
                      "reads its row count on the host: capture 'moe_router' / "
                      "'moe_preprocess' (the router and the dispatch preprocess; the dispatch "
                      "runs eagerly after them) and attention scopes, use drop-and-pad "
                      "(moe_pad_expert_input_to_capacity, with which 'moe' works), or disable "
-                     "CUDA graphs")
+                     f"CUDA graphs{budget}")
     return p
 
 
@@ -135,12 +163,6 @@ def check_config(config) -> None:
         raise MokConfigError(
             "moe_token_dispatcher_type='mok' cannot run this config:\n  - "
             + "\n  - ".join(problems))
-    if getattr(config, "moe_expert_rank_capacity_factor", None) is not None:
-        # Read by megatron-core 0.19's HybridEP / NCCL EP flex backends only (alltoall ignores
-        # it too); say so, since with HybridEP it drops the routes over the budget.
-        warnings.warn("moe_expert_rank_capacity_factor is ignored with "
-                      "moe_token_dispatcher_type='mok': its dispatch is dropless (no per-rank "
-                      "budget, no route dropped); HybridEP and NCCL EP use it", stacklevel=2)
 
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,

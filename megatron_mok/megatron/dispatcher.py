@@ -38,6 +38,15 @@ goes to every expert-TP rank of its expert (:func:`expand_routes_for_expert_tp`,
 ``flex`` dispatcher widens its routing); the combine's per-token sum then also adds up the fc2
 shards' partial outputs, which ``alltoall`` reduce-scatters.
 
+Megatron-core 0.19's per-rank budget (``moe_expert_rank_capacity_factor``, without
+drop-and-pad): ``token_dispatch`` asks the Buffer for ``recv_budget=M`` rows,
+``M = int(T x K x ETP x factor)`` rounded up as HybridEP rounds it (:meth:`recv_budget`); rows
+over it are dropped and flagged on the device in ``_comm_manager`` (a :class:`RankBudget`:
+Megatron's ``PagedStashRunner`` reaches the factor and the flag through it, reruns a step that
+dropped without the factor, i.e. dropless). Experts that take the ``M`` rows with device counts
+get them as they are (no host read); the others get the kept rows and their output is padded
+back to ``M`` rows for the combine (``budget.py``, :meth:`configure_for_experts`).
+
 Partial CUDA graphs (``moe_router`` + ``moe_preprocess``): ``dispatch_preprocess`` is
 captured with the router, the dispatch runs eagerly after the graph; the top-k ids cross
 from one to the other through ``cudagraph_attrs`` (see ``__init__``), dropless included.
@@ -55,6 +64,8 @@ from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from . import budget
+from .budget import RankBudget
 from .config import MokConfigError, MokOptions, config_problems, error_check_mode
 
 # SMs of MoK's kernels in a layer where nothing runs beside them (no shared-expert overlap):
@@ -330,26 +341,51 @@ class MokTokenDispatcher(MoETokenDispatcher):
         # same for every call of the layer (the probs dtype). An eager call of another shape
         # between the router's graph and the dispatch (evaluation) then changes nothing.
         self.cudagraph_attrs = ["_topk_idx"]
+        # megatron-core 0.19's per-rank receive budget (budget.py): the factor, read at every
+        # dispatch, and the over-budget flag live here, where Megatron's PagedStashRunner
+        # reaches them (token_dispatcher._comm_manager, HybridEP's manager in 'flex'). Made
+        # on every mok dispatcher: 0.16 configs have no such field (None: no budget).
+        self._comm_manager = RankBudget(getattr(config, "moe_expert_rank_capacity_factor", None))
+        # What the experts get under a budget: budget.EXACT (the kept rows, one host read) or
+        # budget.PADDED (all M rows, device counts; no host read). Set by
+        # configure_for_experts from the experts' class; may be set directly (tests).
+        self.budget_rows = budget.EXACT
         self.buffer = None
         self.hidden_shape = None
         self._topk_idx: Optional[torch.Tensor] = None
         self._probs_dtype: Optional[torch.dtype] = None
         self._handle = None
         self._tokens_per_expert: Optional[torch.Tensor] = None
+        # This call's budget M (token_dispatch -> dispatch_postprocess), and the rows the
+        # experts' output is padded back to (dispatch_postprocess -> combine_preprocess).
+        self._recv_budget: Optional[int] = None
+        self._pad_output_to: Optional[int] = None
 
     # ------------------------------------------------------------------------- configuring
     def configure_for_experts(self, experts) -> None:
-        """Pick where ``tokens_per_expert`` lives for ``experts`` (``MOK_TOKENS_PER_EXPERT=auto``).
+        """Fit the dispatcher to ``experts`` (called by the ``MoELayer`` patch once they exist).
 
-        Megatron 0.16's legacy ``GroupedMLP`` hands the counts to ``grouped_gemm``, which
-        wants a host tensor; every other expert class takes a device tensor (SequentialMLP
-        and unfused TEGroupedMLP call ``.tolist()`` themselves; 0.19's fused TEGroupedMLP
-        uses it on the device with no host sync). With drop-and-pad the counts are known on
-        the host and made there, whatever this picks (:meth:`token_dispatch`).
+        Where ``tokens_per_expert`` lives (``MOK_TOKENS_PER_EXPERT=auto``): Megatron 0.16's
+        legacy ``GroupedMLP`` hands the counts to ``grouped_gemm``, which wants a host tensor;
+        every other expert class takes a device tensor (SequentialMLP and unfused TEGroupedMLP
+        call ``.tolist()`` themselves; 0.19's fused TEGroupedMLP uses it on the device with no
+        host sync). With drop-and-pad the counts are known on the host and made there,
+        whatever this picks (:meth:`token_dispatch`).
+
+        What they get under the per-rank budget (:attr:`budget_rows`,
+        :func:`budget.expert_rows_mode`): the budget's ``M`` rows (0.19's fused TEGroupedMLP,
+        or experts that set ``mok_takes_padded_rows = True``) or the kept rows only. The
+        latter read the row count on the host, so with a full-iteration CUDA graph and the
+        budget they are refused here (:class:`MokConfigError`), as are host counts.
         """
-        if self.options.tokens_per_expert != "auto":
-            return
-        self.tokens_per_expert_on_host = type(experts).__name__ == "GroupedMLP"
+        if self.options.tokens_per_expert == "auto":
+            self.tokens_per_expert_on_host = type(experts).__name__ == "GroupedMLP"
+        self.budget_rows = budget.expert_rows_mode(experts, self.config)
+        problem = budget.full_iteration_problem(self.config, self.budget_rows,
+                                                self.tokens_per_expert_on_host,
+                                                type(experts).__name__)
+        if problem:
+            raise MokConfigError(f"MokTokenDispatcher cannot run this config:\n  - {problem}")
 
     def set_shared_experts(self, shared_experts):
         """``moe_shared_expert_overlap``: run ``shared_experts`` (Megatron's ``SharedExpertMLP``)
@@ -506,6 +542,10 @@ class MokTokenDispatcher(MoETokenDispatcher):
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """``Buffer.dispatch``: returns expert-major ``(tokens [R, H], probs [R] float32)``.
 
+        Under the per-rank budget (:meth:`recv_budget` not ``None``): ``[M, H]`` and ``[M]``,
+        the kept rows first, zero rows after; this rank's over-budget flag is ORed into
+        ``_comm_manager.over_budget`` on the device (:meth:`check_over_budget`).
+
         With overlapped shared experts, their input copy and fc1 are queued on the shared
         experts' stream first: the eager dispatch blocks the host at its one read of ``R``,
         so work queued before it runs beside the layout and the transfer kernels (Megatron's
@@ -531,16 +571,25 @@ class MokTokenDispatcher(MoETokenDispatcher):
         # start (Megatron 0.19 checks their order: a half-run forward would fail the next one).
         self.buffer = self._get_buffer(hidden_states)
         rows = self.rows_per_expert(hidden_states.shape[0]) if self.drop_and_pad else None
+        recv_budget = self.recv_budget(hidden_states.shape[0])
         shared = self.shared_experts
         if shared is not None:
             # pre_forward_comm makes the shared stream wait for the current one (the input).
             shared.pre_forward_comm(hidden_states.view(self.hidden_shape))
             shared.linear_fc1_forward_and_act()
         with _CommStream(self._comm_stream(hidden_states)) as comm:
-            res = self.buffer.dispatch(hidden_states, ids, probs, rows_per_expert=rows)
+            res = self.buffer.dispatch(hidden_states, ids, probs, rows_per_expert=rows,
+                                       recv_budget=recv_budget)
             comm.hand_over(res.tokens, res.probs, res.tokens_per_expert)
+            if recv_budget is not None:
+                comm.hand_over(res.over_budget)     # read by the current stream below
         self._topk_idx = None
         self._handle = res.handle
+        self._recv_budget = recv_budget
+        self._pad_output_to = None      # (set again by dispatch_postprocess for this call)
+        if recv_budget is not None:
+            # On the current stream, after it joined the dispatch's: in place, no host read.
+            self._comm_manager.accumulate(res.over_budget)
         if self.check_each_call and not _capturing():
             self.buffer.check_errors()
         if rows is None:
@@ -555,6 +604,39 @@ class MokTokenDispatcher(MoETokenDispatcher):
                 (self.num_local_experts,), rows, dtype=torch.long,
                 device=res.tokens.device if on_device else "cpu")
         return res.tokens, res.probs
+
+    def recv_budget(self, num_tokens: int) -> Optional[int]:
+        """``M``, the rows this rank's dispatch of ``num_tokens`` tokens returns under
+        megatron-core 0.19's per-rank budget (with :attr:`buffer` set); ``None`` without one:
+        no factor (a 0.16 config; Megatron's ``PagedStashRunner`` clears it on
+        ``_comm_manager`` for its dropless rerun) or drop-and-pad (whose
+        :meth:`rows_per_expert` wins, as in HybridEP).
+
+        HybridEP's ``int(T x topk x factor)`` (``_HybridEPManager.setup_metadata``), with
+        ``topk x ETP`` routes per token (each route goes to every expert-TP rank,
+        :func:`expand_routes_for_expert_tp`; NCCL EP also counts ``tp_size x topk``, HybridEP
+        ``topk`` alone), rounded up to the Buffer's ``expert_alignment`` and to Megatron's
+        quantization pad multiple (:func:`budget.budget_alignment`; HybridEP rounds to the
+        latter). ``T`` is this call's token count on this rank.
+        """
+        factor = self._comm_manager.moe_expert_rank_capacity_factor
+        if factor is None or self.drop_and_pad:
+            return None
+        align = budget.budget_alignment(self.config, self.buffer.expert_alignment)
+        return budget.rank_budget(num_tokens, self.topk * self.etp, factor, align)
+
+    def check_over_budget(self) -> torch.Tensor:
+        """``[1]`` bool: ``True`` when a budgeted dispatch of this layer dropped rows on this
+        rank since the last :meth:`reset_over_budget` (on the Buffer's device; a fresh ``False``
+        on the CPU before the first budgeted dispatch). No host read: Megatron's
+        ``PagedStashRunner`` ORs it over the layers and all-reduces it after the step, as for
+        ``MoEFlexTokenDispatcher.check_over_budget``."""
+        return self._comm_manager.flag()
+
+    def reset_over_budget(self) -> None:
+        """Clear :meth:`check_over_budget`'s flag in place (``PagedStashRunner`` before its
+        dropless rerun)."""
+        self._comm_manager.reset()
 
     @property
     def capacity_factor(self) -> Optional[float]:
@@ -599,9 +681,18 @@ class MokTokenDispatcher(MoETokenDispatcher):
         ``tokens_per_expert`` is on the device, or on the host for experts that need it
         (that copy is the one host sync of this dispatcher; see docs/MEGATRON.md). With
         drop-and-pad it is ``[N] * E_local`` made on the host (``R = E_local x N``): no copy.
+
+        Under the per-rank budget: ``[M, H]`` / ``[M]`` with the counts of the kept rows for
+        :data:`budget.PADDED` experts; for :data:`budget.EXACT` ones views of the ``n`` kept
+        rows (``n`` read on the host), whose output :meth:`combine_preprocess` pads back.
         """
         tokens_per_expert = self._tokens_per_expert
         self._tokens_per_expert = None
+        recv_budget, self._recv_budget = self._recv_budget, None
+        if recv_budget is not None and self.budget_rows == budget.EXACT:
+            kept = budget.kept_rows(self._handle)
+            hidden_states, probs = hidden_states[:kept], probs[:kept]
+            self._pad_output_to = recv_budget
         if self.tokens_per_expert_on_host and tokens_per_expert.device.type != "cpu":
             tokens_per_expert = tokens_per_expert.cpu()
         if self._probs_dtype is not None and probs.dtype != self._probs_dtype:
@@ -610,7 +701,12 @@ class MokTokenDispatcher(MoETokenDispatcher):
 
     # ----------------------------------------------------------------------------- combine
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        """Expert output rows are already in dispatch order: nothing to undo."""
+        """Expert output rows are already in dispatch order: nothing to undo. Under the
+        per-rank budget with :data:`budget.EXACT` experts, their ``[n, H]`` output is padded
+        with zero rows to the budget's ``[M, H]``, which the combine takes."""
+        pad_to, self._pad_output_to = self._pad_output_to, None
+        if pad_to is not None:
+            hidden_states = budget.pad_rows(hidden_states, pad_to)
         return hidden_states.contiguous()
 
     def token_combine(self, hidden_states: torch.Tensor, *args, **kwargs):

@@ -407,11 +407,15 @@ def test_expand_routes_for_expert_tp():
     (["moe_router"], False, None),
     (["attn"], False, None),
 ])
-def test_cuda_graph_scopes(scopes, drop_and_pad, needle):
+@pytest.mark.parametrize("rank_budget", [None, 1.5])
+def test_cuda_graph_scopes(scopes, drop_and_pad, needle, rank_budget):
     # CUDA graphs over the MoE layer: with drop-and-pad the dispatch reads nothing while
     # captured (tests/megatron: test_drop_and_pad_layer_graph_capture_one_gpu), so 'moe' and
     # the whole layer pass; a dropless dispatch reads R on the host, so only the partial
     # capture (router + preprocess, the dispatch eager: test_partial_cuda_graphs_one_gpu) does.
+    # The per-rank budget (0.19) changes none of it: Megatron's PagedStashRunner resets only a
+    # full-iteration graph before its dropless rerun, so a per-layer graph would replay the
+    # budgeted dispatch there (the message says so).
     import types
     from megatron_mok.megatron.config import config_problems
 
@@ -419,12 +423,15 @@ def test_cuda_graph_scopes(scopes, drop_and_pad, needle):
                                 expert_tensor_parallel_size=1, tensor_model_parallel_size=1,
                                 cuda_graph_impl="transformer_engine", cuda_graph_modules=scopes,
                                 moe_pad_expert_input_to_capacity=drop_and_pad,
-                                moe_expert_capacity_factor=1.0 if drop_and_pad else None)
+                                moe_expert_capacity_factor=1.0 if drop_and_pad else None,
+                                moe_expert_rank_capacity_factor=rank_budget)
     problems = [q for q in config_problems(cfg) if "CUDA graph" in q]
     if needle is None:
         assert problems == []
     else:
         assert len(problems) == 1 and needle in problems[0], problems
+        why = "PagedStashRunner resets only a full-iteration graph"
+        assert (why in problems[0]) == (rank_budget is not None), problems
 
 
 # The spellings of a full-iteration graph (one graph over the whole forward-backward, every
@@ -452,23 +459,27 @@ _FULL_ITERATION = "CUDA graphs capture the whole training iteration"
     (dict(cuda_graph_impl="local", cuda_graph_scope=["attn"]), False),
 ])
 @pytest.mark.parametrize("drop_and_pad", [False, True])
-def test_full_iteration_cuda_graph_needs_drop_and_pad(fields, full, drop_and_pad):
+@pytest.mark.parametrize("rank_budget", [None, 1.5])
+def test_full_iteration_cuda_graph_needs_drop_and_pad(fields, full, drop_and_pad, rank_budget):
     # A dropless dispatch reads its row count on the host: it cannot be in a graph, and a
     # full-iteration graph has every dispatch in it. Drop-and-pad's dispatch reads nothing
-    # while captured (as with the 'moe' scope), so there it is not refused.
+    # while captured (as with the 'moe' scope), nor does the per-rank budget's (0.19's
+    # moe_expert_rank_capacity_factor: PagedStashRunner resets this graph before its dropless
+    # rerun), so with either it is not refused.
     import types
     from megatron_mok.megatron.config import config_problems
 
     cfg = types.SimpleNamespace(moe_token_dispatcher_type="mok", num_moe_experts=8,
                                 expert_tensor_parallel_size=1, tensor_model_parallel_size=1,
                                 moe_pad_expert_input_to_capacity=drop_and_pad,
-                                moe_expert_capacity_factor=1.0 if drop_and_pad else None, **fields)
+                                moe_expert_capacity_factor=1.0 if drop_and_pad else None,
+                                moe_expert_rank_capacity_factor=rank_budget, **fields)
     problems = [q for q in config_problems(cfg) if "CUDA graph" in q]
-    if full and not drop_and_pad:
+    if full and not drop_and_pad and rank_budget is None:
         assert len(problems) == 1 and _FULL_ITERATION in problems[0], problems
         # says what to use instead
         for hint in ("moe_pad_expert_input_to_capacity", "'moe_router' / 'moe_preprocess'",
-                     "disable CUDA graphs"):
+                     "moe_expert_rank_capacity_factor", "disable CUDA graphs"):
             assert hint in problems[0], (hint, problems[0])
     else:
         assert problems == [], problems
@@ -517,27 +528,322 @@ def test_cuda_graphs_with_shared_expert_overlap(impl, scopes, ok):
     assert (problems == []) == ok, problems
 
 
-def test_paged_stash_is_refused_and_the_rank_budget_is_said_to_be_ignored():
-    # megatron-core 0.19's paged stash needs a dispatch that drops and flags the routes over a
-    # per-rank budget (HybridEP); MoK's dispatch is dropless, so the budget alone is ignored
-    # (as alltoall ignores it) with a warning, and the paged stash is refused.
+def test_rank_budget_is_used_and_the_paged_stash_accepted():
+    # megatron-core 0.19's per-rank budget (moe_expert_rank_capacity_factor) is mok's
+    # Buffer.dispatch(recv_budget=M) now (budget.py): no warning that it is ignored; the paged
+    # stash, which Megatron builds on it, is accepted with it and refused without it (Megatron
+    # 0.19 refuses that too; mok's check also runs on a config edited after Megatron's).
     import types
-    from megatron_mok.megatron.config import MokConfigError, check_config, config_problems
+    from megatron_mok.megatron.config import check_config, config_problems
 
     base = dict(moe_token_dispatcher_type="mok", num_moe_experts=8, expert_tensor_parallel_size=1,
                 tensor_model_parallel_size=1)
-    stash = types.SimpleNamespace(moe_paged_stash=True, moe_expert_rank_capacity_factor=1.5, **base)
-    assert any("moe_paged_stash" in q for q in config_problems(stash))
-    with pytest.raises(MokConfigError, match="unset moe_paged_stash"):
+    for fields in (dict(moe_expert_rank_capacity_factor=1.5),
+                   dict(moe_expert_rank_capacity_factor=1.5, moe_paged_stash=True),
+                   dict(moe_expert_rank_capacity_factor=2),            # an int is a number too
+                   {}):                                                # 0.16: no such field
+        cfg = types.SimpleNamespace(**base, **fields)
+        assert config_problems(cfg) == [], fields
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            check_config(cfg)
+    stash = types.SimpleNamespace(moe_paged_stash=True, moe_expert_rank_capacity_factor=None, **base)
+    with pytest.raises(mm.MokConfigError, match="moe_paged_stash is set without "
+                                                "moe_expert_rank_capacity_factor"):
         check_config(stash)
-    budget = types.SimpleNamespace(moe_paged_stash=False, moe_expert_rank_capacity_factor=1.5, **base)
-    assert config_problems(budget) == []
-    with pytest.warns(UserWarning, match="moe_expert_rank_capacity_factor is ignored"):
-        check_config(budget)
-    plain = types.SimpleNamespace(**base)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        check_config(plain)
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -1.5, float("nan"), float("inf"), "1.5", True])
+def test_rank_budget_factor_must_be_a_positive_number(bad):
+    import types
+    from megatron_mok.megatron.config import config_problems
+
+    cfg = types.SimpleNamespace(moe_token_dispatcher_type="mok", num_moe_experts=8,
+                                moe_expert_rank_capacity_factor=bad)
+    problems = config_problems(cfg)
+    assert len(problems) == 1 and "moe_expert_rank_capacity_factor must be" in problems[0], problems
+
+
+def test_rank_budget_through_this_megatron_cores_config():
+    # megatron-core 0.19 accepts the factor only with moe_flex_dispatcher_backend 'hybridep'
+    # (and the TE op fuser) or 'ncclep' ('flex' only), even for mok: its own check, which mok
+    # neither rewrites nor hides. 0.16 has no such field: set on a built config, it is used.
+    fields = {f.name for f in dataclasses.fields(_cfg().__class__)}
+    if "moe_expert_rank_capacity_factor" not in fields:
+        cfg = _cfg()
+        cfg.moe_expert_rank_capacity_factor = 1.5
+        assert mm.config_problems(cfg) == []
+        with pytest.raises(TypeError):
+            _cfg(moe_expert_rank_capacity_factor=1.5)
+        return
+    with pytest.raises(ValueError, match="requires moe_flex_dispatcher_backend") as e:
+        _cfg(moe_expert_rank_capacity_factor=1.5)
+    assert not isinstance(e.value, mm.MokConfigError)
+    megatron_says = dict(moe_flex_dispatcher_backend="hybridep", use_transformer_engine_op_fuser=True)
+    cfg = _cfg(moe_expert_rank_capacity_factor=1.5, **megatron_says)
+    assert cfg.moe_token_dispatcher_type == "mok" and cfg.moe_expert_rank_capacity_factor == 1.5
+    assert cfg.moe_flex_dispatcher_backend == "hybridep"
+    assert _cfg(moe_expert_rank_capacity_factor=1.5, moe_paged_stash=True,
+                **megatron_says).moe_paged_stash
+    # a full-iteration graph with the budget is accepted at config time (the experts are
+    # checked when the layer is built: test_full_iteration_with_the_budget_needs_padded_experts)
+    full = _cfg(moe_expert_rank_capacity_factor=1.5, cuda_graph_impl="full_iteration",
+                **megatron_says)
+    assert versions.cuda_graph_impl(full) == "full_iteration"
+
+
+def _budget_dispatcher(factor, **cfg_kw):
+    """:func:`_dispatcher` with ``moe_expert_rank_capacity_factor`` set on its config before the
+    dispatcher is built (0.16 has no such field; 0.19's own check wants 'hybridep' for it)."""
+    import types
+    from megatron_mok.megatron.dispatcher import MokTokenDispatcher
+
+    cfg = _cfg(**cfg_kw)
+    cfg.moe_expert_rank_capacity_factor = factor
+    pg = types.SimpleNamespace(ep=None, expt_tp=None, tp_ep=None)
+    E = cfg.num_moe_experts
+    return MokTokenDispatcher(E, list(range(E)), cfg, pg_collection=pg)
+
+
+def test_every_dispatcher_has_the_budget_manager(fresh_buffers):
+    # Megatron's PagedStashRunner reaches through token_dispatcher._comm_manager on every MoE
+    # layer it tracks (hasattr ... moe_expert_rank_capacity_factor), and ORs
+    # check_over_budget().view(-1)[0] over them: both exist before any dispatch, factor or not
+    for d, factor in ((_dispatcher(), None), (_budget_dispatcher(1.25), 1.25)):
+        assert hasattr(d._comm_manager, "moe_expert_rank_capacity_factor")
+        assert d._comm_manager.moe_expert_rank_capacity_factor == factor
+        flag = d.check_over_budget()
+        assert flag.dtype == torch.bool and tuple(flag.shape) == (1,) and not bool(flag.view(-1)[0])
+        d.reset_over_budget()
+    assert _dispatcher().recv_budget(10) is None          # no factor: no budget
+
+
+@pytest.mark.parametrize("fp8,fuser", [(False, False), (True, False), (False, True)])
+def test_rank_budget_is_hybrideps_formula(fresh_buffers, fp8, fuser):
+    # M = int(T x K x ETP x factor) rounded up to HybridEP's pad multiple and the Buffer's
+    # alignment; on megatron-core 0.19 also against HybridEP's own setup_metadata (ETP = 1:
+    # HybridEP counts topk alone, mok topk x ETP, as NCCL EP does).
+    import types
+
+    kw = {}
+    if fuser:
+        if "use_transformer_engine_op_fuser" not in {f.name for f in dataclasses.fields(
+                _cfg().__class__)}:
+            pytest.skip("no TE op fuser in this megatron-core (0.19+)")
+        kw["use_transformer_engine_op_fuser"] = True
+    d = _budget_dispatcher(1.0, **kw)
+    pad = 256 if fuser else 1
+    if fp8:
+        d.config.fp8 = "hybrid"                # Megatron's FP8 pad multiple 16 (no TE needed)
+        d.config.moe_router_padding_for_quantization = True
+        pad = 16
+    try:
+        from megatron.core.transformer.moe.token_dispatcher import _HybridEPManager
+    except ImportError:
+        _HybridEPManager = None
+    hybridep = (_HybridEPManager is not None
+                and hasattr(_HybridEPManager, "setup_metadata")
+                and "moe_expert_rank_capacity_factor" in {f.name for f in dataclasses.fields(
+                    d.config.__class__)})
+    compared = 0
+    for T, factor, etp, buffer_align in ((37, 1.3, 1, 1), (61, 0.5, 1, 1), (1, 2.0, 1, 1),
+                                          (0, 1.5, 1, 1), (40, 1.0, 2, 1), (33, 0.7, 4, 1),
+                                          (37, 1.3, 1, pad)):
+        d._comm_manager.moe_expert_rank_capacity_factor = factor
+        d.etp = etp
+        d.buffer = types.SimpleNamespace(expert_alignment=buffer_align)
+        rows = int(T * 2 * etp * factor)
+        want = rows + (-rows % pad)
+        assert d.recv_budget(T) == want, (T, factor, etp, buffer_align, pad)
+        if hybridep and etp == 1:
+            d.config.moe_expert_rank_capacity_factor = factor
+            stub = types.SimpleNamespace(config=d.config, num_experts=8, drop_and_pad=False,
+                                         moe_expert_rank_capacity_factor=factor,
+                                         capacity_factor=None, group=None)
+            if pad == 1:            # HybridEP has no fp8 / fuser here: its pad multiple is 0
+                continue            # and it divides by it (0.19 requires the fuser with it)
+            _HybridEPManager.setup_metadata(stub, torch.zeros(T, 8, dtype=torch.bool),
+                                            torch.zeros(T, 8))
+            assert d.recv_budget(T) == stub.num_permuted_tokens, (T, factor)
+            compared += 1
+    assert compared == (5 if hybridep and pad > 1 else 0), compared   # (0.19: it ran)
+    # drop-and-pad's rows_per_expert wins, as in HybridEP; no factor on _comm_manager (the
+    # PagedStashRunner's rerun): no budget
+    d.drop_and_pad = True
+    assert d.recv_budget(37) is None
+    d.drop_and_pad = False
+    d._comm_manager.moe_expert_rank_capacity_factor = None
+    assert d.recv_budget(37) is None
+
+
+# The routing of test_drop_and_pad_hooks_hand_computed without its padding: 6 tokens, 4
+# experts, top-2; t0 -> 0,1; t1 -> 0,2; t2 -> 0,3; t3 -> 1,2; t4 -> 1; t5 -> none. In contract
+# order (one rank: expert, then token) the R = 9 rows are e0: t0 t1 t2 | e1: t0 t3 t4 |
+# e2: t1 t3 | e3: t2.
+_ROUTES = {0: (0, 1), 1: (0, 2), 2: (0, 3), 3: (1, 2), 4: (1,)}
+
+
+def _budget_call(d, factor, x, routes=_ROUTES):
+    """One forward + backward through the dispatcher's hooks with ``factor`` on
+    ``_comm_manager``; experts: ``tokens * probs`` (so the probs get a gradient too). Returns
+    ``(rows the experts got, their tokens_per_expert, y, x.grad, probs.grad, the Buffer's
+    recv_budget)``."""
+    d._comm_manager.moe_expert_rank_capacity_factor = factor
+    rmap = torch.zeros(6, 4, dtype=torch.bool)
+    probs = torch.zeros(6, 4)
+    for t, es in routes.items():
+        for e in es:
+            rmap[t, e] = True
+            probs[t, e] = 0.25 * (t + 1) + 0.125 * e       # exact in fp32 and bf16
+    probs.requires_grad_(True)
+    x = x.clone().requires_grad_(True)
+    seen = {}
+    orig = d._get_buffer
+
+    def get_buffer(hidden):
+        buf = orig(hidden)
+        dispatch = buf.dispatch
+
+        def spy(*a, **k):
+            seen["recv_budget"] = k.get("recv_budget")
+            return dispatch(*a, **k)
+
+        buf.dispatch = spy
+        return buf
+
+    d._get_buffer = get_buffer
+    try:
+        h, w = d.dispatch_preprocess(x, rmap, probs)
+        tokens, p = d.token_dispatch(h, w)
+    finally:
+        d._get_buffer = orig
+        d.buffer.__dict__.pop("dispatch", None)
+    tokens, tpe, p = d.dispatch_postprocess(tokens, p)
+    out = tokens * p.unsqueeze(-1)
+    y = d.combine_postprocess(d.token_combine(d.combine_preprocess(out)))
+    y.sum().backward()
+    return tokens.shape[0], tpe.tolist(), y.detach(), x.grad, probs.grad, seen["recv_budget"]
+
+
+@pytest.mark.parametrize("rows_mode", ["exact", "padded"])
+def test_budget_hooks_hand_computed(fresh_buffers, rows_mode):
+    # T = 6 tokens x top-2: M = int(12 x factor) rows (alignment 1). factor 0.42: M = 5 keeps
+    # e0's 3 rows and e1's first 2 (t0, t3), dropping t4 -> e1, t1 -> e2, t3 -> e2, t2 -> e3;
+    # factor 1.0: M = 12 > R = 9, nothing dropped, 3 zero rows. EXACT experts get the kept
+    # rows only (their output padded back to M for the combine), PADDED experts all M rows.
+    from megatron_mok.megatron import budget
+
+    d = _budget_dispatcher(0.42, num_moe_experts=4)
+    d.budget_rows = getattr(budget, rows_mode.upper())
+    x = (torch.arange(6 * 16, dtype=torch.float32).view(6, 1, 16) + 1) / 64
+    probs_of = {(t, e): 0.25 * (t + 1) + 0.125 * e for t, es in _ROUTES.items() for e in es}
+
+    def want(kept):
+        w = torch.tensor([sum(probs_of[t, e] for e in _ROUTES.get(t, ()) if (t, e) in kept)
+                          for t in range(6)])
+        g = torch.zeros(6, 4)
+        for t, e in kept:
+            g[t, e] = float(x[t].sum())
+        return x * w.view(6, 1, 1), w.view(6, 1, 1).expand(6, 1, 16), g
+
+    everything = set(probs_of)
+    kept5 = {(0, 0), (1, 0), (2, 0), (0, 1), (3, 1)}
+    for factor, M, kept, rows, tpe, flag in (
+            (0.42, 5, kept5, 5, [3, 2, 0, 0], True),
+            (1.0, 12, everything, 9 if rows_mode == "exact" else 12, [3, 3, 2, 1], True),
+    ):
+        n, counts, y, gx, gp, asked = _budget_call(d, factor, x)
+        assert asked == M and (n, counts) == (rows, tpe), (factor, asked, n, counts)
+        wy, wgx, wgp = want(kept)
+        assert torch.equal(y, wy) and torch.equal(gx, wgx) and torch.equal(gp, wgp), factor
+        # the flag accumulates: still set after the call that dropped nothing; in place, one
+        # tensor (a CUDA graph that captured the OR writes there at every replay)
+        assert bool(d.check_over_budget().view(-1)[0]) is flag, factor
+        if factor == 0.42:
+            the_flag = d.check_over_budget()
+        assert d.check_over_budget() is the_flag and d._comm_manager.over_budget is the_flag
+    d.reset_over_budget()
+    assert not bool(d.check_over_budget().view(-1)[0]) and d.check_over_budget() is the_flag
+    # the PagedStashRunner's rerun: no factor on _comm_manager, the dropless dispatch (R rows)
+    n, counts, y, gx, gp, asked = _budget_call(d, None, x)
+    assert asked is None and (n, counts) == (9, [3, 3, 2, 1])
+    wy, wgx, wgp = want(everything)
+    assert torch.equal(y, wy) and torch.equal(gx, wgx) and torch.equal(gp, wgp)
+    assert not bool(d.check_over_budget().view(-1)[0])
+    # ... and back (PagedStashRunner restores it from the config): a drop sets the flag again
+    _budget_call(d, d.config.moe_expert_rank_capacity_factor, x)
+    assert bool(d.check_over_budget().view(-1)[0])
+
+
+def test_expert_rows_mode():
+    # Which experts take the budget's M rows with device counts (PADDED) and which need the
+    # kept rows exactly (EXACT): only 0.19's fused TEGroupedMLP (TE op fuser) takes them, unless
+    # it pads for FP8 itself; an experts module's own mok_takes_padded_rows wins.
+    import types
+    from megatron.core.transformer.moe import experts as E
+    from megatron_mok.megatron import budget
+
+    def bare(cls, **attrs):
+        m = cls.__new__(cls)
+        torch.nn.Module.__init__(m)
+        for k, v in attrs.items():
+            setattr(m, k, v)
+        return m
+
+    plain = types.SimpleNamespace(fp8=None, fp4=None, moe_router_padding_for_quantization=False)
+    fp8 = types.SimpleNamespace(fp8="hybrid", fp4=None, moe_router_padding_for_quantization=False)
+    fp8_padded = types.SimpleNamespace(fp8="hybrid", fp4=None,
+                                       moe_router_padding_for_quantization=True)
+    cases = [(bare(E.SequentialMLP), plain, budget.EXACT),
+             (bare(E.TEGroupedMLP), plain, budget.EXACT),                 # 0.16: no fused impl
+             (bare(E.TEGroupedMLP, _with_fused_impl=False), plain, budget.EXACT),
+             (bare(E.TEGroupedMLP, _with_fused_impl=True), plain, budget.PADDED),
+             (bare(E.TEGroupedMLP, _with_fused_impl=True), fp8, budget.EXACT),
+             (bare(E.TEGroupedMLP, _with_fused_impl=True), fp8_padded, budget.PADDED),
+             (bare(E.SequentialMLP, mok_takes_padded_rows=True), plain, budget.PADDED),
+             (bare(E.TEGroupedMLP, _with_fused_impl=True, mok_takes_padded_rows=False), plain,
+              budget.EXACT),
+             (torch.nn.Linear(2, 2), plain, budget.EXACT)]                # unknown: exact
+    if hasattr(E, "GroupedMLP"):                                          # 0.16's legacy class
+        cases.append((bare(E.GroupedMLP), plain, budget.EXACT))
+    for experts, cfg, want in cases:
+        got = budget.expert_rows_mode(experts, cfg)
+        assert got == want, (type(experts).__name__, vars(experts).get("_with_fused_impl"), cfg)
+
+
+def test_full_iteration_with_the_budget_needs_padded_experts(fresh_buffers):
+    # The budget's dispatch reads nothing while captured, but experts that need the kept rows
+    # exactly read the row count on the host, and host counts are a copy: with a full-iteration
+    # graph and the budget both are refused when the layer is built (configure_for_experts).
+    from megatron.core.transformer.moe import experts as E
+    from megatron_mok.megatron import budget
+
+    d = _budget_dispatcher(1.5)
+    if "cuda_graph_modules" in {f.name for f in dataclasses.fields(d.config.__class__)}:
+        d.config.cuda_graph_impl = "full_iteration"                      # 0.18 / 0.19
+    else:
+        d.config.cuda_graph_impl, d.config.cuda_graph_scope = "local", ["full_iteration"]
+    assert versions.cuda_graph_impl(d.config) == "full_iteration"
+    assert mm.config_problems(d.config) == []
+    exact = E.SequentialMLP.__new__(E.SequentialMLP)
+    torch.nn.Module.__init__(exact)
+    padded = torch.nn.Module()
+    padded.mok_takes_padded_rows = True
+    with pytest.raises(mm.MokConfigError, match="SequentialMLP needs the kept rows exactly"):
+        d.configure_for_experts(exact)
+    d.configure_for_experts(padded)
+    assert d.budget_rows == budget.PADDED
+    d.options = dataclasses.replace(d.options, tokens_per_expert="host")
+    d.tokens_per_expert_on_host = True
+    with pytest.raises(mm.MokConfigError, match="MOK_TOKENS_PER_EXPERT=host"):
+        d.configure_for_experts(padded)
+    # without the graph, or with drop-and-pad (whose rows_per_expert wins), both are fine
+    d.config.moe_pad_expert_input_to_capacity, d.config.moe_expert_capacity_factor = True, 1.0
+    d.configure_for_experts(exact)
+    d.config.moe_pad_expert_input_to_capacity = False
+    d.config.cuda_graph_impl = "none"
+    d.configure_for_experts(exact)
+    assert d.budget_rows == budget.EXACT
 
 
 def test_max_tokens_per_rank_knob_must_be_positive(monkeypatch):
@@ -661,7 +967,8 @@ def test_drop_and_pad_counts_on_the_host_unless_asked(fresh_buffers, where):
     d.options = dataclasses.replace(d.options, tokens_per_expert=where)
     stub = types.SimpleNamespace(world_size=1, expert_alignment=1, calls=[])
 
-    def dispatch(x, ids, w, rows_per_expert=None):
+    def dispatch(x, ids, w, rows_per_expert=None, recv_budget=None):
+        assert recv_budget is None, "drop-and-pad's rows_per_expert, never a budget"
         stub.calls.append(rows_per_expert)
         R = 4 * rows_per_expert
         return types.SimpleNamespace(tokens=torch.empty(R, 16, device="meta"),
