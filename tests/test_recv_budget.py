@@ -122,6 +122,37 @@ def _budget_cuda_vs_reference(rank, world_size, name, seed, alignment, which):
     return R > M
 
 
+def _budget_ring_reuse(rank, world_size, seed):
+    """Budgets of 0, half, exact and none in turn on one CUDA Buffer whose ring holds two
+    chunks, so every call reuses slots an earlier call wrote: each pass (forward and backward)
+    bitwise the reference's. A rank whose budget is 0 has no rows yet receives some: its prob
+    gradients' tensor is empty, and its side values (which its peers add into their
+    grad_topk_weights) must still be written, not left as a slot's stale values (the fuzzer
+    found that, s36-2; the fresh Buffers above never reuse a slot)."""
+    from test_cuda_backend import ring_chunk_bytes
+
+    dev = rank_device(rank)
+    spec = dict(contract_cases(world_size)["random"], H=64)
+    disp, comb = ring_chunk_bytes(spec["H"], spec["K"], 2, 2)
+    kw = dict(device=dev, timeout_s=20)
+    cud = _buffer(spec, torch.bfloat16, "cuda", ring_bytes=2 * max(disp, comb), **kw)
+    ref = _buffer(spec, torch.bfloat16, "reference", **kw)
+    dropped = 0
+    for i, which in enumerate(("none", "zero", "half", "zero", "exact", "none", "zero")):
+        x, idx, w = spec_inputs(spec, world_size, torch.bfloat16, seed + i, device=dev)[rank]
+        R = int(ref.dispatch(x, idx, w).tokens_per_expert.sum())
+        cud.dispatch(x, idx, w)             # (the calls pair up across ranks on each Buffer)
+        # Rank 0 drops everything in the "zero" calls, the others keep half: the mix of an
+        # empty rank and rows to combine that the fuzzer's cases had.
+        M = None if which == "none" else budget_for(R, "half" if which == "zero" and rank else which, 1)
+        a = full_pass(cud, x, idx, w, seed + i, recv_budget=M)
+        b = full_pass(ref, x, idx, w, seed + i, recv_budget=M)
+        assert_same_results(a, b, f"call {i} budget {which} (M={M}, R={R}) rank {rank}")
+        dropped += M is not None and R > M
+    check_and_destroy(cud, ref)
+    return dropped
+
+
 def _budget_cached_and_static(rank, world_size, backend):
     """A cached dispatch along a budget's handle writes the same kept rows (its backward is the
     budget's combine); on a static-shape Buffer the budget replaces ``max_recv_tokens`` for the
@@ -261,3 +292,12 @@ def test_cuda_budget_cached_dispatch_static_buffer_and_fp8(world_size):
     got = run_distributed(_each, world_size, "_budget_fp8", [("cuda",)], backend="nccl",
                           timeout=300, fresh=True)
     assert any(any(r) for r in got)
+
+
+@pytest.mark.parametrize("world_size", GPU_WORLDS[1:] + [pytest.param(
+    3, marks=[pytest.mark.gpu, pytest.mark.multigpu,
+              pytest.mark.skipif(not gpus_for(3), reason="needs 3 GPUs (or MOK_TEST_SHARED_GPU=1)")])])
+def test_cuda_budget_zero_beside_peers_reusing_ring_slots(world_size):
+    got = run_distributed(_budget_ring_reuse, world_size, 61, backend="nccl", timeout=300,
+                          fresh=True)
+    assert all(d > 0 for d in got), f"calls that dropped rows per rank: {got}"

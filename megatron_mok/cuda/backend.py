@@ -716,6 +716,12 @@ class CudaBackend:
         if grad_probs is not None:
             grad_w = torch.empty(T, b.topk, dtype=torch.float32, device=expert_out.device)
             grad_probs = grad_probs.float().contiguous()
+            if grad_probs.numel() == 0:
+                # No rows here (a receive budget of 0 on a rank that received rows): the kernels
+                # read none, but a null pointer means "no prob gradients", and then this rank's
+                # side values, which its peers sum into their grad_topk_weights, would never be
+                # written: they would read a ring slot's stale values (fuzzer, run s36-2).
+                grad_probs = torch.zeros(1, dtype=torch.float32, device=expert_out.device)
         # expert_out's width: the Buffer's hidden, or PROB_GRAD_HIDDEN (combine_prob_grads).
         self._check(self.lib.mok_combine(
             self.ctx, self._stream(), self._ptr(handle.state.scratch), self._ptr(expert_out),

@@ -2,7 +2,7 @@
 # Session 36's one-GPU calls (benchmarks/NOTES.md, item 54: the receive budget).
 #
 #   bash scripts/device_runs/s36_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of budget regress megatron replay pdl
+#     PARTS: any of budget regress megatron replay pdl fix
 #
 # budget    tests/test_recv_budget.py's GPU tests (world 1, and 2 processes sharing the GPU:
 #           MOK_TEST_SHARED_GPU=1), the CUDA-graph replay with a budget, the static-shape and
@@ -18,6 +18,9 @@
 #           (master seed 1003114137, 142 cases), each on this tree and on .base_tree (80a5465,
 #           session 35's main, its own library: carried), to see whether the change caused it.
 # pdl       the two tests s36-1 failed on a test-side return value (_graph's).
+# fix       after s36-2's two fuzzer mismatches (a rank with a budget of 0 left its side values
+#           unwritten): the two cases replayed, then tests/test_recv_budget.py's GPU tests
+#           (with the new ring-reuse test at 2 and 3 processes sharing the GPU).
 # Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
 # Carry: megatron_mok/_lib, .whl (megatron-core 0.19.2), .base_tree (replay).
 C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
@@ -58,6 +61,13 @@ replay)
       --max-world 4 --max-tokens 600 --out $R/seq_${TREE#.} > $R/seq_${TREE#.}.log 2>&1)
     echo "[sequence $TREE] rc=$?"; tail -1 $R/seq_${TREE#.}.log; grep -E "FAILED" $R/seq_${TREE#.}.log | cut -c1-200
   done ;;
+fix)
+  for SEED in 211296326008252 174311080010849; do
+    timeout -k 10 120 python3 scripts/fuzz_dispatch.py --device cuda --replay $SEED --max-world 4 \
+      --max-tokens 600 --out $R/fix_$SEED > $R/fix_$SEED.log 2>&1
+    echo "[replay $SEED] rc=$?"; tail -1 $R/fix_$SEED.log
+  done
+  MOK_TEST_SHARED_GPU=1 run_pytest fix_budget 240 -m "gpu or multigpu" --durations=8 tests/test_recv_budget.py ;;
 pdl)
   run_pytest pdl 120 -m "gpu and not multigpu" tests/test_cuda_loopback.py -k "world_size_1_with_and_without_pdl" ;;
 *) echo "unknown part $PART"; exit 2 ;;
