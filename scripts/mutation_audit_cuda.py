@@ -93,9 +93,21 @@ MUTANTS: List[Mutant] = [
            ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "alignment"),
            "an expert whose rows are already a multiple of the alignment gets a whole block of zero "
            "rows"),
+    # The receive budget (NOTES item 54; added in session 36, not yet run by an audit).
+    Mutant("budget_drop_reported_as_error", "layout/dispatch_layout.cu",
+           (("if (rows > out.row_cap && !out.drop_over_cap) report_error(c, kRecvOverflow",
+             "if (rows > out.row_cap) report_error(c, kRecvOverflow"),),
+           ("tests/test_recv_budget.py", "-k", "cuda_budget_semantics"),
+           "a receive budget's drop is reported as a static-shape overflow: the Buffer breaks"),
+    Mutant("budget_rows_received_clamped", "layout/dispatch_layout.cu",
+           (("out.tokens_per_expert[E + 1] = rows;",
+             "out.tokens_per_expert[E + 1] = min(static_cast<int64_t>(rows), out.row_cap);"),),
+           ("tests/test_recv_budget.py", "-k", "cuda_budget_semantics"),
+           "the rows received are clamped to the budget: the over-budget flag is never set and a "
+           "caller that must not lose tokens never reruns the step"),
     Mutant("scan_overflow_by_one_unreported", "layout/dispatch_layout.cu",
-           (("if (rows > out.row_cap) report_error(c, kRecvOverflow",
-             "if (rows > out.row_cap + 1) report_error(c, kRecvOverflow"),),
+           (("if (rows > out.row_cap && !out.drop_over_cap) report_error(c, kRecvOverflow",
+             "if (rows > out.row_cap + 1 && !out.drop_over_cap) report_error(c, kRecvOverflow"),),
            ("tests/test_cuda_backend.py", "tests/test_cuda_loopback.py", "-k", "static_overflow or static_shape"),
            "a static-shape dispatch one row over max_recv_tokens is not reported (its last row is "
            "lost silently)"),

@@ -182,7 +182,7 @@ class FakeBackend:
         self.destroyed = False
         self.calls = []
 
-    def dispatch(self, x, topk_idx, topk_weights, rows_per_expert=None):
+    def dispatch(self, x, topk_idx, topk_weights, rows_per_expert=None, recv_budget=None):
         self.calls.append("dispatch")
         return x.clone(), topk_weights[:, 0].clone(), "handle"
 
