@@ -48,8 +48,9 @@ megatron)
   PYTHONPATH=$SITE:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
     run_pytest megatron ${MEGATRON_LIMIT_S:-240} -m "gpu or multigpu" --durations=10 $FILES ;;
 replay)
-  # This tree runs s36-1's fuzzer (scripts/fuzz_dispatch_s36r1.py, untracked: the merged
-  # fuzzer draws budgets, so its cases differ); .base_tree runs its own, which is the same file.
+  # This tree runs s36-1's fuzzer (scripts/fuzz_dispatch_s36r1.py, untracked, made with
+  # `git show db4f94c:scripts/fuzz_dispatch.py`: the merged fuzzer draws budgets, so its cases
+  # differ); .base_tree (git archive 80a5465, its library built) runs its own, the same file.
   for TREE in . .base_tree; do
     FZ=scripts/fuzz_dispatch.py; [ $TREE = . ] && FZ=scripts/fuzz_dispatch_s36r1.py
     for i in 1 2 3; do
