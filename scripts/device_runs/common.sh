@@ -39,3 +39,15 @@ run_pytest() {  # run_pytest NAME LIMIT_S PYTEST ARGS...: into $R/NAME.log and .
       --junitxml=$R/$name.xml > $R/$name.log 2>&1
     echo "[$name] rc=$?"; tail -2 $R/$name.log; grep -E "^FAILED|^ERROR" $R/$name.log | cut -c1-300 | head -20
 }
+
+regress_selections() {  # the one-GPU regression selections (sessions 35-36): the CUDA sample of the
+    # mutation audit, the narrow / FP8 tests, the error paths, the alternative schedules
+  SAMPLE=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import mutation_audit_cuda as m; print(m.SAMPLE[-1])")
+  run_pytest sample 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py -k "$SAMPLE"
+  run_pytest narrow_fp8 90 -m "gpu and not multigpu" tests/test_fp8_dispatch.py tests/test_cuda_loopback.py \
+    tests/test_cuda_backend.py -k "prob_grads_only or narrow_rows or (fp8 and (cuda or loopback))"
+  run_pytest errors 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \
+    -k "missing_peer or overflow or bad_expert or lagging or past_its_waits or hang or timeout"
+  run_pytest schedules 120 -m "gpu and not multigpu" tests/test_cuda_loopback.py \
+    -k "alternative_schedules or combine_split or streamed_produce or speculative"
+}

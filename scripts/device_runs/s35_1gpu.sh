@@ -26,14 +26,7 @@ stop)
   MOK_TEST_SHARED_GPU=1 run_pytest stop ${STOP_LIMIT_S:-240} -m "gpu or multigpu" --durations=12 \
     tests/test_stop_rank.py ;;
 regress)
-  SAMPLE=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import mutation_audit_cuda as m; print(m.SAMPLE[-1])")
-  run_pytest sample 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py -k "$SAMPLE"
-  run_pytest narrow_fp8 90 -m "gpu and not multigpu" tests/test_fp8_dispatch.py tests/test_cuda_loopback.py \
-    tests/test_cuda_backend.py -k "prob_grads_only or narrow_rows or (fp8 and (cuda or loopback))"
-  run_pytest errors 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \
-    -k "missing_peer or overflow or bad_expert or lagging or past_its_waits or hang or timeout"
-  run_pytest schedules 120 -m "gpu and not multigpu" tests/test_cuda_loopback.py \
-    -k "alternative_schedules or combine_split or streamed_produce or speculative" ;;
+  regress_selections ;;
 audit)
   # --only the carried mutants: without it the audit runs every mutant's baseline selection
   # first (s35-3 spent its 540 s there).

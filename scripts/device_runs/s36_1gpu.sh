@@ -34,14 +34,7 @@ budget)
     tests/test_recv_budget.py tests/test_cuda_backend.py tests/test_cuda_loopback.py tests/test_cuda_library_abi.py \
     -k "budget or static_overflow or rows_per_expert_overflow or failed_dispatch_launch or test_cuda_library_abi" ;;
 regress)
-  SAMPLE=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import mutation_audit_cuda as m; print(m.SAMPLE[-1])")
-  run_pytest sample 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py -k "$SAMPLE"
-  run_pytest narrow_fp8 90 -m "gpu and not multigpu" tests/test_fp8_dispatch.py tests/test_cuda_loopback.py \
-    tests/test_cuda_backend.py -k "prob_grads_only or narrow_rows or (fp8 and (cuda or loopback))"
-  run_pytest errors 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \
-    -k "missing_peer or overflow or bad_expert or lagging or past_its_waits or hang or timeout"
-  run_pytest schedules 120 -m "gpu and not multigpu" tests/test_cuda_loopback.py \
-    -k "alternative_schedules or combine_split or streamed_produce or speculative" ;;
+  regress_selections ;;
 megatron)
   [ -d $SITE/megatron ] || install_wheels .whl $SITE
   FILES=$(ls tests/megatron/test_megatron_*budget*.py 2>/dev/null)
