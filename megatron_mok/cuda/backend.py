@@ -390,8 +390,8 @@ class CudaBackend:
             return self._dispatch_speculative(x, T, idx, w, scratch, tpe, stream)
         ce_side = self.ce_overlap and not self.speculative
         if static and not ce_side and not self.separate_launches:
-            return self._dispatch_static(x, T, idx, w, scratch, tpe, stream, fixed, known_R,
-                                         static_cap, drop)
+            return self._dispatch_static(x, T, idx, w, scratch, tpe, stream, static_cap, drop,
+                                         fixed, known_R)
         main = torch.cuda.current_stream(self.device)
         if static:
             # (A static dispatch staged beside the layout, MOK_DISPATCH_CE_OVERLAP=1: the transfer
@@ -461,16 +461,14 @@ class CudaBackend:
             self._raise_if_error(self.host_report[4:])
         return tokens, probs, self._handle(T, R, cap, src_rank, src_token, tpe, scratch, drop)
 
-    def _dispatch_static(self, x, T, idx, w, scratch, tpe, stream, fixed=bindings.NO_ROWS_PER_EXPERT,
-                         known_R=None, cap=None, drop=False):
+    def _dispatch_static(self, x, T, idx, w, scratch, tpe, stream, cap, drop,
+                         fixed=bindings.NO_ROWS_PER_EXPERT, known_R=None):
         """A static-shape dispatch (``max_recv_tokens``): every output is allocated first, then
         layout, fill, copy-engine staging and transfer are queued by ONE library call
         (``mok_dispatch_launch``): nothing but that call's own host time between the launches
         (NOTES #51). Reads nothing on the host; graph-capturable. With ``rows_per_expert``
         (``fixed`` >= 0) R = E_local * N is known here (``known_R``). ``cap``: the rows
         (``max_recv_tokens``, or the call's receive budget, ``drop``: rows past it dropped)."""
-        if cap is None:
-            cap = self.buf.max_recv_tokens
         tokens = self._rows_like(x, cap)
         probs, src = self._row_outputs(cap, x.device)
         steps = bindings.STEP_LAYOUT | bindings.STEP_FILL | bindings.STEP_TRANSFER
