@@ -13,7 +13,7 @@ import torch
 from . import fp8, validation
 from .autograd import CachedDispatchFunction, CombineFunction, DispatchFunction
 from .comm import group_rank_size, resolve_group
-from .cuda.errors import MokDeviceError
+from .cuda.errors import MokDeviceError, MokPeerStopped
 from .handle import DispatchHandle, DispatchResult
 
 BACKENDS = ("auto", "reference", "cuda")
@@ -143,6 +143,9 @@ class Buffer:
         self._backends = {}
         self._destroyed = False
         self._aborted: Optional[str] = None   # abort()'s reason
+        # Inside dispatch / combine, before the reference backend's first exchange of the call:
+        # an error now means this rank skips a call its peers make (Buffer.abort tells them).
+        self._status_due = False
         self.serial = next(_SERIALS)
         # MOK_FP8_PACK=1 (read once: fp8.pack_always) packs FP8 pairs instead of reading them in place.
         self._fp8_pack = fp8.pack_always()
@@ -210,11 +213,14 @@ class Buffer:
             no longer be used. ``combine`` alike.
         """
         self._check_alive()
+        self._status_due = True
         try:
             return self._dispatch(x, topk_idx, topk_weights, handle, rows_per_expert, recv_budget)
         except Exception as exc:
             self._abort_after(exc)
             raise
+        finally:
+            self._status_due = False
 
     def _dispatch(self, x, topk_idx, topk_weights, handle, rows_per_expert,
                   recv_budget=None) -> DispatchResult:
@@ -269,6 +275,7 @@ class Buffer:
             ``y [T, H]`` in the Buffer's dtype; differentiable w.r.t. ``expert_out``.
         """
         self._check_alive()
+        self._status_due = True
         try:
             validation.check_combine_inputs(self, expert_out, handle)
             backend = self._backend_for(expert_out)
@@ -277,8 +284,10 @@ class Buffer:
         except Exception as exc:
             self._abort_after(exc)
             raise
+        finally:
+            self._status_due = False
 
-    def abort(self, reason: str = "Buffer.abort() was called") -> None:
+    def abort(self, reason: str = "Buffer.abort() was called", *, skipped_call: bool = False) -> None:
         """Stop this Buffer on this rank, and make its peers' calls raise at once.
 
         For an error of this rank that its peers cannot see: they may already be inside the
@@ -294,8 +303,17 @@ class Buffer:
         :class:`~megatron_mok.cuda.errors.MokDeviceError` naming this rank (an eager dispatch
         at its host read, other calls at the next read or ``check_errors``) instead of timing
         out. Nothing is launched while a CUDA graph is captured (its peers are capturing too,
-        not waiting). The reference backend tells its peers nothing: they wait in their
-        collective until the process group's timeout.
+        not waiting).
+
+        Reference backend (its collectives block: nothing can end a peer's wait but the
+        collective it waits in): the rank tells its peers in place of a call they make, in that
+        call's first exchange, and they raise :class:`~megatron_mok.cuda.errors.MokPeerStopped`
+        naming it. That call is the one that raised here (``dispatch`` / ``combine`` call this
+        before their own exchange), the one ``skipped_call=True`` says this rank will not make
+        (the Megatron adapter's check before a dispatch), or else this rank's next call (which
+        then raises). Aborted between calls and never calling again, a rank leaves its peers
+        waiting in their next call until the process group's timeout (or until its process
+        exits: gloo then fails their collective).
 
         Afterwards every call on this rank raises, naming ``reason``; on every rank the Buffer
         can no longer be used (make a new one everywhere). Idempotent; nothing to stop in a
@@ -306,6 +324,20 @@ class Buffer:
             self._aborted = reason     # first: this rank refuses from now on, whatever follows
         for b in list(self._backends.values()):
             b.abort(reason)
+        if skipped_call or self._status_due:
+            self._tell_peers()
+
+    def _tell_peers(self) -> None:
+        """After :meth:`abort`, in place of a call the peers make: the reference backend posts
+        this rank's stop in that call's first exchange (once; the CUDA backend's stop already
+        told them). Made first if this rank never got to a call (its first one was refused)."""
+        self._status_due = False
+        ref = self._backends.get("reference")
+        if ref is None and self.backend == "reference" and not self._destroyed:
+            ref = self._get_backend("reference")
+            ref.abort(self._aborted)
+        if ref is not None:
+            ref.tell_peers()
 
     def _abort_after(self, exc: BaseException) -> None:
         """:meth:`abort` for ``exc`` leaving a call: it must not hide ``exc`` if it fails. Not
@@ -313,8 +345,11 @@ class Buffer:
         refuses every later call with it (the type a device error's callers expect)."""
         if isinstance(exc, MokDeviceError):
             return
+        # A peer's stop: its backend refuses with the peer's reason already; the Buffer's too.
+        reason = (f"rank {exc.rank} stopped it: {exc.reason}" if isinstance(exc, MokPeerStopped)
+                  else f"{type(exc).__name__}: {exc}")
         try:
-            self.abort(f"{type(exc).__name__}: {exc}")
+            self.abort(reason)
         except Exception as err:   # e.g. the launch failed: the peers time out instead
             warnings.warn(f"megatron_mok: rank {self.rank} could not stop its peers after an "
                           f"error ({err}); they will wait until their timeout")
@@ -402,15 +437,16 @@ class Buffer:
 
     def _out_rows(self, num_rows: int, recv_budget: Optional[int] = None) -> int:
         """Rows to allocate for ``R`` received rows: ``R``, ``max_recv_tokens``, or the call's
-        ``recv_budget`` (rows past it are dropped, not an error: the caller truncates)."""
+        ``recv_budget`` (rows past it are dropped, not an error: the caller truncates). The
+        overflow error is a guard here: the reference dispatch checked every rank's ``R``
+        first (``ReferenceBackend._check_rows_everywhere``), so that all raise together."""
         if recv_budget is not None:
             return recv_budget
         if self.max_recv_tokens is None:
             return num_rows
         if num_rows > self.max_recv_tokens:
-            raise RuntimeError(
-                f"rank {self.rank} received {num_rows} rows, more than max_recv_tokens="
-                f"{self.max_recv_tokens}; raise max_recv_tokens (static-shape mode)")
+            raise RuntimeError(validation.recv_overflow_message(self.rank, num_rows,
+                                                                self.max_recv_tokens))
         return self.max_recv_tokens
 
     def _fp8_rows(self, rows: torch.Tensor, pair):
@@ -423,6 +459,7 @@ class Buffer:
         if self._destroyed:
             raise RuntimeError("this Buffer was destroyed")
         if self._aborted is not None:
+            self._tell_peers()        # this refused call is one its peers make: see abort()
             raise RuntimeError(
                 f"megatron_mok: this Buffer was stopped on rank {self.rank} after an error "
                 f"({self._aborted}); it can no longer be used on any rank of its group: make a "

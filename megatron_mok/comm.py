@@ -8,7 +8,8 @@ collectives go through its hub.
 
 from __future__ import annotations
 
-from typing import List, Optional
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,86 @@ def all_gather_ints(values: List[int], group, world_size: int, device) -> torch.
     """Gather a short list of host ints from every rank: ``[W, len(values)]`` int64 on ``device``."""
     t = torch.tensor(values, dtype=torch.int64, device=device)
     return all_gather_exact(t, group, world_size)
+
+
+# The status every reference-backend call exchanges first (``exchange_status``): one fixed-size
+# int64 record per rank, whatever the call, so a rank that stops instead of making a call can
+# post it in that call's place. Word 0: 0, or 1 + the byte length of a stop reason; words
+# 1..STATUS_VALUES: the call's values (unused ones 0); then the reason's UTF-8 bytes.
+STATUS_VALUES = 6
+STATUS_REASON_BYTES = 240
+_STATUS_WORDS = 1 + STATUS_VALUES + STATUS_REASON_BYTES // 8
+
+
+def _status_record(values: Sequence[int], stop: Optional[str], device) -> torch.Tensor:
+    if len(values) > STATUS_VALUES:
+        raise ValueError(f"at most {STATUS_VALUES} status values, got {len(values)}")
+    rec = torch.zeros(_STATUS_WORDS, dtype=torch.int64)
+    rec[1:1 + len(values)] = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    if stop is not None:
+        raw = stop.encode("utf-8")[:STATUS_REASON_BYTES].decode("utf-8", "ignore").encode("utf-8")
+        rec[0] = 1 + len(raw)
+        text = torch.zeros(STATUS_REASON_BYTES, dtype=torch.uint8)
+        if raw:
+            text[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        rec[1 + STATUS_VALUES:] = text.view(torch.int64)
+    return rec.to(device)
+
+
+def _read_status(all_rec: torch.Tensor) -> Tuple[torch.Tensor, Dict[int, str]]:
+    all_rec = all_rec.cpu()
+    stops = {}
+    for r in range(all_rec.shape[0]):
+        n = int(all_rec[r, 0])
+        if n:
+            raw = all_rec[r, 1 + STATUS_VALUES:].contiguous().view(torch.uint8)[:n - 1]
+            stops[r] = bytes(raw.tolist()).decode("utf-8", "replace")
+    return all_rec[:, 1:1 + STATUS_VALUES], stops
+
+
+def exchange_status(values: Sequence[int], group, world_size: int,
+                    device) -> Tuple[torch.Tensor, Dict[int, str]]:
+    """The first collective of every reference-backend call: every rank's ``values`` (up to
+    :data:`STATUS_VALUES` host ints) and which ranks stopped instead of making the call.
+
+    Returns ``(values [W, STATUS_VALUES] int64 on the CPU, {rank: stop reason})``. A rank that
+    stops posts the same record with its reason (:func:`post_stop`), so it matches this
+    collective whatever call its peers are in."""
+    return _read_status(all_gather_exact(_status_record(values, None, device), group, world_size))
+
+
+def post_stop(reason: str, group, world_size: int, device, timeout_s: float) -> bool:
+    """This rank's status record with a stop ``reason``, in place of a call its peers make (they
+    read it in :func:`exchange_status`). Returns whether every peer took part within
+    ``timeout_s``; if not, the collective is left pending (the rank is failing anyway) and the
+    peers wait for it as before."""
+    rec = _status_record((), reason, device)
+    if world_size == 1:
+        return True
+    if is_loopback(group):                 # its exchange has the hub's own timeout
+        group.all_gather(rec)
+        return True
+    flat = rec.view(torch.uint8)
+    outs = [torch.empty_like(flat) for _ in range(world_size)]
+    work = dist.all_gather(outs, flat, group=group, async_op=True)
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    work.wait()
+    return True
+
+
+def status_device(group, hint=None) -> torch.device:
+    """Where a status record must live for ``group``'s collectives: ``hint`` (the device of the
+    call's tensors) when given, else a GPU for an NCCL group, else the CPU."""
+    if hint is not None:
+        return torch.device(hint)
+    if (not is_loopback(group) and dist.is_available() and dist.is_initialized()
+            and dist.get_backend(group) == "nccl"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def pad_rows(t: torch.Tensor, rows: int, fill: Optional[float] = 0) -> torch.Tensor:

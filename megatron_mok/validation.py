@@ -217,3 +217,15 @@ def check_combine_inputs(buf, expert_out: torch.Tensor, handle) -> None:
 def _check_tensor(name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def recv_overflow_message(rank: int, rows: int, max_recv_tokens: int) -> str:
+    """A static-shape dispatch's error: rank ``rank`` received more rows than its capacity."""
+    return (f"rank {rank} received {rows} rows, more than max_recv_tokens={max_recv_tokens}; "
+            "raise max_recv_tokens (static-shape mode)")
+
+
+def rows_per_expert_message(rank: int, expert: int, rows: int, rows_per_expert: int) -> str:
+    """A drop-and-pad dispatch's error: a local expert of ``rank`` got more than ``N`` rows."""
+    return (f"megatron_mok: rank {rank}: local expert {expert} received {rows} rows, more than "
+            f"rows_per_expert={rows_per_expert}; the capacity must hold every routed row")

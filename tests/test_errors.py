@@ -166,34 +166,41 @@ def test_experts_not_divisible_by_world_size(world_size):
 
 
 def _bad_rank_raises_alone(rank, world_size):
-    """Only the last rank calls dispatch, with bad input: if validation needed its peers
-    it would hang (the harness turns that into a failure), so it must raise at once. Each
-    error stops that rank's Buffer (docs/CONTRACT.md, "Errors"): its next call refuses, naming
-    the first error; a new Buffer on every rank works."""
+    """The last rank passes bad input, its peers good input to the same dispatch: the bad rank
+    raises the input error at once, naming the argument, before anything of its input is sent;
+    it stops its Buffer in place of the call, so its peers raise ``MokPeerStopped`` naming it
+    (the reference backend's first exchange, docs/CONTRACT.md "Errors") instead of waiting, and
+    its next call refuses, naming the first error. A new Buffer on every rank then works (no
+    collective was left pending)."""
     import torch.distributed as dist
+
+    from megatron_mok.cuda.errors import MokPeerStopped
 
     def make():
         return mok.Buffer(None, num_experts=2 * world_size, hidden=H, topk=K,
                           max_tokens_per_rank=T_MAX, backend="reference")
 
     x, idx, w = make_inputs(3, world_size, [5] * world_size, 2 * world_size, H, K, torch.bfloat16)[rank]
-    took = None
-    if rank == world_size - 1:
-        bad = [
-            ((x.float(), idx, w), TypeError, "x must have"),
-            ((x, idx, w[:, :1].contiguous()), ValueError, "topk_weights must be"),
-            ((x, torch.full_like(idx, 2 * world_size), w), ValueError, "outside"),
-            ((torch.zeros(T_MAX + 1, H, dtype=x.dtype), torch.zeros(T_MAX + 1, K, dtype=torch.int64),
-              torch.zeros(T_MAX + 1, K)), ValueError, "max_tokens_per_rank"),
-        ]
-        t0 = time.monotonic()
-        for args, exc, pattern in bad:
-            buf = make()               # local: the reference backend's Buffer exchanges nothing
+    bad_rank = world_size - 1
+    bad = [
+        ((x.float(), idx, w), TypeError, "x must have"),
+        ((x, idx, w[:, :1].contiguous()), ValueError, "topk_weights must be"),
+        ((x, torch.full_like(idx, 2 * world_size), w), ValueError, "outside"),
+        ((torch.zeros(T_MAX + 1, H, dtype=x.dtype), torch.zeros(T_MAX + 1, K, dtype=torch.int64),
+          torch.zeros(T_MAX + 1, K)), ValueError, "max_tokens_per_rank"),
+    ]
+    t0 = time.monotonic()
+    for args, exc, pattern in bad:
+        buf = make()
+        if rank == bad_rank:
             with pytest.raises(exc, match=pattern):
                 buf.dispatch(*args)
             with pytest.raises(RuntimeError, match=f"stopped on rank {rank}.*{pattern}"):
-                buf.dispatch(x, idx, w)      # refused at once (its peers are not in the call)
-        took = time.monotonic() - t0
+                buf.dispatch(x, idx, w)      # refused at once (its peers know: no exchange)
+        else:
+            with pytest.raises(MokPeerStopped, match=f"rank {bad_rank} stopped this Buffer.*{pattern}"):
+                buf.dispatch(x, idx, w)
+    took = time.monotonic() - t0
     dist.barrier()
     # and everyone can still run a real dispatch/combine together, on a new Buffer
     buf = make()
@@ -205,7 +212,7 @@ def _bad_rank_raises_alone(rank, world_size):
 
 def test_errors_raise_before_communication():
     took = run_distributed(_bad_rank_raises_alone, 2, timeout=60)
-    assert took[-1] is not None and took[-1] < 10
+    assert all(t < 10 for t in took), took
 
 
 def _abort_in_world_of_one_keeps_the_buffer():
@@ -222,9 +229,11 @@ def test_an_error_in_a_world_of_one_does_not_stop_the_buffer():
 
 
 def _combine_error_stops_the_rank(rank, world_size):
-    """Rank 1's combine refuses its input (wrong R): its Buffer stops there. Rank 0 is then
-    not made to wait (it would, in the reference's all_gather): it checks rank 1's verdict."""
+    """Rank 1's combine refuses its input (wrong R): its Buffer stops there, and rank 0, in the
+    same combine, raises ``MokPeerStopped`` naming it (told in the combine's first exchange)."""
     import torch.distributed as dist
+
+    from megatron_mok.cuda.errors import MokPeerStopped
 
     buf = mok.Buffer(None, num_experts=2 * world_size, hidden=H, topk=K, max_tokens_per_rank=T_MAX,
                      backend="reference")
@@ -240,6 +249,9 @@ def _combine_error_stops_the_rank(rank, world_size):
             buf._backends["reference"].combine(res.tokens, res.handle)
         buf.abort("again")                                         # idempotent
         out = buf._aborted
+    else:
+        with pytest.raises(MokPeerStopped, match="rank 1 stopped this Buffer.*ValueError"):
+            buf.combine(res.tokens, res.handle)
     dist.barrier()
     return out
 

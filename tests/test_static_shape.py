@@ -98,7 +98,12 @@ def test_static_shape_against_oracle(name, extra_rows, world_size):
 
 
 def _overflow(rank, world_size, backend="reference", device="cpu"):
-    """max_recv_tokens one short of the most-loaded rank's rows: that rank must raise."""
+    """max_recv_tokens one short of the most-loaded rank's rows: that rank must raise. Its
+    peers: on the reference backend the overflow is decided from the exchanged routing, so they
+    raise ``MokPeerStopped`` naming it in the same dispatch ("told"); the CUDA backend's peers
+    complete the call (the overflowing rank stops after it, at its host read)."""
+    from megatron_mok.cuda.errors import MokPeerStopped
+
     spec = contract_cases(world_size)["all_to_one_expert"]       # every row lands on the last rank
     inputs = spec_inputs(spec, world_size, torch.bfloat16, 3, device=device)
     routing = oracle.route(inputs, spec["E"])
@@ -110,6 +115,11 @@ def _overflow(rank, world_size, backend="reference", device="cpu"):
             buf.dispatch(*inputs[rank])
             buf.check_errors()
         return "raised"
+    if backend == "reference":
+        last = world_size - 1
+        with pytest.raises(MokPeerStopped, match=rf"rank {last} stopped.*rank {last} received {R[last]} rows"):
+            buf.dispatch(*inputs[rank])
+        return "told"
     res = buf.dispatch(*inputs[rank])
     buf.check_errors()
     assert res.tokens.shape[0] == M
@@ -119,7 +129,7 @@ def _overflow(rank, world_size, backend="reference", device="cpu"):
 @pytest.mark.parametrize("world_size", (1, 2, 4))
 def test_overflow_raises(world_size):
     got = run_distributed(_overflow, world_size)
-    assert got == ["ok"] * (world_size - 1) + ["raised"]
+    assert got == ["told"] * (world_size - 1) + ["raised"]
 
 
 def test_zero_rows_static():

@@ -195,10 +195,13 @@ class _Recorder:
     destroyed = False
 
     def __init__(self):
-        self.aborted = []
+        self.aborted, self.told = [], 0
 
     def abort(self, reason):
         self.aborted.append(reason)
+
+    def tell_peers(self):
+        self.told += 1
 
     def destroy(self):
         self.destroyed = True
@@ -226,6 +229,26 @@ def test_an_input_error_stops_the_buffer_and_names_itself(monkeypatch):
         buf.combine(x, None)
     buf.abort("later")
     assert buf._aborted.startswith("ValueError") and len(rec.aborted) == 2   # the first reason stays
+
+
+def test_who_tells_the_reference_peers(monkeypatch):
+    # An error inside a call, before the backend's first exchange: that call's peers are told
+    # (tell_peers). A public abort between calls tells nobody; the next call, refused, does;
+    # skipped_call=True tells at once.
+    buf, rec = _two_rank_buffer(monkeypatch)
+    with pytest.raises(ValueError):
+        buf.dispatch(torch.zeros(9, 16, dtype=torch.bfloat16), torch.zeros(9, 2, dtype=torch.int64),
+                     torch.zeros(9, 2))
+    assert rec.told == 1 and not buf._status_due
+    buf, rec = _two_rank_buffer(monkeypatch)
+    buf.abort("between calls")
+    assert rec.told == 0
+    with pytest.raises(RuntimeError, match="between calls"):
+        buf.combine(torch.zeros(3, 16), None)
+    assert rec.told == 1
+    buf, rec = _two_rank_buffer(monkeypatch)
+    buf.abort("before a dispatch", skipped_call=True)
+    assert rec.told == 1 and rec.aborted == ["before a dispatch"]
 
 
 def test_a_combine_input_error_stops_the_buffer(monkeypatch):

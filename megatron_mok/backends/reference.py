@@ -12,13 +12,15 @@ reduction.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ..comm import all_gather_exact, all_gather_ints
-from ..cuda.errors import stopped_message
+from ..comm import all_gather_exact, exchange_status, post_stop, status_device
+from ..cuda.errors import MokPeerStopped, stopped_message
+from ..validation import recv_overflow_message, rows_per_expert_message
 from ..fp8 import PairRows
 from ..loopback import settle  # host-syncing ops below: wait for the stream first there
 from ..handle import DispatchHandle
@@ -73,15 +75,14 @@ def padded_positions(row_e: torch.Tensor, num_local_experts: int, alignment: int
 
     Returns ``(pos [R0] int64, tokens_per_expert [E_local] int64, R)``: row ``i`` of the
     unpadded layout is row ``pos[i]``; the counts and ``R`` include the zero rows. Raises
-    ``RuntimeError`` when an expert has more than ``N`` rows."""
+    ``RuntimeError`` when an expert has more than ``N`` rows (a guard: the reference dispatch
+    checked every rank's rows first, ``ReferenceBackend._check_rows_everywhere``)."""
     counts = torch.bincount(row_e, minlength=num_local_experts).to(torch.int64)
     if rows_per_expert is not None:
         over = (counts > rows_per_expert).nonzero().flatten()
         if over.numel():
             e = int(over[0])
-            raise RuntimeError(
-                f"megatron_mok: rank {rank}: local expert {e} received {int(counts[e])} rows, more "
-                f"than rows_per_expert={rows_per_expert}; the capacity must hold every routed row")
+            raise RuntimeError(rows_per_expert_message(rank, e, int(counts[e]), rows_per_expert))
         padded = torch.full_like(counts, rows_per_expert)
     else:
         padded = (counts + alignment - 1) // alignment * alignment
@@ -123,45 +124,137 @@ def _byte_rows(x):
 
 
 class ReferenceBackend:
+    """The contract in plain torch. How a stop reaches the peers (its collectives block, so no
+    rank can interrupt a peer's wait): every call's first collective is the status exchange
+    (:func:`~megatron_mok.comm.exchange_status`, one fixed-size record per rank, whatever the
+    call), and a rank that stops instead of making a call its peers make posts its record with
+    the reason there (:meth:`tell_peers`): they raise :class:`MokPeerStopped` naming it. An error
+    found after the exchange (an overflow of ``max_recv_tokens`` or ``rows_per_expert``) is
+    decided from the exchanged routing on every rank alike, so all raise in the same call."""
+
     name = "reference"
     destroyed = False   # set by destroy(); every entry then raises, as the CUDA backend's does
     aborted = None      # abort()'s reason; every entry then raises, as the CUDA backend's does
+    stopped_by = None   # the rank whose error stopped this Buffer (this one, or a peer)
+    told = False        # every rank knows: this one posted its stop, or all found it in a call
 
     def __init__(self, buf):
         self.buf = buf
 
-    def _alive(self) -> None:
+    def _alive(self, device=None) -> None:
         # Nothing is freed here, but a destroyed Buffer must refuse on every backend alike, so
         # code tested on the reference does not run on freed peer memory on the CUDA backend.
         if self.destroyed:
             raise RuntimeError("megatron_mok: this Buffer was destroyed (Buffer.destroy()); its "
                                "reference backend refuses every call; make a new Buffer")
         # Likewise after abort() (the CUDA backend's peers cannot go on with a stopped rank).
+        # Every entry is a call the peers make too: if they do not know yet, tell them here.
         if self.aborted is not None:
-            raise RuntimeError(stopped_message(self.buf.rank, self.aborted))
+            self.tell_peers(device)
+            raise RuntimeError(stopped_message(self.stopped_by, self.aborted))
 
-    def abort(self, reason: str) -> None:
-        """Refuse every later call on this rank (:meth:`Buffer.abort`). The peers are not told:
-        the reference exchanges through blocking collectives, and a collective issued for them
-        here would block this rank until they reach it (or hang if they never do)."""
+    def abort(self, reason: str, rank: Optional[int] = None) -> None:
+        """Refuse every later call on this rank (:meth:`Buffer.abort`); ``rank``: the peer whose
+        error it was (default: this rank). Tells nobody: a collective issued here would
+        block this rank until its peers reach it, and they may be outside any call of this
+        Buffer (:meth:`tell_peers` is for a rank that stops in place of a call)."""
         if self.aborted is None:
             self.aborted = reason
+            self.stopped_by = self.buf.rank if rank is None else rank
+
+    def tell_peers(self, device=None) -> None:
+        """Post this rank's stop in place of the call its peers are making (once; see the class
+        docstring). Waits for them up to the Buffer's ``timeout_s`` (default 60 s), then warns
+        and leaves them waiting as before. Never raises: it runs on the way to this rank's own
+        error, which must not be hidden (a failed post is a warning)."""
+        b = self.buf
+        if self.told or self.aborted is None or b.world_size == 1:
+            return
+        self.told = True
+        timeout_s = b.timeout_s if b.timeout_s is not None else 60.0
+        try:
+            dev = status_device(b.group, device if device is not None else b.device)
+            why = None if post_stop(self.aborted, b.group, b.world_size, dev, timeout_s) else \
+                f"none reached a call of this Buffer within {timeout_s} s"
+        except Exception as err:        # e.g. the process group is gone
+            why = f"{type(err).__name__}: {err}"
+        if why is not None:
+            warnings.warn(f"megatron_mok: rank {b.rank} could not tell its peers that it stopped "
+                          f"({why}); they wait until their process group's timeout")
+
+    def _enter(self, device, values=()) -> torch.Tensor:
+        """A call's first collective, the status exchange: ``values [W, STATUS_VALUES]``
+        (int64, CPU) of every rank; raises :class:`MokPeerStopped` if a peer stopped in its
+        place (then every rank knows: the lowest such rank is named everywhere)."""
+        self._alive(device)
+        b = self.buf
+        b._status_due = False          # from here an error of this call is not a skipped call
+        vals, stops = exchange_status(values, b.group, b.world_size, device)
+        if stops:
+            r = min(stops)
+            self.abort(stops[r], rank=r)
+            self.told = True
+            raise MokPeerStopped(r, stops[r])
+        return vals
+
+    def _check_rows_everywhere(self, all_idx: torch.Tensor, counts: torch.Tensor,
+                               vals: torch.Tensor) -> None:
+        """Raise, on every rank alike, when any rank's dispatch overflows its
+        ``rows_per_expert`` or ``max_recv_tokens``: ``vals [W, STATUS_VALUES]`` holds every
+        rank's ``(T, max_recv_tokens, rows_per_expert, recv_budget, expert_alignment)`` (-1:
+        none). The rank that overflowed raises its own ``RuntimeError``, its peers
+        :class:`MokPeerStopped` naming it (on the CUDA backend it raises at its host read and
+        stops, and its peers raise at theirs)."""
+        b = self.buf
+        W, t_max, _ = all_idx.shape
+        E_l = b.num_local_experts
+        live = (torch.arange(t_max, device=all_idx.device).view(1, t_max, 1)
+                < counts.view(W, 1, 1)) & (all_idx >= 0)
+        per_expert = torch.bincount(all_idx[live], minlength=W * E_l).view(W, E_l).cpu()
+        errors = {}
+        for d in range(W):
+            cap, n, budget, align = (int(v) for v in vals[d, 1:5])
+            c = per_expert[d]
+            if n >= 0:
+                over = (c > n).nonzero().flatten()
+                if over.numel():
+                    e = int(over[0])
+                    errors[d] = rows_per_expert_message(d, e, int(c[e]), n)
+                    continue
+                rows = E_l * n
+            else:
+                rows = int(((c + align - 1) // align * align).sum())
+            if budget < 0 and cap >= 0 and rows > cap:
+                errors[d] = recv_overflow_message(d, rows, cap)
+        if not errors:
+            return
+        self.told = True                 # every rank raises here, in this call
+        if b.rank in errors:
+            raise RuntimeError(errors[b.rank])
+        r = min(errors)
+        self.abort(errors[r], rank=r)
+        raise MokPeerStopped(r, errors[r])
 
     # ----------------------------------------------------------------------------- dispatch
     def dispatch(self, x, topk_idx, topk_weights, rows_per_expert=None, recv_budget=None):
-        self._alive()
         x = _byte_rows(x)
         settle(x.device)
         b = self.buf
         W, t_max, K = b.world_size, b.max_tokens_per_rank, b.topk
         T = x.shape[0]
-        counts = all_gather_ints([T], b.group, W, x.device).view(W)
+        none = -1
+        vals = self._enter(x.device, [
+            T, none if b.max_recv_tokens is None else b.max_recv_tokens,
+            none if rows_per_expert is None else rows_per_expert,
+            none if recv_budget is None else recv_budget, b.expert_alignment])
+        counts = vals[:, 0].to(x.device)
         idx = torch.full((t_max, K), -1, dtype=torch.int64, device=x.device)
         idx[:T] = topk_idx.to(torch.int64)
         w = torch.zeros(t_max, K, dtype=torch.float32, device=x.device)
         w[:T] = topk_weights
         all_idx = all_gather_exact(idx, b.group, W)
         all_w = all_gather_exact(w, b.group, W)
+        self._check_rows_everywhere(all_idx, counts, vals)
         all_x = self._gather_tokens(x)
 
         row_e, row_s, row_t, row_k = build_layout(all_idx, counts, b.rank, b.num_local_experts)
@@ -210,9 +303,9 @@ class ReferenceBackend:
 
     def dispatch_cached(self, x, handle: DispatchHandle):
         """Rows of ``x`` (``[T, H]`` on every rank) in the layout of ``handle``."""
-        self._alive()
         x = _byte_rows(x)
         settle(x.device)
+        self._enter(x.device)
         all_x = self._gather_tokens(x)
         R = handle.num_rows
         out = x.new_zeros(handle.num_out_rows, x.shape[1])
@@ -223,8 +316,8 @@ class ReferenceBackend:
     # ------------------------------------------------------------------------------ combine
     def combine(self, expert_out, handle: DispatchHandle, grad_probs: Optional[torch.Tensor] = None):
         """``y [T, H]`` per the contract; with ``grad_probs [R]`` also ``grad_topk_weights [T, K]``."""
-        self._alive()
         settle(expert_out.device)
+        self._enter(expert_out.device)
         b = self.buf
         W, t_max, K, H = b.world_size, b.max_tokens_per_rank, b.topk, b.hidden
         lay: ReferenceLayout = handle.state
@@ -253,8 +346,8 @@ class ReferenceBackend:
     def combine_prob_grads(self, handle: DispatchHandle, grad_probs: torch.Tensor) -> torch.Tensor:
         """``grad_topk_weights [T, K]`` float32 from ``grad_probs [R]``: each row's prob gradient
         back to its source slot (the side values of a combine, with no row data)."""
-        self._alive()
         settle(grad_probs.device)
+        self._enter(grad_probs.device)
         return self._prob_grads(handle, grad_probs)
 
     def _prob_grads(self, handle: DispatchHandle, grad_probs: torch.Tensor) -> torch.Tensor:

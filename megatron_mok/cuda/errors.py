@@ -66,6 +66,17 @@ def stopped_message(rank: int, reason: str) -> str:
             "longer be used on any rank of its group: make a new Buffer on every rank")
 
 
+class MokPeerStopped(RuntimeError):
+    """The reference backend's peer error: rank ``rank`` stopped this Buffer after an error of
+    its own (``reason``), which it told its peers in this call's first exchange (or every rank
+    found it in the call's exchanged routing: another rank's overflow). The CUDA backend's
+    peers raise :class:`MokDeviceError` ("peer stopped") for the same event."""
+
+    def __init__(self, rank: int, reason: str):
+        super().__init__(stopped_message(rank, reason))
+        self.rank, self.reason = rank, reason
+
+
 class MokDeviceError(RuntimeError):
     """An error reported by the MoK kernels (timeout, bad routing, overflow)."""
 

@@ -488,13 +488,14 @@ class MokTokenDispatcher(MoETokenDispatcher):
                               stacklevel=2)
         if num_tokens > t_max:
             # This rank's alone: its EP peers are already in this dispatch, waiting for it.
-            # The Buffer (made first: its creation is collective) is stopped, so they raise
-            # at once, naming this rank, instead of waiting until their timeout.
+            # The Buffer (made first: its creation is collective) is stopped in place of that
+            # dispatch, so they raise at once, naming this rank, instead of waiting until their
+            # timeout (the reference backend tells them in the dispatch's first exchange).
             msg = (f"MoK: this MoE layer got {num_tokens} tokens on EP rank {self.ep_rank}, more "
                    f"than the Buffer's max_tokens_per_rank={t_max} (fixed at the first dispatch). "
                    f"Set MOK_MAX_TOKENS_PER_RANK to the largest sequence_length * micro_batch_size "
                    f"/ TP (with sequence parallelism) any step will use.")
-            buf.abort(msg)
+            buf.abort(msg, skipped_call=True)
             raise ValueError(msg)
         return buf
 

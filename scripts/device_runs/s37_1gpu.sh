@@ -2,7 +2,7 @@
 # Session 37's one-GPU calls (benchmarks/NOTES.md, item 55).
 #
 #   bash scripts/device_runs/s37_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of budget regress mutants unfixed
+#     PARTS: any of budget regress mutants unfixed refstop
 #
 # budget    as s36_1gpu.sh's: the receive budget's GPU tests (world 1, and 2-3 processes
 #           sharing the GPU), its graph replay, the overflow tests, the C ABI tests; first run of
@@ -14,8 +14,13 @@
 #           taken out of megatron_mok/cuda/backend.py (an empty grad_probs passed as a null
 #           pointer again) runs test_cuda_budget_zero_beside_peers_reusing_ring_slots at 2 and
 #           3 processes sharing the GPU: it should fail there, and pass on this tree.
+# refstop  item 56 (the reference backend tells its peers): tests/test_reference_stop.py's GPU
+#           twins (2 processes sharing the GPU: GPU status records over gloo), the CUDA stop
+#           tests (tests/test_stop_rank.py: the Buffer's changed abort path on the CUDA backend)
+#           and the Megatron T_max twins (CPU reference and 2 processes on the GPU, megatron-core
+#           0.19.2 from the carried .whl).
 # Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
-# Carry: megatron_mok/_lib, .mutants37 (mutants).
+# Carry: megatron_mok/_lib, .mutants37 (mutants), .whl (refstop).
 C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
 . "$(dirname "$0")/common.sh"
 for PART in $PARTS; do
@@ -48,6 +53,12 @@ PY
   K=zero_beside_peers_reusing_ring_slots
   (cd /tmp/unfixed && MOK_TEST_SHARED_GPU=1 R=$R run_pytest unfixed 240 -m multigpu tests/test_recv_budget.py -k $K)
   MOK_TEST_SHARED_GPU=1 run_pytest fixed 240 -m multigpu tests/test_recv_budget.py -k $K ;;
+refstop)
+  MOK_TEST_SHARED_GPU=1 run_pytest refstop 300 -m "gpu or multigpu" --durations=6 \
+    tests/test_reference_stop.py tests/test_stop_rank.py
+  [ -d /tmp/site/megatron ] || install_wheels .whl /tmp/site
+  PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
+    run_pytest megatron_t_max 240 tests/megatron/test_megatron_eval.py -k "over_t_max" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
 echo "[$PART] $((SECONDS - t0)) s"

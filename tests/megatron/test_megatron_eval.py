@@ -76,6 +76,17 @@ def test_small_first_dispatch_then_prefill_one_gpu():
     assert "MOK_MAX_TOKENS_PER_RANK" in reports[0]["error"] and reports[0]["t_max"] == 24
 
 
+def test_one_rank_over_t_max_stops_its_peer_at_once_cpu():
+    # The reference backend (gloo): rank 0 stops in place of the dispatch (the adapter's
+    # Buffer.abort(skipped_call=True)); rank 1 finds that in the dispatch's first exchange and
+    # raises MokPeerStopped with rank 0's reason, instead of waiting for gloo's timeout.
+    reports = run_distributed(W.layer_one_rank_over_t_max, 2, timeout=240)
+    (t0, m0), (t1, m1) = reports
+    assert m0.startswith("ValueError") and "MOK_MAX_TOKENS_PER_RANK" in m0, m0
+    assert m1.startswith("MokPeerStopped") and "rank 0 stopped this Buffer" in m1, m1
+    assert "MOK_MAX_TOKENS_PER_RANK" in m1 and t1 < 20, (t1, m1)
+
+
 @pytest.mark.multigpu
 def test_one_rank_over_t_max_stops_its_peer_at_once_two_ranks():
     # Two processes (on one GPU in shared-GPU mode): rank 0 alone is over T_max. Its peer,

@@ -1,0 +1,281 @@
+"""The reference backend tells its peers when a rank stops (docs/CONTRACT.md, "Errors").
+
+Its collectives block, so nothing can end a peer's wait but the collective it waits in. Every
+reference call's first collective is therefore a fixed-size status exchange, and a rank that
+stops instead of making a call its peers make posts its stop (with the reason) there: the
+peers raise ``MokPeerStopped`` naming it, at once, and the process group is left healthy (no
+collective pending anywhere). Before, they waited in their ``all_gather`` until the process
+group's timeout (30 min for gloo). An overflow found after the exchange (``max_recv_tokens``,
+``rows_per_expert``) is decided from the exchanged routing, so every rank raises in that call.
+
+Each worker below: rank 1 stops (the way ``where`` names), every other rank makes the same call
+with valid inputs and must raise ``MokPeerStopped`` naming rank 1 and its reason within
+``FAST_S`` (the Buffer's timeout is ``TIMEOUT_S``, the group's 180 s); then every rank's next
+call is refused without any exchange, and an ``all_reduce`` on the same group still works (no
+collective was left pending).
+"""
+
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_mok as mok
+from harness import (gpus_for, in_loopback, loopback_barrier, make_inputs, rank_device,
+                     run_distributed, run_loopback)
+from megatron_mok.cuda.errors import MokPeerStopped
+
+TIMEOUT_S = 30.0
+FAST_S = 10.0
+E_PER_RANK, H, K, T = 2, 16, 2, 12
+WORLDS = (2, 3)
+
+
+def _buffer(world_size, rank=0, **kw):
+    return mok.Buffer(None, num_experts=E_PER_RANK * world_size, hidden=H, topk=K,
+                      max_tokens_per_rank=T, dtype=torch.float32, backend="reference",
+                      device=rank_device(rank), timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw)
+
+
+def _zeros(rank, *shape, dtype=torch.float32):
+    return torch.zeros(*shape, dtype=dtype, device=rank_device(rank))
+
+
+def _inputs(rank, world_size, grad=False):
+    x, idx, w = make_inputs(11, world_size, [T - 1] * world_size, E_PER_RANK * world_size, H, K,
+                            torch.float32, device=rank_device(rank))[rank]
+    if grad:
+        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    return x, idx, w
+
+
+def _group_still_works(rank, world_size):
+    """Every rank's rank, summed over the default group: a collective left pending by the stop
+    would pair with this one and break it (or hang)."""
+    if in_loopback():
+        loopback_barrier()
+        return True
+    t = torch.tensor([rank + 1.0], device=rank_device(rank))   # NCCL: on the GPU
+    dist.all_reduce(t)
+    return int(t) == world_size * (world_size + 1) // 2
+
+
+def _aligned_capacity(rank, world_size, x, idx, w):
+    """Rank 1's unpadded row count with ``expert_alignment`` 4, when its zero rows make more:
+    a ``max_recv_tokens`` that only the alignment's zero rows overflow."""
+    plain = _buffer(world_size, rank, expert_alignment=4)
+    res = plain.dispatch(x, idx, w)
+    rows, padded = int((res.src_rank >= 0).sum()), int(res.tokens_per_expert.sum())
+    assert rank != 1 or rows < padded, "pick inputs whose alignment adds zero rows on rank 1"
+    return rows
+
+
+def _rank_1_stops(rank, world_size, where):
+    x, idx, w = _inputs(rank, world_size, grad=where == "backward")
+    kw = {}
+    if where == "static":       # only rank 1's capacity is too small
+        kw["max_recv_tokens"] = 0 if rank == 1 else world_size * T * K
+    if where == "static_aligned":
+        cap = _aligned_capacity(rank, world_size, x, idx, w)
+        kw.update(expert_alignment=4, max_recv_tokens=cap if rank == 1 else world_size * T * K * 4)
+    buf = _buffer(world_size, rank, **kw)
+    res = y = None
+    if where in ("cached", "combine", "next_call", "backward", "prob_grads"):
+        res = buf.dispatch(x, idx, w)              # one good call on every rank first
+        if where == "backward":
+            y = buf.combine(res.tokens * 2, res.handle)
+    t0 = time.monotonic()
+    if rank == 1:
+        with warnings.catch_warnings():   # "could not tell its peers" would be a failure here
+            warnings.filterwarnings("error", message=".*could not (tell|stop) its peers")
+            reason = _stop_rank_1(buf, where, x, idx, w, res, y, rank)
+        took, message = time.monotonic() - t0, reason
+    else:
+        with pytest.raises(MokPeerStopped) as info:
+            if where in ("dispatch", "static", "static_aligned", "skipped"):
+                buf.dispatch(x, idx, w)
+            elif where == "rows_per_expert":
+                buf.dispatch(x, idx, w, rows_per_expert=world_size * T * K)
+            elif where == "cached":
+                buf.dispatch(x, handle=res.handle)
+            elif where in ("combine", "next_call"):
+                buf.combine(res.tokens, res.handle)
+            elif where == "backward":
+                y.sum().backward()
+            else:
+                buf._get_backend("reference").combine_prob_grads(res.handle, torch.ones_like(res.probs))
+        took, message = time.monotonic() - t0, str(info.value)
+        assert info.value.rank == 1, message
+    # Refused from now on, on every rank, without an exchange (it would hang: nobody answers).
+    t1 = time.monotonic()
+    with pytest.raises(RuntimeError, match="stopped"):
+        buf.dispatch(x, idx, w)
+    assert time.monotonic() - t1 < FAST_S
+    return took, message, _group_still_works(rank, world_size)
+
+
+def _stop_rank_1(buf, where, x, idx, w, res, y, rank):
+    """Rank 1's side of :func:`_rank_1_stops`: stop as ``where`` says; returns the reason its
+    peers must see."""
+    if where == "dispatch":
+        with pytest.raises(ValueError, match="max_tokens_per_rank"):
+            buf.dispatch(_zeros(rank, T + 1, H), _zeros(rank, T + 1, K, dtype=torch.int64),
+                         _zeros(rank, T + 1, K))
+        reason = "ValueError: x has T=13"
+    elif where == "cached":
+        with pytest.raises(ValueError):
+            buf.dispatch(x[:-1], handle=res.handle)
+        reason = "ValueError"
+    elif where == "combine":
+        with pytest.raises(ValueError):
+            buf.combine(res.tokens.new_zeros(res.tokens.shape[0] + 1, H), res.handle)
+        reason = "ValueError"
+    elif where == "static":
+        with pytest.raises(RuntimeError, match=r"rank 1 received \d+ rows, more than max_recv_tokens=0"):
+            buf.dispatch(x, idx, w)
+        reason = "rank 1 received"
+    elif where == "static_aligned":
+        with pytest.raises(RuntimeError, match=r"rank 1 received \d+ rows, more than max_recv_tokens"):
+            buf.dispatch(x, idx, w)
+        reason = "rank 1 received"
+    elif where == "rows_per_expert":
+        with pytest.raises(RuntimeError, match="rank 1: local expert .* more than rows_per_expert=1"):
+            buf.dispatch(x, idx, w, rows_per_expert=1)
+        reason = "rank 1: local expert"
+    elif where == "skipped":
+        buf.abort("MoK: over T_max on purpose", skipped_call=True)
+        reason = "MoK: over T_max on purpose"
+    elif where in ("next_call", "backward", "prob_grads"):
+        # Between calls (an expert raised): nobody is told yet; this rank's next call,
+        # which its peers make too, refuses and tells them.
+        buf.abort("an expert raised on purpose")
+        reason = "an expert raised on purpose"
+        with pytest.raises(RuntimeError, match="stopped"):
+            if where == "next_call":
+                buf.dispatch(x, idx, w)
+            elif where == "backward":
+                y.sum().backward()
+            else:
+                buf._get_backend("reference").combine_prob_grads(res.handle, torch.ones_like(res.probs))
+    else:
+        raise AssertionError(where)
+    return reason
+
+
+def _check(out, where):
+    for rank, (took, message, healthy) in enumerate(out):
+        assert healthy, f"rank {rank}: the group broke after the stop"
+        assert took < FAST_S, f"rank {rank} took {took:.1f} s (timeout {TIMEOUT_S} s): {message}"
+        if rank != 1:
+            assert "rank 1 stopped this Buffer after an error" in message, message
+            assert out[1][1] in message, (message, out[1][1])   # the reason travelled
+
+
+STOPS = ("dispatch", "cached", "combine", "static", "static_aligned", "rows_per_expert", "skipped",
+         "next_call", "backward", "prob_grads")
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("where", STOPS)
+def test_reference_peers_of_a_stopped_rank_raise_at_once(where, world_size):
+    _check(run_distributed(_rank_1_stops, world_size, where, timeout=60), where)
+
+
+# GPU tensors: over NCCL on 2 GPUs (the status records on the GPU, the post an NCCL all_gather
+# polled for completion); in shared-GPU mode, processes on one GPU joined by gloo.
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(not gpus_for(2), reason="needs 2 GPUs (or MOK_TEST_SHARED_GPU=1)")
+@pytest.mark.parametrize("where", ("dispatch", "static", "skipped", "next_call", "backward"))
+def test_reference_peers_of_a_stopped_rank_raise_at_once_on_gpus(where):
+    _check(run_distributed(_rank_1_stops, 2, where, backend="nccl", timeout=120), where)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(not gpus_for(2), reason="needs 2 GPUs (or MOK_TEST_SHARED_GPU=1)")
+def test_reference_stop_reaches_a_later_peer_on_gpus():
+    assert run_distributed(_late_peer, 2, backend="nccl", timeout=120, fresh=True) == ["told", "warned"]
+
+
+def test_reference_peers_raise_on_loopback_ranks():
+    _check(run_loopback(_rank_1_stops, 3, "dispatch", device="cpu", timeout=60), "dispatch")
+
+
+def _every_rank_fails(rank, world_size):
+    """Every rank passes too many tokens: each raises its own error at once (each posts its
+    stop; the posts pair with each other) and the group stays healthy."""
+    buf = _buffer(world_size, rank)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        buf.dispatch(_zeros(rank, T + 1 + rank, H), _zeros(rank, T + 1 + rank, K, dtype=torch.int64),
+                     _zeros(rank, T + 1 + rank, K))
+    return time.monotonic() - t0, _group_still_works(rank, world_size)
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_reference_every_rank_failing_raises_its_own_error(world_size):
+    for took, healthy in run_distributed(_every_rank_fails, world_size, timeout=60):
+        assert healthy and took < FAST_S, took
+
+
+def _overflow_everywhere(rank, world_size):
+    """Each rank's own capacity too small (as test_cuda_backend's overflow counts): every rank
+    raises its own overflow, none a peer's."""
+    buf = _buffer(world_size, rank, max_recv_tokens=0)
+    x, idx, w = _inputs(rank, world_size)
+    with pytest.raises(RuntimeError) as info:
+        buf.dispatch(x, idx, w)
+    return type(info.value).__name__, str(info.value)
+
+
+def test_reference_overflow_on_every_rank_names_each_own():
+    for rank, (kind, message) in enumerate(run_distributed(_overflow_everywhere, 3, timeout=60)):
+        assert kind == "RuntimeError" and message.startswith(f"rank {rank} received"), message
+
+
+def _late_peer(rank, world_size):
+    """Rank 1 stops in place of a dispatch its peer makes only after rank 1's wait for it ran out
+    (``timeout_s`` = 1 s): rank 1 warns and goes on; the peer, arriving later, still finds the
+    stop in its first exchange (the post stayed pending for it)."""
+    buf = _buffer(world_size, rank, timeout_s=1.0)
+    x, idx, w = _inputs(rank, world_size)
+    if rank == 1:
+        with pytest.warns(UserWarning, match="could not tell its peers"):
+            buf.abort("late on purpose", skipped_call=True)
+        return "warned"
+    time.sleep(3.0)
+    with pytest.raises(MokPeerStopped, match="late on purpose"):
+        buf.dispatch(x, idx, w)
+    return "told"
+
+
+def test_reference_stop_reaches_a_peer_that_comes_later():
+    assert run_distributed(_late_peer, 2, timeout=60, fresh=True) == ["told", "warned"]
+
+
+def _world_of_one(rank, world_size):
+    buf = _buffer(1)
+    with pytest.raises(ValueError):
+        buf.dispatch(torch.zeros(T + 1, H), torch.zeros(T + 1, K, dtype=torch.int64), torch.zeros(T + 1, K))
+    x, idx, w = _inputs(0, 1)
+    return int(buf.dispatch(x, idx, w).tokens.shape[0])   # a world of one is never stopped
+
+
+def test_reference_world_of_one_is_not_stopped():
+    assert run_distributed(_world_of_one, 1)[0] > 0
+
+
+def test_status_record_round_trip():
+    from megatron_mok.comm import STATUS_REASON_BYTES, _read_status, _status_record
+
+    long = "ValueError: é" * 40                      # past the record: cut at a character
+    recs = torch.stack([_status_record([3, -1, 5], None, "cpu"), _status_record([], long, "cpu")])
+    vals, stops = _read_status(recs)
+    assert vals[0, :3].tolist() == [3, -1, 5] and vals[1].tolist() == [0] * vals.shape[1]
+    assert list(stops) == [1] and long.startswith(stops[1])
+    assert len(stops[1].encode()) <= STATUS_REASON_BYTES and len(stops[1]) > 100
+    with pytest.raises(ValueError, match="at most"):
+        _status_record(list(range(20)), None, "cpu")
