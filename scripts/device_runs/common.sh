@@ -40,6 +40,13 @@ run_pytest() {  # run_pytest NAME LIMIT_S PYTEST ARGS...: into $R/NAME.log and .
     echo "[$name] rc=$?"; tail -2 $R/$name.log; grep -E "^FAILED|^ERROR" $R/$name.log | cut -c1-300 | head -20
 }
 
+budget_selection() {  # the receive budget's GPU tests (sessions 36-37): world 1 and 2-3 processes
+    # sharing the GPU, its graph replay, the overflow tests that share its error path, the C ABI
+  MOK_TEST_SHARED_GPU=1 run_pytest budget ${BUDGET_LIMIT_S:-420} -m "gpu or multigpu" --durations=12 \
+    tests/test_recv_budget.py tests/test_cuda_backend.py tests/test_cuda_loopback.py tests/test_cuda_library_abi.py \
+    -k "budget or static_overflow or rows_per_expert_overflow or failed_dispatch_launch or test_cuda_library_abi"
+}
+
 regress_selections() {  # the one-GPU regression selections (sessions 35-36): the CUDA sample of the
     # mutation audit, the narrow / FP8 tests, the error paths, the alternative schedules
   SAMPLE=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import mutation_audit_cuda as m; print(m.SAMPLE[-1])")

@@ -30,9 +30,7 @@ for PART in $PARTS; do
 t0=$SECONDS
 case $PART in
 budget)
-  MOK_TEST_SHARED_GPU=1 run_pytest budget ${BUDGET_LIMIT_S:-420} -m "gpu or multigpu" --durations=12 \
-    tests/test_recv_budget.py tests/test_cuda_backend.py tests/test_cuda_loopback.py tests/test_cuda_library_abi.py \
-    -k "budget or static_overflow or rows_per_expert_overflow or failed_dispatch_launch or test_cuda_library_abi" ;;
+  budget_selection ;;
 regress)
   regress_selections ;;
 megatron)
