@@ -192,19 +192,23 @@ def test_reference_peers_of_a_stopped_rank_raise_at_once(where, world_size):
 
 # GPU tensors: over NCCL on 2 GPUs (the status records on the GPU, the post an NCCL all_gather
 # polled for completion); in shared-GPU mode, processes on one GPU joined by gloo.
+# (The world size as the ids' last part, [...-2], as scripts/device_runs' world_ids selects.)
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.skipif(not gpus_for(2), reason="needs 2 GPUs (or MOK_TEST_SHARED_GPU=1)")
+@pytest.mark.parametrize("world_size", (2,))
 @pytest.mark.parametrize("where", ("dispatch", "static", "skipped", "next_call", "backward"))
-def test_reference_peers_of_a_stopped_rank_raise_at_once_on_gpus(where):
-    _check(run_distributed(_rank_1_stops, 2, where, backend="nccl", timeout=120), where)
+def test_reference_peers_of_a_stopped_rank_raise_at_once_on_gpus(where, world_size):
+    _check(run_distributed(_rank_1_stops, world_size, where, backend="nccl", timeout=120), where)
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.skipif(not gpus_for(2), reason="needs 2 GPUs (or MOK_TEST_SHARED_GPU=1)")
-def test_reference_stop_reaches_a_later_peer_on_gpus():
-    assert run_distributed(_late_peer, 2, backend="nccl", timeout=120, fresh=True) == ["told", "warned"]
+@pytest.mark.parametrize("world_size", (2,))
+def test_reference_stop_reaches_a_later_peer_on_gpus(world_size):
+    assert run_distributed(_late_peer, world_size, backend="nccl", timeout=120,
+                           fresh=True) == ["told", "warned"]
 
 
 def test_reference_peers_raise_on_loopback_ranks():
