@@ -67,6 +67,20 @@ def build_layout(all_idx: torch.Tensor, counts: torch.Tensor, rank: int, num_loc
     return e[order], s[order], t[order], k[order]
 
 
+def padded_counts(counts: torch.Tensor, alignment: int, rows_per_expert: Optional[int] = None,
+                  rank: int = 0) -> torch.Tensor:
+    """Each local expert's rows with the zero rows after them (``counts [E_local]`` int64, the
+    rows it received): up to a multiple of ``alignment``, or exactly ``rows_per_expert`` ``N``.
+    Raises ``RuntimeError`` naming ``rank`` and the first expert with more than ``N`` rows."""
+    if rows_per_expert is not None:
+        over = (counts > rows_per_expert).nonzero().flatten()
+        if over.numel():
+            e = int(over[0])
+            raise RuntimeError(rows_per_expert_message(rank, e, int(counts[e]), rows_per_expert))
+        return torch.full_like(counts, rows_per_expert)
+    return (counts + alignment - 1) // alignment * alignment
+
+
 def padded_positions(row_e: torch.Tensor, num_local_experts: int, alignment: int,
                      rows_per_expert: Optional[int] = None, rank: int = 0):
     """Where the rows of :func:`build_layout` go when each expert's rows are followed by zero
@@ -78,14 +92,7 @@ def padded_positions(row_e: torch.Tensor, num_local_experts: int, alignment: int
     ``RuntimeError`` when an expert has more than ``N`` rows (a guard: the reference dispatch
     checked every rank's rows first, ``ReferenceBackend._check_rows_everywhere``)."""
     counts = torch.bincount(row_e, minlength=num_local_experts).to(torch.int64)
-    if rows_per_expert is not None:
-        over = (counts > rows_per_expert).nonzero().flatten()
-        if over.numel():
-            e = int(over[0])
-            raise RuntimeError(rows_per_expert_message(rank, e, int(counts[e]), rows_per_expert))
-        padded = torch.full_like(counts, rows_per_expert)
-    else:
-        padded = (counts + alignment - 1) // alignment * alignment
+    padded = padded_counts(counts, alignment, rows_per_expert, rank)
     shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(counts, 0) - counts)
     pos = torch.arange(row_e.numel(), dtype=torch.int64, device=row_e.device) + shift[row_e]
     return pos, padded, int(padded.sum())
@@ -214,16 +221,11 @@ class ReferenceBackend:
         errors = {}
         for d in range(W):
             cap, n, budget, align = (int(v) for v in vals[d, 1:5])
-            c = per_expert[d]
-            if n >= 0:
-                over = (c > n).nonzero().flatten()
-                if over.numel():
-                    e = int(over[0])
-                    errors[d] = rows_per_expert_message(d, e, int(c[e]), n)
-                    continue
-                rows = E_l * n
-            else:
-                rows = int(((c + align - 1) // align * align).sum())
+            try:                        # rank d's own layout rule (padded_positions')
+                rows = int(padded_counts(per_expert[d], align, n if n >= 0 else None, d).sum())
+            except RuntimeError as err:   # an expert of rank d over rows_per_expert
+                errors[d] = str(err)
+                continue
             if budget < 0 and cap >= 0 and rows > cap:
                 errors[d] = recv_overflow_message(d, rows, cap)
         if not errors:

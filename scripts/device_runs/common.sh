@@ -41,7 +41,7 @@ run_pytest() {  # run_pytest NAME LIMIT_S PYTEST ARGS...: into $R/NAME.log and .
 }
 
 budget_selection() {  # the receive budget's GPU tests (sessions 36-37): world 1 and 2-3 processes
-    # sharing the GPU, its graph replay, the overflow tests that share its error path, the C ABI
+    # sharing the GPU, its graph replay, the overflow tests that share its error path, the C ABI tests
   MOK_TEST_SHARED_GPU=1 run_pytest budget ${BUDGET_LIMIT_S:-420} -m "gpu or multigpu" --durations=12 \
     tests/test_recv_budget.py tests/test_cuda_backend.py tests/test_cuda_loopback.py tests/test_cuda_library_abi.py \
     -k "budget or static_overflow or rows_per_expert_overflow or failed_dispatch_launch or test_cuda_library_abi"
