@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .cuda.errors import REASON_BYTES, reason_bytes
 from .loopback import current as current_loopback
 from .loopback import is_loopback
 
@@ -59,7 +60,7 @@ def all_gather_ints(values: List[int], group, world_size: int, device) -> torch.
 # post it in that call's place. Word 0: 0, or 1 + the byte length of a stop reason; words
 # 1..STATUS_VALUES: the call's values (unused ones 0); then the reason's UTF-8 bytes.
 STATUS_VALUES = 6
-STATUS_REASON_BYTES = 240
+STATUS_REASON_BYTES = REASON_BYTES
 _STATUS_WORDS = 1 + STATUS_VALUES + STATUS_REASON_BYTES // 8
 
 
@@ -69,7 +70,7 @@ def _status_record(values: Sequence[int], stop: Optional[str], device) -> torch.
     rec = torch.zeros(_STATUS_WORDS, dtype=torch.int64)
     rec[1:1 + len(values)] = torch.tensor([int(v) for v in values], dtype=torch.int64)
     if stop is not None:
-        raw = stop.encode("utf-8")[:STATUS_REASON_BYTES].decode("utf-8", "ignore").encode("utf-8")
+        raw = reason_bytes(stop)
         rec[0] = 1 + len(raw)
         text = torch.zeros(STATUS_REASON_BYTES, dtype=torch.uint8)
         if raw:

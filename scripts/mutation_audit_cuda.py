@@ -335,6 +335,17 @@ MUTANTS: List[Mutant] = [
              "if (!wait_geq(c, RingView::combine(c.ws, c.peers.base[d]).ready"),),
            ("tests/test_stop_rank.py", "-k", "narrow"),
            "the narrow (prob-gradient) combine takes a stopped rank's stale side values as this call's"),
+    # NOTES item 57: the peers quote the stopping rank's reason (its stop note).
+    Mutant("stop_note_not_written", "kernels/stop_rank.cu",
+           (("i += blockDim.x) to[i] = from[i];", "i += blockDim.x) (void)to, (void)from;"),),
+           ("tests/test_stop_rank.py", "-k", "loopback and (default or narrow)"),
+           "the stop kernel leaves no note: the peers' errors say \"see its message\" and carry no "
+           "reason, in a job where that message is in another rank's log"),
+    Mutant("stop_note_read_from_self", "api/mok_api.cu",
+           (("const char* src = ctx->comm.peers.base[peer] + ctx->comm.ws.stop_note;",
+             "const char* src = ctx->comm.peers.base[ctx->comm.rank] + ctx->comm.ws.stop_note;"),),
+           ("tests/test_stop_rank.py", "-k", "loopback and (default or narrow)"),
+           "a peer reads its own (empty) note instead of the stopped rank's: no reason quoted"),
     # NOTES item 46: a protocol error replaces an unread data error in the report.
     Mutant("data_error_hides_timeout", "include/mok/device.h",
            (("  while (is_data_error(prev) && !is_data_error(code)) {",

@@ -85,3 +85,12 @@ def test_row_format_bit_matches_the_kernels():
     bits = re.search(r"constexpr int kRowTagBits = (\d+);", config)
     two = re.search(r"kRowTwoSources = 1 << \(kRowTagBits - 1\);", config)
     assert bits and two and int(bits.group(1)) - 1 == errors.ROW_TWO_SOURCES_BIT
+
+
+def test_stop_note_size_matches_the_kernels():
+    from megatron_mok.cuda import errors
+
+    config = _read("include/mok/config.h")
+    m = re.search(r"constexpr int kStopNoteBytes = (\d+);", config)
+    assert m and int(m.group(1)) == errors.REASON_BYTES
+    assert "static_assert(sizeof(StopNote) == 256" in _read("include/mok/workspace.h")

@@ -104,11 +104,19 @@ def _one_rank_stops(rank, world_size, where, hidden=H):
             buf._get_backend("cuda").combine_prob_grads(res.handle, torch.ones_like(res.probs))
         buf.check_errors()
     took = time.monotonic() - t0
-    with pytest.raises(MokDeviceError):            # refused from now on
+    with pytest.raises(MokDeviceError) as again:   # refused from now on, naming the same stop
         buf.dispatch(x, idx, w)
     _all_here()
     buf.destroy()
-    return took, str(info.value)
+    return took, _peer_error(info.value), _peer_error(again.value)
+
+
+def _peer_error(exc):
+    """What a peer's check needs of its exception: picklable (the 2-GPU twin's processes)."""
+    from megatron_mok.cuda.errors import MokPeerStopped
+
+    return {"msg": str(exc), "peer_stopped": isinstance(exc, MokPeerStopped),
+            "rank": getattr(exc, "rank", None), "reason": getattr(exc, "reason", None)}
 
 
 def _device_error_on_rank_1(buf, x, idx, w, bad, E, t0):
@@ -133,17 +141,40 @@ def _device_error_on_rank_1(buf, x, idx, w, bad, E, t0):
         buf.dispatch(x, idx, w)
         buf.check_errors()
     took = time.monotonic() - t0
+    with pytest.raises(MokDeviceError) as again:
+        buf.dispatch(x, idx, w)
     _all_here()
     buf.destroy()
-    return took, str(info.value)
+    return took, _peer_error(info.value), _peer_error(again.value)
+
+
+# What rank 1's stop note says (its reason, without the package's prefix), per ``where``.
+REASONS = {"dispatch": r"^ValueError: x has T=33 .*max_tokens_per_rank",
+           "static": r"^ValueError: x has T=33 .*max_tokens_per_rank",
+           "cached": r"^ValueError: ", "combine": r"^ValueError: ",
+           "narrow": r"^an expert raised on purpose$",
+           "device_error": r"^rank 1: topk_idx holds an expert id outside \[-1, num_experts\)"}
 
 
 def _check_peers(out, where):
+    import re
+
+    from megatron_mok.cuda.errors import REASON_BYTES
+
     assert out[1] is None
     for rank, got in enumerate(out):
         if rank == 1:
             continue
-        took, msg = got
+        took, err, later = got
+        msg = err["msg"]
+        # The peer's error names rank 1 and quotes its reason (its stop note), as a
+        # MokPeerStopped (also a MokDeviceError), and so does every later refusal.
+        for e in (err, later):
+            assert e["peer_stopped"] and e["rank"] == 1, f"rank {rank}: {e}"
+            assert e["reason"] and re.search(REASONS[where], e["reason"]), f"rank {rank}: {e}"
+            assert len(e["reason"].encode()) <= REASON_BYTES
+            assert f"stopped after an error of its own ({e['reason']})" in e["msg"], e["msg"]
+        assert later["msg"] == msg
         assert "rank 1 stopped after an error of its own" in msg, f"rank {rank}: {msg}"
         assert took < FAST_S, f"rank {rank} raised after {took:.1f} s (timeout {TIMEOUT_S} s): {msg}"
         if where in ("dispatch", "static", "device_error"):
@@ -339,3 +370,119 @@ def test_peer_stopped_messages_name_what_the_peer_did_not_do():
     assert "rank 2: rank 1 stopped" in partials and "partial sums" in partials and "generation 9" in partials
     own = describe([4, 1, -1, 0, 0, 0, 0, 0], 60.0, None)
     assert "rank 1 stopped this Buffer after an error of its own" in own
+
+
+# ------------------------------------------------------- the stop note (CPU: the host half)
+class _NoteLib:
+    """A stand-in for the library's stop calls: records the note each stop leaves and serves
+    ``notes[peer]`` (``None``: the peer left none; ``"fail"``: the read fails) to reads."""
+
+    def __init__(self, notes=None):
+        self.stops, self.notes = [], notes or {}
+
+    def mok_stop_rank(self, ctx, stream, note, n):
+        self.stops.append((bytes(note), n))
+        return 0
+
+    def mok_read_stop_note(self, ctx, peer, stream, text, length):
+        note = self.notes.get(peer)
+        if note == "fail":
+            return 1
+        raw = b"" if note is None else note.encode()
+        length._obj.value = -1 if note is None else len(raw)
+        text.value = raw
+        return 0
+
+    def mok_last_error(self):
+        return b"stand-in"
+
+
+def _note_backend(monkeypatch, notes=None, rank=0):
+    """A host-only CudaBackend of rank ``rank`` in a world of 3 whose launches go to a
+    :class:`_NoteLib` (no GPU: the stream and capture queries are stubbed)."""
+    from types import SimpleNamespace
+
+    from megatron_mok.cuda.backend import CudaBackend
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    be = CudaBackend.__new__(CudaBackend)
+    be.buf = SimpleNamespace(rank=rank, world_size=3, max_recv_tokens=None)
+    be.broken, be.ctx, be.timeout_s, be.device = None, 1, 60.0, torch.device("cuda", 0)
+    be.lib = _NoteLib(notes)
+    be._stream = lambda: 0
+    be._sync = lambda: None
+    return be
+
+
+def test_a_peer_stop_raises_with_the_reason_its_note_gives(monkeypatch):
+    # Code 7 (kPeerStopped) from peer 2: the peer's note is read and quoted, the error is both
+    # a MokDeviceError and a MokPeerStopped naming rank 2 with that reason, and so is every
+    # later refusal; this rank's own stop leaves its own message (prefix cut) as its note.
+    from megatron_mok.cuda.errors import MokDeviceError, MokDevicePeerStopped, MokPeerStopped
+
+    be = _note_backend(monkeypatch, {2: "ValueError: x has T=9 > max_tokens_per_rank=8 \u00e9"})
+    with pytest.raises(MokDevicePeerStopped) as info:
+        be._raise_if_error([7, 0, 2, 1, 5, 0, 0, 0])
+    err = info.value
+    assert isinstance(err, MokDeviceError) and isinstance(err, MokPeerStopped)
+    assert err.rank == 2 and err.reason == "ValueError: x has T=9 > max_tokens_per_rank=8 \u00e9"
+    assert ("rank 0: rank 2 stopped after an error of its own (ValueError: x has T=9 > "
+            "max_tokens_per_rank=8 \u00e9) before publishing its routing") in str(err)
+    assert "see its message" not in str(err)
+    with pytest.raises(MokPeerStopped) as later:
+        be._alive()
+    assert (later.value.rank, later.value.reason, str(later.value)) == (2, err.reason, str(err))
+    ((note, n),) = be.lib.stops
+    assert note.decode() == str(err).removeprefix("megatron_mok: ")[:len(note)] and n == len(note)
+    assert not note.startswith(b"megatron_mok") and n <= 240
+
+
+def test_a_peer_stop_without_a_readable_note_says_where_to_look(monkeypatch):
+    from megatron_mok.cuda.errors import MokDevicePeerStopped
+
+    for notes in ({}, {1: "fail"}):
+        be = _note_backend(monkeypatch, notes)
+        with pytest.raises(MokDevicePeerStopped) as info:
+            be._raise_if_error([7, 0, 1, 5, 3, 0, 0, 0])
+        assert info.value.rank == 1 and info.value.reason is None
+        assert "rank 1 stopped after an error of its own (see its message" in str(info.value)
+        assert "before staging its partial sums" in str(info.value)
+
+
+def test_other_device_errors_are_not_peer_stops(monkeypatch):
+    from megatron_mok.cuda.errors import MokDeviceError, MokPeerStopped
+
+    be = _note_backend(monkeypatch, {1: "should not be read"})
+    with pytest.raises(MokDeviceError) as info:
+        be._raise_if_error([2, 0, -1, 0, 7, 0, 0, 0])        # a bad expert id of this rank
+    assert not isinstance(info.value, MokPeerStopped)
+    with pytest.raises(MokDeviceError) as later:
+        be._alive()
+    assert not isinstance(later.value, MokPeerStopped)
+    assert be.lib.stops[0][0].startswith(b"rank 0: topk_idx holds an expert id outside")
+
+
+def test_abort_leaves_its_reason_as_the_note_cut_to_240_bytes(monkeypatch):
+    from megatron_mok.cuda.errors import REASON_BYTES
+
+    be = _note_backend(monkeypatch, rank=1)
+    reason = "an expert raised: " + "\u00e9" * 200             # 418 bytes of UTF-8
+    be.abort(reason)
+    be.abort("again")                                          # once is enough
+    ((note, n),) = be.lib.stops
+    assert n == len(note) and REASON_BYTES - 1 <= n <= REASON_BYTES
+    assert reason.startswith(note.decode("utf-8"))            # cut on a character boundary
+    assert be.stopped and "an expert raised" in be.broken
+
+
+def test_reason_bytes_cut_on_a_character_boundary():
+    from megatron_mok.comm import STATUS_REASON_BYTES
+    from megatron_mok.cuda.errors import REASON_BYTES, reason_bytes
+
+    assert STATUS_REASON_BYTES == REASON_BYTES == 240
+    assert reason_bytes("short") == b"short"
+    for s in ("a" * 300, "\u00e9" * 130, "x" + "\u20ac" * 100, "\U0001F600" * 70):
+        raw = reason_bytes(s)
+        assert len(raw) <= REASON_BYTES and len(raw) > REASON_BYTES - 4
+        assert s.startswith(raw.decode("utf-8"))

@@ -1,6 +1,7 @@
 // C ABI entry points: check arguments, build the kernel contexts, launch.
 #include "api/mok_api.h"
 
+#include <cstring>
 #include <mutex>
 #include <string>
 
@@ -422,9 +423,37 @@ int mok_layout_fused(const MokContext* ctx, int speculative) {
   return layout_is_fused(ctx->comm.ws.cfg, speculative != 0) ? 1 : 0;
 }
 
-int mok_stop_rank(MokContext* ctx, void* stream) {
+int mok_stop_rank(MokContext* ctx, void* stream, const char* reason, int reason_bytes) {
   if (int e = check_ready(ctx)) return e;
-  return check_launch(launch_stop_rank(ctx->comm, static_cast<cudaStream_t>(stream)), "stop_rank launch");
+  if (reason_bytes < 0 || reason_bytes > kStopNoteBytes || (reason_bytes > 0 && reason == nullptr))
+    return fail("mok_stop_rank: reason_bytes must be in [0, " + std::to_string(kStopNoteBytes) +
+                "] with a reason, got " + std::to_string(reason_bytes));
+  StopNote note{};
+  note.length_plus_one = 1 + reason_bytes;
+  if (reason_bytes > 0) std::memcpy(note.text, reason, reason_bytes);
+  return check_launch(launch_stop_rank(ctx->comm, note, static_cast<cudaStream_t>(stream)),
+                      "stop_rank launch");
+}
+
+int mok_read_stop_note(const MokContext* ctx, int peer, void* stream, char* text, int* length) {
+  if (int e = check_ready(ctx)) return e;
+  if (peer < 0 || peer >= ctx->comm.world || text == nullptr || length == nullptr)
+    return fail("mok_read_stop_note: peer " + std::to_string(peer) + " outside [0, " +
+                std::to_string(ctx->comm.world) + ") or a null output");
+  // A copy on the caller's stream (a loopback rank's own: the legacy stream would wait for the
+  // other ranks' kernels), from the peer's workspace through its peer pointer.
+  StopNote note{};
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const char* src = ctx->comm.peers.base[peer] + ctx->comm.ws.stop_note;
+  if (int e = check_launch(cudaMemcpyAsync(&note, src, sizeof(note), cudaMemcpyDefault, s), "stop note copy"))
+    return e;
+  if (int e = check_launch(cudaStreamSynchronize(s), "stop note copy")) return e;
+  const int n = note.length_plus_one - 1;
+  if (n > kStopNoteBytes) return fail("mok_read_stop_note: peer " + std::to_string(peer) +
+                                      "'s note claims " + std::to_string(n) + " bytes");
+  *length = n < 0 ? -1 : n;
+  if (n > 0) std::memcpy(text, note.text, n);
+  return 0;
 }
 
 int mok_pack_rows(void* stream, void* dst, int64_t dst_bytes, const void* a, int64_t a_bytes,

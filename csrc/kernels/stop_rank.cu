@@ -13,7 +13,8 @@
 //     nothing is waited for; after a protocol error (a timeout, a peer stopped) this rank's
 //     report already aborts every wait. Each wait has the usual timeout.
 //  2. its own error report gets kAborted, so any kernel of this rank still to run gives up its
-//     waits and skips its work (a replayed CUDA graph, a side stream's launch);
+//     waits and skips its work (a replayed CUDA graph, a side stream's launch); its stop note
+//     (workspace.h StopNote) gets the host's reason, which the peers' messages quote;
 //  3. every flag a peer waits on for this rank's data becomes kReadyPoisoned (ring.h): the
 //     routing slots (meta_ready), the dispatch ring's and the combine ring's slots. A peer's wait
 //     ends on the poison at once (it is above every generation) and reports kPeerStopped naming
@@ -52,15 +53,21 @@ __device__ void drain(const CommContext& c) {
     (void)ring_slot_acquire_warp(c, cb, j, 0, kWaitCombineReleased);
 }
 
-__global__ void __launch_bounds__(kStopThreads) stop_rank_kernel(CommContext c) {
+__global__ void __launch_bounds__(kStopThreads) stop_rank_kernel(CommContext c, StopNote note) {
   pdl_wait_then_release_dependents();
   const Workspace& ws = c.ws;
   drain(c);
   __syncthreads();
   if (threadIdx.x == 0) report_error(c, kAborted, -1, kWaitNone, 0);
-  __syncthreads();
-  __threadfence_system();  // the report before the poison: a kernel of mine seeing one sees both
   char* me = c.local();
+  // Step 2b: the note saying why, for the peers' messages (read by their hosts after their wait
+  // ended on the poison): written before the fence, so it is whole wherever the poison is seen.
+  const int32_t* from = reinterpret_cast<const int32_t*>(&note);
+  int32_t* to = reinterpret_cast<int32_t*>(ws.stop_note_at(me));
+  for (int i = threadIdx.x; i < static_cast<int>(sizeof(StopNote) / 4); i += blockDim.x) to[i] = from[i];
+  __syncthreads();
+  __threadfence_system();  // the report and the note before the poison: a kernel of mine or a
+                           // peer's seeing the poison sees both
   const int64_t M = ws.cfg.meta_slots, Nd = ws.cfg.disp_ring_chunks, Nc = ws.cfg.comb_ring_chunks;
   fill(ws.meta_ready_at(me), M, kReadyPoisoned);
   fill(RingView::dispatch(ws, me).ready, Nd, kReadyPoisoned);
@@ -76,8 +83,8 @@ __global__ void __launch_bounds__(kStopThreads) stop_rank_kernel(CommContext c) 
 
 }  // namespace
 
-cudaError_t launch_stop_rank(const CommContext& c, cudaStream_t s) {
-  return launch_kernel(c, stop_rank_kernel, 1, kStopThreads, 0, s, c);
+cudaError_t launch_stop_rank(const CommContext& c, const StopNote& note, cudaStream_t s) {
+  return launch_kernel(c, stop_rank_kernel, 1, kStopThreads, 0, s, c, note);
 }
 
 }  // namespace mok

@@ -29,8 +29,9 @@ from ..handle import DispatchHandle
 from ..rows import aligned_rows
 from . import bindings, library
 from .launch_policy import env_int, launch_policy
-from .errors import (ABANDONED_ENTRY_BYTES, ABANDONED_OFFSET, WAIT_KIND_COUNT, MokDeviceError,
-                     abandoned_waits, describe, stopped_message)
+from .errors import (ABANDONED_ENTRY_BYTES, ABANDONED_OFFSET, REASON_BYTES, WAIT_KIND_COUNT,
+                     MokDeviceError, MokDevicePeerStopped, abandoned_waits, describe, reason_bytes,
+                     stopped_message)
 from .peer_memory import PeerMemory
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -47,6 +48,7 @@ FILL_FIRST_MAX_BYTES = 64 << 20
 TIMEOUT = 1     # ErrorCode kTimeout (csrc/include/mok/config.h)
 BAD_EXPERT = 2  # ErrorCode kBadExpert (csrc/include/mok/config.h): a data error, not a protocol one
 EXPERT_OVERFLOW = 6  # ErrorCode kExpertOverflow: rows_per_expert too small, a data error too
+PEER_STOPPED = 7  # ErrorCode kPeerStopped: a peer stopped after an error of its own
 # Data errors leave the ring protocol intact and only the reporting rank knows: it launches its
 # transfer like its peers (they wait for its staged tokens), then raises.
 DATA_ERRORS = (BAD_EXPERT, EXPERT_OVERFLOW)
@@ -181,6 +183,9 @@ class CudaBackend:
             if self.mem.loopback:
                 buf.group.check_layout_fits(sms, blocks, -(-buf.max_tokens_per_rank // C))
         self.broken: Optional[str] = None
+        # (rank, reason) of the peer whose stop broke this backend: later calls raise the same
+        # MokDevicePeerStopped (_broken_error).
+        self.broken_by: Optional[tuple] = None
         # MOK_EAGER_STAGE_FIRST=1: the eager dispatch's staging kernel runs on the side stream
         # while the host reads R (module docstring). Events are reused: a wait binds to the
         # record made before it, so re-recording is safe.
@@ -279,7 +284,15 @@ class CudaBackend:
             raise RuntimeError("megatron_mok: this Buffer was destroyed (Buffer.destroy() freed its "
                                "CUDA backend's peer memory); make a new Buffer")
         if self.broken:
-            raise MokDeviceError(self.broken)
+            raise self._broken_error()
+
+    def _broken_error(self) -> MokDeviceError:
+        """The error every call raises once ``broken``: a :class:`MokDevicePeerStopped` where a
+        peer's stop broke this backend (its rank and reason kept), else a :class:`MokDeviceError`."""
+        by = getattr(self, "broken_by", None)
+        if by is not None:
+            return MokDevicePeerStopped(by[0], by[1], self.broken)
+        return MokDeviceError(self.broken)
 
     def _rows(self, t, name: str):
         """A tensor whose rows the kernels read (``x`` of a dispatch, ``expert_out`` of a combine,
@@ -307,31 +320,52 @@ class CudaBackend:
                 self._sync()
                 abandoned = abandoned_waits(self.error_words.cpu().tolist(),
                                             self.abandoned_words.cpu().tolist())
-            self.broken = describe(words, self.timeout_s, self.buf.max_recv_tokens, abandoned)
+            peer_reason = None
+            if words[0] == PEER_STOPPED:
+                peer_reason = self._peer_stop_note(int(words[2]))
+                self.broken_by = (int(words[2]), peer_reason)
+            self.broken = describe(words, self.timeout_s, self.buf.max_recv_tokens, abandoned,
+                                   peer_reason)
             # This rank stops here: its peers, maybe waiting for it in this very call (a data
             # error is this rank's alone), must not wait until their timeout. A failed stop
             # must not hide the device error (the peers then time out, as before).
             try:
-                self._stop_rank()
+                self._stop_rank(self.broken)
             except Exception as err:
                 warnings.warn(f"megatron_mok: rank {self.buf.rank} could not stop its peers after "
                               f"a device error ({err}); they will wait until their timeout")
-            raise MokDeviceError(self.broken)
+            raise self._broken_error()
+
+    def _peer_stop_note(self, peer: int) -> Optional[str]:
+        """The reason ``peer`` left in its workspace when it stopped (``mok_read_stop_note``),
+        or ``None`` when it left none or the read failed: the message then says where to look.
+        After this rank's kernels are done (they gave up their waits on the error): the copy
+        waits for them on this rank's stream."""
+        try:
+            self._sync()
+            text = ctypes.create_string_buffer(REASON_BYTES)
+            n = ctypes.c_int(-1)
+            if self.lib.mok_read_stop_note(self.ctx, peer, self._stream(), text, ctypes.byref(n)) != 0:
+                return None
+        except Exception:   # noqa: BLE001  (a message's detail: never hide the error itself)
+            return None
+        return text.raw[:n.value].decode("utf-8", "replace") if n.value >= 0 else None
 
     def abort(self, reason: str) -> None:
         """Stop this rank after an error of its own (:meth:`Buffer.abort`): every later call
         raises (``broken``), and its peers' waits for it end at once (:meth:`_stop_rank`)."""
         if self.broken is None and not self.destroyed:
             self.broken = stopped_message(self.buf.rank, reason)
-        self._stop_rank()
+        self._stop_rank(reason)
 
-    def _stop_rank(self) -> None:
+    def _stop_rank(self, reason: str) -> None:
         """``mok_stop_rank`` once, on the current stream after this rank's queued work (the side
         stream's too: nothing this rank publishes later may overwrite the poison): every flag a
         peer waits on for this rank becomes "stopped", so their waits end with an error naming
         this rank instead of a timeout. Not in a world of one rank, not while a CUDA graph is
         captured (the launch would only run at a replay; the peers are capturing, not waiting),
-        not after destroy()."""
+        not after destroy(). ``reason`` (its first :data:`REASON_BYTES` bytes, without the
+        package's prefix) is left in the workspace for the peers' messages."""
         if (self.stopped or self.destroyed or self.buf.world_size == 1 or not getattr(self, "ctx", None)
                 or torch.cuda.is_current_stream_capturing()):
             return
@@ -339,7 +373,8 @@ class CudaBackend:
         main = torch.cuda.current_stream(self.device)
         if getattr(self, "side_stream", None) is not None:
             main.wait_stream(self.side_stream)
-        self._check(self.lib.mok_stop_rank(self.ctx, self._stream()))
+        note = reason_bytes(reason.removeprefix("megatron_mok: "))
+        self._check(self.lib.mok_stop_rank(self.ctx, self._stream(), note, len(note)))
 
     def trace_view(self) -> torch.Tensor:
         """Diagnostics: ``[kTraceBlocks, 2]`` int64 view of the start/end times (globaltimer ns)

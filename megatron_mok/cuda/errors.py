@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 ERROR_CODES = {
     1: "timeout",
     2: "bad expert id",
@@ -59,6 +61,18 @@ def abandoned_waits(report, table_words) -> list:
     return out
 
 
+# Bytes of reason a rank that stops leaves its peers: the CUDA backend's stop note
+# (csrc/include/mok/config.h kStopNoteBytes, workspace.h StopNote) and the reference backend's
+# status record (megatron_mok/comm.py) alike.
+REASON_BYTES = 240
+
+
+def reason_bytes(reason: str) -> bytes:
+    """``reason`` as UTF-8, cut to :data:`REASON_BYTES` on a character boundary (what a peer
+    receives; the rank's own message keeps it whole)."""
+    return reason.encode("utf-8")[:REASON_BYTES].decode("utf-8", "ignore").encode("utf-8")
+
+
 def stopped_message(rank: int, reason: str) -> str:
     """What every backend of a Buffer stopped on this rank (``Buffer.abort``) raises at its later
     calls, the backward's included."""
@@ -67,13 +81,14 @@ def stopped_message(rank: int, reason: str) -> str:
 
 
 class MokPeerStopped(RuntimeError):
-    """The reference backend's peer error: rank ``rank`` stopped this Buffer after an error of
-    its own (``reason``), which it told its peers in this call's first exchange (or every rank
-    found it in the call's exchanged routing: another rank's overflow). The CUDA backend's
-    peers raise :class:`MokDeviceError` ("peer stopped") for the same event."""
+    """A peer's stop: rank ``rank`` stopped this Buffer after an error of its own, and
+    ``reason`` is what it said (at most :data:`REASON_BYTES` of it; ``None`` where the CUDA
+    backend could not read it). Reference backend: told in this call's first exchange (or
+    every rank found it in the call's exchanged routing: another rank's overflow). CUDA
+    backend: :class:`MokDevicePeerStopped`, which is also a :class:`MokDeviceError`."""
 
-    def __init__(self, rank: int, reason: str):
-        super().__init__(stopped_message(rank, reason))
+    def __init__(self, rank: int, reason, message: Optional[str] = None):
+        super().__init__(message if message is not None else stopped_message(rank, reason))
         self.rank, self.reason = rank, reason
 
 
@@ -81,9 +96,18 @@ class MokDeviceError(RuntimeError):
     """An error reported by the MoK kernels (timeout, bad routing, overflow)."""
 
 
-def describe(report, timeout_s: float, max_recv_tokens, abandoned=()) -> str:
+class MokDevicePeerStopped(MokDeviceError, MokPeerStopped):
+    """The CUDA backend's peer error: this rank's kernels found rank ``rank``'s flags poisoned
+    (it stopped after an error of its own, ``Buffer.abort``), and ``reason`` is the note that
+    rank's stop kernel left in its workspace (``None`` if it could not be read). Caught as
+    either parent: a device error to code written for the CUDA backend, a peer's stop to code
+    written for both backends."""
+
+
+def describe(report, timeout_s: float, max_recv_tokens, abandoned=(), peer_reason=None) -> str:
     """Human-readable message for an ``ErrorReport`` read as 8 int32 words; ``abandoned``:
-    the other waits this rank gave up after a timeout (:func:`abandoned_waits`)."""
+    the other waits this rank gave up after a timeout (:func:`abandoned_waits`);
+    ``peer_reason``: for a peer's stop (code 7), the note it left (:class:`MokDevicePeerStopped`)."""
     code, rank, peer, what = (int(v) for v in report[:4])
     detail = _word64(report[4], report[5])
     kind = ERROR_CODES.get(code, f"error code {code}")
@@ -125,22 +149,23 @@ def describe(report, timeout_s: float, max_recv_tokens, abandoned=()) -> str:
     if code == 4:
         return (f"megatron_mok: rank {rank} stopped this Buffer after an error of its own (its "
                 "first error said which); it can no longer be used on any rank of its group.")
-    if code == 7 and what in (1, 5):
-        before = (f"publishing its routing for this dispatch (routing call {detail})" if what == 1
-                  else f"staging its partial sums for this combine (combine ring generation {detail})")
-        return (f"megatron_mok: rank {rank}: rank {peer} stopped after an error of its own (see "
-                f"its message: e.g. an input refused there, more tokens than max_tokens_per_rank, "
-                f"or a device error it read) before {before}, so this call's outputs are not "
-                "valid. This Buffer can no longer be used.")
-    if code == 7 and what == PEER_STOPPED_WHILE_READ:
-        return (f"megatron_mok: rank {rank}: rank {peer} stopped after an error of its own (see "
-                f"its message) while this rank was reading its staged tokens (dispatch ring "
-                f"generation {detail}); its next staging may have overwritten them under this "
-                "rank's reads, so this call's outputs are not valid. This Buffer can no longer be "
-                "used.")
     if code == 7:
-        return (f"megatron_mok: rank {rank}: rank {peer} stopped after an error of its own (see "
-                f"its message) while this rank had not yet read its staged tokens (dispatch ring "
+        # The peer's own words where its stop note could be read, else where to look for them.
+        why = (f"({peer_reason})" if peer_reason else
+               "(see its message: e.g. an input refused there, more tokens than "
+               "max_tokens_per_rank, or a device error it read)")
+        stopped = f"megatron_mok: rank {rank}: rank {peer} stopped after an error of its own {why}"
+        if what in (1, 5):
+            before = (f"publishing its routing for this dispatch (routing call {detail})" if what == 1
+                      else f"staging its partial sums for this combine (combine ring generation {detail})")
+            return (f"{stopped} before {before}, so this call's outputs are not valid. This Buffer "
+                    "can no longer be used.")
+        if what == PEER_STOPPED_WHILE_READ:
+            return (f"{stopped} while this rank was reading its staged tokens (dispatch ring "
+                    f"generation {detail}); its next staging may have overwritten them under this "
+                    "rank's reads, so this call's outputs are not valid. This Buffer can no longer "
+                    "be used.")
+        return (f"{stopped} while this rank had not yet read its staged tokens (dispatch ring "
                 f"generation {detail}); they may have been overwritten, so this rank did not read "
                 "them and this call's outputs are not valid. This Buffer can no longer be used.")
     return f"megatron_mok: rank {rank}: {kind} (peer {peer}, wait kind {what}, detail {detail})"

@@ -94,6 +94,9 @@ constexpr int kMaxRanks = 64;
 constexpr int kMaxTopk = 32;
 // Largest expert_alignment (FP8 grouped GEMMs ask for 16-256 rows).
 constexpr int kMaxExpertAlignment = 1024;
+// Bytes of reason text a rank that stops leaves for its peers (workspace.h StopNote; the
+// reference backend's status record carries as many: megatron_mok/comm.py).
+constexpr int kStopNoteBytes = 240;
 // Spin loops read the clock only every this many polls.
 constexpr int kPollsPerClockRead = 16;
 // Sleep between polls of a flag: doubles from the first to the second value.

@@ -121,7 +121,7 @@ bool dispatch_call_fits_ring(const Workspace& ws);
 // Stop this rank after an error of its own: once its peers have read what it published last,
 // poison every flag they wait on for it and give up its waits for their releases
 // (kernels/stop_rank.cu). One block on `s`.
-cudaError_t launch_stop_rank(const CommContext& c, cudaStream_t s);
+cudaError_t launch_stop_rank(const CommContext& c, const StopNote& note, cudaStream_t s);
 
 // rows x [a row | b row | zeros] into dst rows of dst_bytes (the FP8 dispatch's pack); every
 // width a multiple of 16 bytes, a_bytes + b_bytes <= dst_bytes, pointers 16-byte aligned.

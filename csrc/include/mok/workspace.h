@@ -5,6 +5,8 @@
 //
 //   error        ErrorReport                     first error seen by this rank's kernels
 //   counters     SeqCounters                     this rank's call numbers (private)
+//   stop_note    StopNote                        why this rank stopped (mok_stop_rank writes it
+//                                                before its poison; peers' hosts read it after)
 //   trace        [kTraceBlocks][2] u64           first start / last end (globaltimer ns) of each
 //                                                block of the last transfer kernel (diagnostics)
 //   meta_ready   [M]      u64  routing slot m holds routing call g when == g+1 (owner writes)
@@ -58,6 +60,17 @@ struct ErrorReport {
 static_assert(sizeof(AbandonedWait) == 16, "errors.py reads 16-byte entries");
 static_assert(offsetof(ErrorReport, abandoned) == 32, "errors.py reads the table at byte 32");
 
+// Why this rank stopped after an error of its own (kernels/stop_rank.cu): written once, by the
+// stop kernel, before the system fence that precedes its poison, so a peer whose wait ended on
+// the poison finds the note complete when its host reads it (mok_read_stop_note). 256 bytes:
+// megatron_mok/cuda/errors.py (STOP_NOTE_BYTES) mirrors the text's size.
+struct StopNote {
+  int32_t length_plus_one;  // 0: no note (the workspace starts zeroed); else 1 + bytes of text
+  int32_t pad[3];
+  char text[kStopNoteBytes];  // UTF-8, not terminated
+};
+static_assert(sizeof(StopNote) == 256, "one 256-byte region");
+
 // Call numbers live on the device, so CUDA-graph replays advance them like eager calls do.
 // Every rank makes the same calls in the same order, so the numbers agree across ranks.
 // An eager dispatch runs its staging and its pulls as two kernels on two streams (see
@@ -96,7 +109,7 @@ __host__ __device__ inline size_t align_up(size_t v, size_t a) { return (v + a -
 struct Workspace {
   WorkspaceConfig cfg;
   // Byte offsets of each region from the workspace base.
-  size_t error, counters, trace, meta_ready, meta_released;
+  size_t error, counters, stop_note, trace, meta_ready, meta_released;
   size_t disp_ready, disp_released, disp_gen, disp_readers, disp_done;
   size_t comb_ready, comb_released, comb_gen, comb_readers, comb_done, comb_arrived;
   size_t meta, meta_slot_bytes;
@@ -112,6 +125,7 @@ struct Workspace {
     auto take = [&](size_t bytes) { size_t at = off; off = align_up(off + bytes, 256); return at; };
     w.error = take(sizeof(ErrorReport));
     w.counters = take(sizeof(SeqCounters));
+    w.stop_note = take(sizeof(StopNote));
     // Stamp builds (MOK_LAYOUT_STAMPS, config.h) add a second 4 KB for the layout stamps, so the
     // transfer kernels' traces never overwrite them.
     w.trace = take(kTraceBlocks * 2 * 8 * (MOK_LAYOUT_STAMPS ? 2 : 1));
@@ -143,6 +157,7 @@ struct Workspace {
   // Typed views into one rank's workspace (base = that rank's pointer).
   __host__ __device__ ErrorReport* error_at(char* base) const { return (ErrorReport*)(base + error); }
   __host__ __device__ SeqCounters* counters_at(char* base) const { return (SeqCounters*)(base + counters); }
+  __host__ __device__ StopNote* stop_note_at(char* base) const { return (StopNote*)(base + stop_note); }
   __host__ __device__ uint64_t* meta_ready_at(char* base) const { return (uint64_t*)(base + meta_ready); }
   __host__ __device__ uint64_t* meta_released_at(char* base, int reader) const {
     return (uint64_t*)(base + meta_released) + (size_t)reader * cfg.meta_slots;

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Session 38's one-GPU calls (benchmarks/NOTES.md, item 57).
+#
+#   bash scripts/device_runs/s38_1gpu.sh COMMIT "PARTS" [FUZZ_S]
+#     PARTS: any of stopnote regress mutants refstop
+#
+# stopnote  item 57 (the CUDA peers quote the stopping rank's reason, C ABI 18): the CUDA stop
+#           tests (tests/test_stop_rank.py: loopback ranks, and processes sharing the GPU), the
+#           C ABI tests, the device-error message tests.
+# regress   the one-GPU regression selections (common.sh).
+# mutants   the stop note's two CUDA mutants (scripts/mutation_audit_cuda.py; the libraries
+#           built here into .mutants38: carried).
+# refstop   the reference backend's stop twins (tests/test_reference_stop.py: 2 processes
+#           sharing the GPU; comm.py now takes its reason size from cuda/errors.py).
+# Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
+# Carry: megatron_mok/_lib, .mutants38 (mutants).
+C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
+. "$(dirname "$0")/common.sh"
+for PART in $PARTS; do
+t0=$SECONDS
+case $PART in
+stopnote)
+  MOK_TEST_SHARED_GPU=1 run_pytest stopnote 360 -m "gpu or multigpu" --durations=8 \
+    tests/test_stop_rank.py tests/test_cuda_library_abi.py tests/test_device_errors.py ;;
+regress)
+  regress_selections ;;
+mutants)
+  timeout -k 10 ${MUTANTS_LIMIT_S:-300} python3 scripts/mutation_audit_cuda.py run --libs .mutants38 \
+    --out $R/audit --only stop_note_not_written,stop_note_read_from_self \
+    --fuzz-seconds 0 > $R/audit.log 2>&1
+  echo "[mutants] rc=$?"; tail -8 $R/audit.log ;;
+refstop)
+  MOK_TEST_SHARED_GPU=1 run_pytest refstop 240 -m "gpu or multigpu" tests/test_reference_stop.py ;;
+*) echo "unknown part $PART"; exit 2 ;;
+esac
+echo "[$PART] $((SECONDS - t0)) s"
+done
+fuzz $FUZZ fuzz
+cd $OUT && tar czf r.tgz r && rm -rf r
