@@ -86,7 +86,8 @@ class Buffer:
         ring_bytes: CUDA backend: size of each staging ring in bytes (default 256 MiB).
         timeout_s: CUDA backend: a spin-wait that sees no progress for this long reports
             rank, peer and what it waited for, and the call raises (default
-            ``$MOK_TIMEOUT_S`` or 60 s).
+            ``$MOK_TIMEOUT_S`` or 60 s). Reference backend: the longest any of its
+            collectives waits for the group's other ranks, then ``MokTimeout``.
         expert_alignment: ``A >= 1``. With ``A > 1`` each local expert's rows are followed
             by zero rows up to a multiple of ``A`` rows (``probs`` 0, ``src_rank`` /
             ``src_token`` -1); ``R`` and ``tokens_per_expert`` count them, ``combine`` never
@@ -312,8 +313,9 @@ class Buffer:
         before their own exchange), the one ``skipped_call=True`` says this rank will not make
         (the Megatron adapter's check before a dispatch), or else this rank's next call (which
         then raises). Aborted between calls and never calling again, a rank leaves its peers
-        waiting in their next call until the process group's timeout (or until its process
-        exits: gloo then fails their collective).
+        waiting in their next call until their ``timeout_s``: they raise
+        :class:`~megatron_mok.cuda.errors.MokTimeout` (or, sooner, until its process exits:
+        gloo then fails their collective).
 
         Afterwards every call on this rank raises, naming ``reason``; on every rank the Buffer
         can no longer be used (make a new one everywhere). Idempotent; nothing to stop in a

@@ -8,13 +8,15 @@ collectives go through its hub.
 
 from __future__ import annotations
 
+import os
 import time
+from datetime import timedelta
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .cuda.errors import REASON_BYTES, reason_bytes
+from .cuda.errors import REASON_BYTES, MokTimeout, reason_bytes
 from .loopback import current as current_loopback
 from .loopback import is_loopback
 
@@ -36,8 +38,43 @@ def group_rank_size(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def all_gather_exact(t: torch.Tensor, group, world_size: int) -> torch.Tensor:
-    """Gather ``t`` (same shape on every rank) into ``[W, *t.shape]``, bit-exact."""
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def timeout_seconds(timeout_s: Optional[float]) -> float:
+    """A Buffer's ``timeout_s``: as given, else ``$MOK_TIMEOUT_S``, else 60 s (both backends)."""
+    if timeout_s is not None:
+        return float(timeout_s)
+    return float(os.environ.get("MOK_TIMEOUT_S") or DEFAULT_TIMEOUT_S)
+
+
+def wait_bounded(work, group, timeout_s: float) -> bool:
+    """Wait for the async collective ``work`` up to ``timeout_s``: whether it completed (if not,
+    it stays queued in the group). gloo waits with its own timeout; other backends (NCCL) are
+    polled (their ``wait`` only orders the stream)."""
+    if dist.get_backend(group) == "gloo":
+        try:
+            work.wait(timeout=timedelta(seconds=timeout_s))
+            return True
+        except RuntimeError as err:     # "Operation timed out!"; a peer gone raises otherwise
+            if "timed out" in str(err).lower() and not work.is_completed():
+                return False
+            raise
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    work.wait()
+    return True
+
+
+def all_gather_exact(t: torch.Tensor, group, world_size: int, timeout_s: Optional[float] = None,
+                     what: str = "a collective") -> torch.Tensor:
+    """Gather ``t`` (same shape on every rank) into ``[W, *t.shape]``, bit-exact. With
+    ``timeout_s``: raise :class:`~megatron_mok.cuda.errors.MokTimeout` (naming ``what``) when
+    the group's other ranks have not all joined within it (not while a CUDA graph is captured,
+    where nothing runs yet; a loopback group has its hub's own timeout)."""
     t = t.contiguous()
     if world_size == 1 or t.numel() == 0:   # nothing to exchange (T_max = 0 gives empty tensors)
         return t.unsqueeze(0).expand(world_size, *t.shape).clone()
@@ -45,7 +82,12 @@ def all_gather_exact(t: torch.Tensor, group, world_size: int) -> torch.Tensor:
         return group.all_gather(t)
     flat = t.view(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
     outs: List[torch.Tensor] = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(outs, flat, group=group)
+    if timeout_s is None or (flat.is_cuda and torch.cuda.is_current_stream_capturing()):
+        dist.all_gather(outs, flat, group=group)
+    else:
+        work = dist.all_gather(outs, flat, group=group, async_op=True)
+        if not wait_bounded(work, group, timeout_s):
+            raise MokTimeout(dist.get_rank(group), what, timeout_s)
     return torch.stack(outs).view(t.dtype).view(world_size, *t.shape)
 
 
@@ -90,15 +132,18 @@ def _read_status(all_rec: torch.Tensor) -> Tuple[torch.Tensor, Dict[int, str]]:
     return all_rec[:, 1:1 + STATUS_VALUES], stops
 
 
-def exchange_status(values: Sequence[int], group, world_size: int,
-                    device) -> Tuple[torch.Tensor, Dict[int, str]]:
+def exchange_status(values: Sequence[int], group, world_size: int, device,
+                    timeout_s: Optional[float] = None,
+                    what: str = "a status exchange") -> Tuple[torch.Tensor, Dict[int, str]]:
     """The first collective of every reference-backend call: every rank's ``values`` (up to
     :data:`STATUS_VALUES` host ints) and which ranks stopped instead of making the call.
 
     Returns ``(values [W, STATUS_VALUES] int64 on the CPU, {rank: stop reason})``. A rank that
     stops posts the same record with its reason (:func:`post_stop`), so it matches this
-    collective whatever call its peers are in."""
-    return _read_status(all_gather_exact(_status_record(values, None, device), group, world_size))
+    collective whatever call its peers are in. ``timeout_s``: as :func:`all_gather_exact`'s
+    (a peer that never makes the call, nor posts a stop, ends in ``MokTimeout``)."""
+    rec = _status_record(values, None, device)
+    return _read_status(all_gather_exact(rec, group, world_size, timeout_s, what))
 
 
 def post_stop(reason: str, group, world_size: int, device, timeout_s: float) -> bool:
@@ -115,13 +160,7 @@ def post_stop(reason: str, group, world_size: int, device, timeout_s: float) -> 
     flat = rec.view(torch.uint8)
     outs = [torch.empty_like(flat) for _ in range(world_size)]
     work = dist.all_gather(outs, flat, group=group, async_op=True)
-    deadline = time.monotonic() + timeout_s
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    work.wait()
-    return True
+    return wait_bounded(work, group, timeout_s)
 
 
 def status_device(group, hint=None) -> torch.device:

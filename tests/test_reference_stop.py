@@ -25,7 +25,7 @@ import torch.distributed as dist
 import megatron_mok as mok
 from harness import (gpus_for, in_loopback, loopback_barrier, make_inputs, rank_device,
                      run_distributed, run_loopback)
-from megatron_mok.cuda.errors import MokPeerStopped
+from megatron_mok.cuda.errors import MokPeerStopped, MokTimeout
 
 TIMEOUT_S = 30.0
 FAST_S = 10.0
@@ -265,6 +265,113 @@ def _late_peer(rank, world_size):
 
 def test_reference_stop_reaches_a_peer_that_comes_later():
     assert run_distributed(_late_peer, 2, timeout=60, fresh=True) == ["told", "warned"]
+
+
+def _never_calls_again(rank, world_size):
+    """Rank 1 stops between calls (``abort()``: it tells nobody) and makes no MoK call for a
+    while; its process goes on. Its peers' next dispatch ends in ``MokTimeout`` after the
+    Buffer's ``timeout_s`` (2 s), not at the group's timeout (180 s here), naming the status
+    exchange; then they refuse without any exchange. When rank 1 calls at last (refused, it
+    posts its stop) its post completes the peers' queued exchange, so the group ends healthy."""
+    buf = _buffer(world_size, rank, timeout_s=2.0)
+    x, idx, w = _inputs(rank, world_size)
+    buf.dispatch(x, idx, w)                       # one good call on every rank first
+    if rank == 1:
+        buf.abort("never calls again")
+        time.sleep(5.0)
+        with warnings.catch_warnings():           # its post must complete (pairs with theirs)
+            warnings.filterwarnings("error", message=".*could not tell its peers")
+            with pytest.raises(RuntimeError, match="never calls again"):
+                buf.dispatch(x, idx, w)
+        assert _group_still_works(rank, world_size)
+        return None
+    t0 = time.monotonic()
+    with pytest.raises(MokTimeout, match=r"timed out after 2 s .* in the status exchange of a "
+                                         r"dispatch \(reference backend\)") as info:
+        buf.dispatch(x, idx, w)
+    took = time.monotonic() - t0
+    assert info.value.rank == rank and info.value.timeout_s == 2.0
+    with pytest.raises(RuntimeError, match=f"stopped on rank {rank} .*MokTimeout"):
+        buf.dispatch(x, idx, w)                   # refused, no exchange (it would pair wrongly)
+    with pytest.raises(RuntimeError, match=f"rank {rank} stopped this Buffer .*timed out"):
+        buf._get_backend("reference").combine_prob_grads(None, _zeros(rank, 1))
+    assert _group_still_works(rank, world_size)
+    return took
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_reference_peers_of_a_rank_that_never_calls_again_time_out(world_size):
+    out = run_distributed(_never_calls_again, world_size, timeout=60, fresh=True)
+    assert out[1] is None
+    for rank, took in enumerate(out):
+        if rank != 1:
+            assert 1.9 < took < FAST_S, f"rank {rank} raised after {took:.1f} s (timeout 2 s)"
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(not gpus_for(2), reason="needs 2 GPUs (or MOK_TEST_SHARED_GPU=1)")
+@pytest.mark.parametrize("world_size", (2,))
+def test_reference_peers_of_a_rank_that_never_calls_again_time_out_on_gpus(world_size):
+    out = run_distributed(_never_calls_again, world_size, backend="nccl", timeout=120, fresh=True)
+    assert out[1] is None and 1.9 < out[0] < FAST_S, out
+
+
+def _late_gather(rank, world_size, what):
+    """``all_gather_exact`` with a timeout of 1 s where rank 1 joins after 3 s: rank 0 raises
+    ``MokTimeout`` naming ``what``; its gather stays queued, and rank 1's completes it."""
+    from megatron_mok.comm import all_gather_exact
+
+    t = torch.full((5,), float(rank + 1))
+    if rank == 1:
+        time.sleep(3.0)
+        got = all_gather_exact(t, None, world_size, 1.0, what)
+    else:
+        with pytest.raises(MokTimeout, match=f"rank 0 timed out after 1 s .* in {what} "):
+            all_gather_exact(t, None, world_size, 1.0, what)
+        got = None
+    assert _group_still_works(rank, world_size)
+    return None if got is None else got[:, 0].tolist()
+
+
+def test_a_bounded_gather_times_out_and_stays_queued():
+    assert run_distributed(_late_gather, 2, "a test gather", timeout=60, fresh=True) == [None, [1.0, 2.0]]
+
+
+def test_a_timeout_in_a_later_collective_stops_the_rank(monkeypatch):
+    # A MokTimeout past the status exchange (a peer that stalled inside the call): this rank
+    # refuses from then on, naming the collective, and never posts a stop (it would pair with
+    # the peers' next collective, its own being queued).
+    import megatron_mok.backends.reference as ref
+
+    buf = _buffer(1)
+    be = buf._get_backend("reference")
+    seen = []
+
+    def stalled(t, group, world_size, timeout_s, what):
+        seen.append((timeout_s, what))
+        raise MokTimeout(0, what, timeout_s)
+
+    monkeypatch.setattr(ref, "all_gather_exact", stalled)
+    x, idx, w = _inputs(0, 1)
+    with pytest.raises(MokTimeout, match="a dispatch's routing exchange"):
+        buf.dispatch(x, idx, w)
+    assert seen == [(TIMEOUT_S, "a dispatch's routing exchange")]
+    assert be.told and "routing exchange" in be.aborted
+    posted = []
+    monkeypatch.setattr(ref, "post_stop", lambda *a: posted.append(a) or True)
+    with pytest.raises(RuntimeError, match="rank 0 stopped this Buffer .*routing exchange"):
+        buf.dispatch(x, idx, w)
+    assert posted == []
+
+
+def test_the_timeout_defaults_to_mok_timeout_s(monkeypatch):
+    from megatron_mok.comm import timeout_seconds
+
+    monkeypatch.delenv("MOK_TIMEOUT_S", raising=False)
+    assert timeout_seconds(None) == 60.0 and timeout_seconds(3) == 3.0
+    monkeypatch.setenv("MOK_TIMEOUT_S", "7.5")
+    assert timeout_seconds(None) == 7.5 and timeout_seconds(2.0) == 2.0
 
 
 def _world_of_one(rank, world_size):

@@ -12,14 +12,16 @@ reduction.
 
 from __future__ import annotations
 
+import contextlib
+
 import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ..comm import all_gather_exact, exchange_status, post_stop, status_device
-from ..cuda.errors import MokPeerStopped, stopped_message
+from ..comm import all_gather_exact, exchange_status, post_stop, status_device, timeout_seconds
+from ..cuda.errors import MokPeerStopped, MokTimeout, stopped_message
 from ..validation import recv_overflow_message, rows_per_expert_message
 from ..fp8 import PairRows
 from ..loopback import settle  # host-syncing ops below: wait for the stream first there
@@ -178,7 +180,7 @@ class ReferenceBackend:
         if self.told or self.aborted is None or b.world_size == 1:
             return
         self.told = True
-        timeout_s = b.timeout_s if b.timeout_s is not None else 60.0
+        timeout_s = timeout_seconds(b.timeout_s)
         try:
             dev = status_device(b.group, device if device is not None else b.device)
             why = None if post_stop(self.aborted, b.group, b.world_size, dev, timeout_s) else \
@@ -189,14 +191,38 @@ class ReferenceBackend:
             warnings.warn(f"megatron_mok: rank {b.rank} could not tell its peers that it stopped "
                           f"({why}); they wait until their process group's timeout")
 
-    def _enter(self, device, values=()) -> torch.Tensor:
+    def _gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """``all_gather_exact`` of ``t`` over the group, waited for up to the Buffer's
+        ``timeout_s``: past it, :class:`MokTimeout` (``what`` names the collective), and this
+        rank refuses every later call (its collective stays queued, so it must not post a stop:
+        the post would pair with a peer's next collective)."""
+        b = self.buf
+        with self._timing_out():
+            return all_gather_exact(t, b.group, b.world_size, timeout_seconds(b.timeout_s), what)
+
+    @contextlib.contextmanager
+    def _timing_out(self):
+        """A collective that may raise :class:`MokTimeout`: then this rank refuses every later
+        call, and tells nobody (its collective stays queued: a post would pair with it)."""
+        try:
+            yield
+        except MokTimeout as err:
+            self.abort(str(err))
+            self.told = True
+            raise
+
+    def _enter(self, device, call: str, values=()) -> torch.Tensor:
         """A call's first collective, the status exchange: ``values [W, STATUS_VALUES]``
         (int64, CPU) of every rank; raises :class:`MokPeerStopped` if a peer stopped in its
-        place (then every rank knows: the lowest such rank is named everywhere)."""
+        place (then every rank knows: the lowest such rank is named everywhere), and
+        :class:`MokTimeout` if a peer neither made the call (``call`` names it) nor posted a
+        stop within ``timeout_s``."""
         self._alive(device)
         b = self.buf
         b._status_due = False          # from here an error of this call is not a skipped call
-        vals, stops = exchange_status(values, b.group, b.world_size, device)
+        with self._timing_out():
+            vals, stops = exchange_status(values, b.group, b.world_size, device,
+                                          timeout_seconds(b.timeout_s), f"the status exchange of {call}")
         if stops:
             r = min(stops)
             self.abort(stops[r], rank=r)
@@ -245,7 +271,7 @@ class ReferenceBackend:
         W, t_max, K = b.world_size, b.max_tokens_per_rank, b.topk
         T = x.shape[0]
         none = -1
-        vals = self._enter(x.device, [
+        vals = self._enter(x.device, "a dispatch", [
             T, none if b.max_recv_tokens is None else b.max_recv_tokens,
             none if rows_per_expert is None else rows_per_expert,
             none if recv_budget is None else recv_budget, b.expert_alignment])
@@ -254,8 +280,8 @@ class ReferenceBackend:
         idx[:T] = topk_idx.to(torch.int64)
         w = torch.zeros(t_max, K, dtype=torch.float32, device=x.device)
         w[:T] = topk_weights
-        all_idx = all_gather_exact(idx, b.group, W)
-        all_w = all_gather_exact(w, b.group, W)
+        all_idx = self._gather(idx, "a dispatch's routing exchange")
+        all_w = self._gather(w, "a dispatch's routing exchange")
         self._check_rows_everywhere(all_idx, counts, vals)
         all_x = self._gather_tokens(x)
 
@@ -307,7 +333,7 @@ class ReferenceBackend:
         """Rows of ``x`` (``[T, H]`` on every rank) in the layout of ``handle``."""
         x = _byte_rows(x)
         settle(x.device)
-        self._enter(x.device)
+        self._enter(x.device, "a cached dispatch")
         all_x = self._gather_tokens(x)
         R = handle.num_rows
         out = x.new_zeros(handle.num_out_rows, x.shape[1])
@@ -319,7 +345,7 @@ class ReferenceBackend:
     def combine(self, expert_out, handle: DispatchHandle, grad_probs: Optional[torch.Tensor] = None):
         """``y [T, H]`` per the contract; with ``grad_probs [R]`` also ``grad_topk_weights [T, K]``."""
         settle(expert_out.device)
-        self._enter(expert_out.device)
+        self._enter(expert_out.device, "a combine")
         b = self.buf
         W, t_max, K, H = b.world_size, b.max_tokens_per_rank, b.topk, b.hidden
         lay: ReferenceLayout = handle.state
@@ -333,7 +359,7 @@ class ReferenceBackend:
             live = rows >= 0
             partial[lay.task_key[live]] += expert_out[rows[live]].float()
         partial = partial.to(b.combine_partial_dtype)
-        all_partial = all_gather_exact(partial, b.group, W).view(W, W, t_max, H)
+        all_partial = self._gather(partial, "a combine's partial sums").view(W, W, t_max, H)
         mine = all_partial[:, b.rank, :T]                     # [W, T, H]
 
         # 2. Owner: the partials of the ranks holding rows of t, in rank order, from +0.0.
@@ -349,7 +375,7 @@ class ReferenceBackend:
         """``grad_topk_weights [T, K]`` float32 from ``grad_probs [R]``: each row's prob gradient
         back to its source slot (the side values of a combine, with no row data)."""
         settle(grad_probs.device)
-        self._enter(grad_probs.device)
+        self._enter(grad_probs.device, "a prob-gradient combine")
         return self._prob_grads(handle, grad_probs)
 
     def _prob_grads(self, handle: DispatchHandle, grad_probs: torch.Tensor) -> torch.Tensor:
@@ -362,7 +388,7 @@ class ReferenceBackend:
         live = lay.row_k >= 0                # not the zero rows of expert_alignment
         key = handle.src_rank[:R][live] * t_max + handle.src_token[:R][live]
         side[key, lay.row_k[live]] = grad_probs[:R][live].float()
-        all_side = all_gather_exact(side, b.group, W).view(W, W, t_max, K)[:, b.rank, :T]
+        all_side = self._gather(side, "a prob-gradient exchange").view(W, W, t_max, K)[:, b.rank, :T]
         grad_w = torch.zeros(T, K, dtype=torch.float32, device=dev)
         for d in range(W):              # exactly one rank holds each routed slot
             grad_w += all_side[d]
@@ -376,4 +402,4 @@ class ReferenceBackend:
         b = self.buf
         padded = x.new_zeros(b.max_tokens_per_rank, x.shape[1])
         padded[: x.shape[0]] = x
-        return all_gather_exact(padded, b.group, b.world_size)
+        return self._gather(padded, "a dispatch's token exchange")

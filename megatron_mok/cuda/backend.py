@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from ..comm import all_gather_ints
+from ..comm import all_gather_ints, timeout_seconds
 from ..fp8 import PairRows
 from ..handle import DispatchHandle
 from ..rows import aligned_rows
@@ -37,7 +37,6 @@ from .peer_memory import PeerMemory
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 DEFAULT_NUM_SMS = 24
 DEFAULT_RING_BYTES = 256 << 20
-DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_CHUNK_TOKENS = 64
 # Row width (elements) of the combine that carries only prob gradients (combine_prob_grads):
 # the narrowest the combine kernels take (one 16-byte vector of bf16).
@@ -131,8 +130,7 @@ class CudaBackend:
                                        META_SLOTS, disp_chunks, comb_chunks, buf.expert_alignment)
         if not self.ctx:
             raise ValueError(f"megatron_mok: {self.lib.mok_last_error().decode()}")
-        self.timeout_s = (buf.timeout_s if buf.timeout_s is not None
-                          else float(os.environ.get("MOK_TIMEOUT_S") or DEFAULT_TIMEOUT_S))
+        self.timeout_s = timeout_seconds(buf.timeout_s)
         nbytes = self.lib.mok_workspace_bytes(self.ctx)
         # The eager dispatch's host report (R, tasks, the speculative verdict, 0, then 8 error
         # words), written by the layout's scan kernel straight into mapped pinned memory: the

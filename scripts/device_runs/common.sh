@@ -58,3 +58,10 @@ regress_selections() {  # the one-GPU regression selections (sessions 35-36): th
   run_pytest schedules 120 -m "gpu and not multigpu" tests/test_cuda_loopback.py \
     -k "alternative_schedules or combine_split or streamed_produce or speculative"
 }
+
+cuda_mutants() {  # cuda_mutants LIBS ONLY FUZZ_S: scripts/mutation_audit_cuda.py run of the mutants
+    # ONLY (comma-separated; their libraries carried in LIBS) into $R/audit
+  timeout -k 10 ${MUTANTS_LIMIT_S:-300} python3 scripts/mutation_audit_cuda.py run --libs $1 \
+    --out $R/audit --only $2 --fuzz-seconds $3 > $R/audit.log 2>&1
+  echo "[mutants] rc=$?"; tail -8 $R/audit.log
+}

@@ -31,10 +31,7 @@ budget)
 regress)
   regress_selections ;;
 mutants)
-  timeout -k 10 ${MUTANTS_LIMIT_S:-300} python3 scripts/mutation_audit_cuda.py run --libs .mutants37 \
-    --out $R/audit --only budget_drop_reported_as_error,budget_rows_received_clamped \
-    --fuzz-seconds 30 > $R/audit.log 2>&1
-  echo "[mutants] rc=$?"; tail -8 $R/audit.log ;;
+  cuda_mutants .mutants37 budget_drop_reported_as_error,budget_rows_received_clamped 30 ;;
 unfixed)
   rm -rf /tmp/unfixed && mkdir /tmp/unfixed && cp -a . /tmp/unfixed/
   python3 - <<'PY'

@@ -25,10 +25,7 @@ stopnote)
 regress)
   regress_selections ;;
 mutants)
-  timeout -k 10 ${MUTANTS_LIMIT_S:-300} python3 scripts/mutation_audit_cuda.py run --libs .mutants38 \
-    --out $R/audit --only stop_note_not_written,stop_note_read_from_self \
-    --fuzz-seconds 0 > $R/audit.log 2>&1
-  echo "[mutants] rc=$?"; tail -8 $R/audit.log ;;
+  cuda_mutants .mutants38 stop_note_not_written,stop_note_read_from_self 0 ;;
 refstop)
   MOK_TEST_SHARED_GPU=1 run_pytest refstop 240 -m "gpu or multigpu" tests/test_reference_stop.py ;;
 *) echo "unknown part $PART"; exit 2 ;;
