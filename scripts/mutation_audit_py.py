@@ -349,19 +349,35 @@ MUTANTS: List[Mutant] = [
       "        if True:\n            return False",
       [f"{REFSTOP}::test_reference_peers_of_a_stopped_rank_raise_at_once[skipped-2]"]),
     M("cuda_device_error_not_stopping", CB,
-      "            try:\n                self._stop_rank(self.broken)\n            except Exception as err:\n"
+      "            try:\n                self._stop_rank(self.broken if note is None or note[1] is None else note[1],\n"
+      "                                None if note is None else note[0])\n            except Exception as err:\n"
       "                warnings.warn(f\"megatron_mok: rank {self.buf.rank} could not stop its peers after \"\n"
       "                              f\"a device error ({err}); they will wait until their timeout\")\n",
       "", [f"{STOP}::test_a_failed_stop_does_not_hide_the_device_error"]),
     M("cuda_failed_stop_hides_device_error", CB,
-      "            try:\n                self._stop_rank(self.broken)\n            except Exception as err:\n"
+      "            try:\n                self._stop_rank(self.broken if note is None or note[1] is None else note[1],\n"
+      "                                None if note is None else note[0])\n            except Exception as err:\n"
       "                warnings.warn(f\"megatron_mok: rank {self.buf.rank} could not stop its peers after \"\n"
       "                              f\"a device error ({err}); they will wait until their timeout\")\n",
-      "            self._stop_rank(self.broken)\n", [f"{STOP}::test_a_failed_stop_does_not_hide_the_device_error"]),
+      "            self._stop_rank(self.broken if note is None or note[1] is None else note[1],\n"
+      "                            None if note is None else note[0])\n",
+      [f"{STOP}::test_a_failed_stop_does_not_hide_the_device_error"]),
     # ------------------------------------------ the CUDA peers quote the reason (item 57)
-    M("cuda_peer_note_not_read", CB, "                peer_reason = self._peer_stop_note(int(words[2]))\n",
-      "                peer_reason = None\n",
+    M("cuda_peer_note_not_read", CB, "                origin, text = self._peer_stop_note(peer)\n",
+      "                origin, text = None, None\n",
       [f"{STOP}::test_a_peer_stop_raises_with_the_reason_its_note_gives"]),
+    M("cuda_chain_names_the_peer_not_the_first_rank", CB,
+      "                note = (peer if origin is None else origin, text)\n",
+      "                note = (peer, text)\n",
+      [f"{STOP}::test_a_chain_of_stops_names_the_first_rank"]),
+    M("cuda_peer_stop_note_not_passed_on", CB,
+      "                self._stop_rank(self.broken if note is None or note[1] is None else note[1],\n",
+      "                self._stop_rank(self.broken,\n",
+      [f"{STOP}::test_a_chain_of_stops_names_the_first_rank"]),
+    M("cuda_stop_origin_dropped", CB,
+      "        origin = self.buf.rank if origin is None else origin\n",
+      "        origin = self.buf.rank\n",
+      [f"{STOP}::test_a_chain_of_stops_names_the_first_rank"]),
     M("cuda_later_refusal_forgets_the_peer", CB, "        if by is not None:\n", "        if False:\n",
       [f"{STOP}::test_a_peer_stop_raises_with_the_reason_its_note_gives"]),
     M("cuda_stop_note_empty", CB,
@@ -370,14 +386,18 @@ MUTANTS: List[Mutant] = [
     M("cuda_stop_note_keeps_the_prefix", CB,
       "        note = reason_bytes(reason.removeprefix(\"megatron_mok: \"))\n",
       "        note = reason_bytes(reason)\n",
-      [f"{STOP}::test_a_peer_stop_raises_with_the_reason_its_note_gives"]),
+      [f"{STOP}::test_other_device_errors_are_not_peer_stops"]),
     M("cuda_stop_note_not_cut", CB,
       "        note = reason_bytes(reason.removeprefix(\"megatron_mok: \"))\n",
       "        note = reason.removeprefix(\"megatron_mok: \").encode()\n",
       [f"{STOP}::test_abort_leaves_its_reason_as_the_note_cut_to_240_bytes"]),
-    M("err_peer_reason_not_quoted", ERR, "        why = (f\"({peer_reason})\" if peer_reason else",
-      "        why = (f\"({peer_reason})\" if False else",
+    M("err_peer_reason_not_quoted", ERR, "        why = (f\"({reason})\" if reason else",
+      "        why = (f\"({reason})\" if False else",
       [f"{STOP}::test_a_peer_stop_raises_with_the_reason_its_note_gives"]),
+    M("err_chain_not_named", ERR,
+      "        whose = \"an error of its own\" if origin == peer else f\"rank {origin}'s error\"\n",
+      "        whose = \"an error of its own\"\n",
+      [f"{STOP}::test_a_chain_of_stops_names_the_first_rank"]),
     # ------------------------------- the reference backend's collectives time out (item 58)
     M("ref_status_exchange_unbounded", REF,
       "                                          timeout_seconds(b.timeout_s), f\"the status exchange of {call}\")",

@@ -730,7 +730,7 @@ def _lagging_reader(rank, world_size, timeout_s, lag_s):
             buf.check_errors()
             return {"error": None}
         except RuntimeError as e:
-            return {"error": str(e)[:300]}
+            return {"error": str(e)[:1500]}
     launch = be._launch
     def stalled(steps, *args, **kwargs):
         if steps & bindings.STEP_TRANSFER and not stalled.done:
@@ -748,12 +748,12 @@ def _lagging_reader(rank, world_size, timeout_s, lag_s):
         seen = ("call 1" if torch.equal(got, calls[0][0][0][src]) else
                 "call 2" if torch.equal(got, calls[1][0][0][src]) else "neither")
     except RuntimeError as e:
-        return {"rows_from_0": None, "error": str(e)[:300]}
+        return {"rows_from_0": None, "error": str(e)[:1500]}
     try:
         buf.check_errors()
         err = None
     except RuntimeError as e:
-        err = str(e)[:300]
+        err = str(e)[:1500]
     return {"rows_from_0": seen, "n_rows_from_0": int(from_0.numel()), "error": err}
 
 
@@ -790,7 +790,7 @@ def _reader_past_its_wait(rank, world_size, timeout_s, tokens, reader_sms):
             buf.check_errors()
             out = {"error": None}
         except RuntimeError as e:
-            out = {"error": str(e)[:300]}
+            out = {"error": str(e)[:1500]}
         hub.barrier()                              # keep this workspace until rank 1 is done with it
         return out
     buf = mok_buffer(E, H, K, tokens, torch.bfloat16, "cuda", dev, num_sms=reader_sms,
@@ -813,7 +813,7 @@ def _reader_past_its_wait(rank, world_size, timeout_s, tokens, reader_sms):
         buf.check_errors()
         err = None
     except RuntimeError as e:
-        err = str(e)[:300]
+        err = str(e)[:1500]
     out = {"rows_from_0": seen, "n_rows_from_0": int(from_0.numel()), "error": err,
            "call_ms": start.elapsed_time(end)}
     hub.barrier()

@@ -169,13 +169,15 @@ def _check_peers(out, where):
         msg = err["msg"]
         # The peer's error names rank 1 and quotes its reason (its stop note), as a
         # MokPeerStopped (also a MokDeviceError), and so does every later refusal.
+        # With 3+ ranks a peer may find another peer's poison first (that peer stopped after
+        # rank 1 did): the message then names both, "rank 0 stopped after rank 1's error (...)".
         for e in (err, later):
             assert e["peer_stopped"] and e["rank"] == 1, f"rank {rank}: {e}"
             assert e["reason"] and re.search(REASONS[where], e["reason"]), f"rank {rank}: {e}"
             assert len(e["reason"].encode()) <= REASON_BYTES
-            assert f"stopped after an error of its own ({e['reason']})" in e["msg"], e["msg"]
+            assert re.search(r"rank (1 stopped after an error of its own|\d+ stopped after rank 1's "
+                             r"error) \(" + re.escape(e["reason"]) + r"\)", e["msg"]), e["msg"]
         assert later["msg"] == msg
-        assert "rank 1 stopped after an error of its own" in msg, f"rank {rank}: {msg}"
         assert took < FAST_S, f"rank {rank} raised after {took:.1f} s (timeout {TIMEOUT_S} s): {msg}"
         if where in ("dispatch", "static", "device_error"):
             assert "before publishing its routing" in msg, msg
@@ -352,7 +354,7 @@ def test_a_failed_stop_does_not_hide_the_device_error():
     be = CudaBackend.__new__(CudaBackend)
     be.buf = SimpleNamespace(rank=0, world_size=2, max_recv_tokens=None)
     be.broken, be.ctx, be.timeout_s, be.device = None, 1, 60.0, torch.device("cuda", 0)
-    be.lib = SimpleNamespace(mok_stop_rank=lambda ctx, stream: 1,
+    be.lib = SimpleNamespace(mok_stop_rank=lambda ctx, stream, note, n, origin: 1,
                              mok_last_error=lambda: b"launch failed")
     with pytest.warns(UserWarning, match="could not stop its peers after a device error"):
         with pytest.raises(MokDeviceError, match="expert id outside"):
@@ -374,22 +376,26 @@ def test_peer_stopped_messages_name_what_the_peer_did_not_do():
 
 # ------------------------------------------------------- the stop note (CPU: the host half)
 class _NoteLib:
-    """A stand-in for the library's stop calls: records the note each stop leaves and serves
-    ``notes[peer]`` (``None``: the peer left none; ``"fail"``: the read fails) to reads."""
+    """A stand-in for the library's stop calls: records ``(note, bytes, origin)`` of each stop
+    and serves ``notes[peer]`` (a reason of the peer's own, ``(origin, reason)`` passed on,
+    absent: the peer left none; ``"fail"``: the read fails) to reads."""
 
     def __init__(self, notes=None):
         self.stops, self.notes = [], notes or {}
 
-    def mok_stop_rank(self, ctx, stream, note, n):
-        self.stops.append((bytes(note), n))
+    def mok_stop_rank(self, ctx, stream, note, n, origin):
+        self.stops.append((bytes(note), n, origin))
         return 0
 
-    def mok_read_stop_note(self, ctx, peer, stream, text, length):
+    def mok_read_stop_note(self, ctx, peer, stream, text, length, origin):
         note = self.notes.get(peer)
         if note == "fail":
             return 1
-        raw = b"" if note is None else note.encode()
+        if note is not None and not isinstance(note, tuple):
+            note = (peer, note)
+        raw = b"" if note is None else note[1].encode()
         length._obj.value = -1 if note is None else len(raw)
+        origin._obj.value = -1 if note is None else note[0]
         text.value = raw
         return 0
 
@@ -433,9 +439,22 @@ def test_a_peer_stop_raises_with_the_reason_its_note_gives(monkeypatch):
     with pytest.raises(MokPeerStopped) as later:
         be._alive()
     assert (later.value.rank, later.value.reason, str(later.value)) == (2, err.reason, str(err))
-    ((note, n),) = be.lib.stops
-    assert note.decode() == str(err).removeprefix("megatron_mok: ")[:len(note)] and n == len(note)
-    assert not note.startswith(b"megatron_mok") and n <= 240
+    # This rank's own stop passes the first rank's note on (a chain names rank 2 and its words).
+    assert be.lib.stops == [(err.reason.encode(), len(err.reason.encode()), 2)]
+
+
+def test_a_chain_of_stops_names_the_first_rank(monkeypatch):
+    # Peer 1 stopped because rank 2 did, and passed rank 2's note on: the error names rank 2
+    # (its reason), says peer 1 stopped after it, and this rank passes the same note on.
+    from megatron_mok.cuda.errors import MokDevicePeerStopped
+
+    be = _note_backend(monkeypatch, {1: (2, "an expert raised on rank 2")})
+    with pytest.raises(MokDevicePeerStopped) as info:
+        be._raise_if_error([7, 0, 1, 5, 3, 0, 0, 0])
+    assert (info.value.rank, info.value.reason) == (2, "an expert raised on rank 2")
+    assert ("rank 0: rank 1 stopped after rank 2's error (an expert raised on rank 2) before "
+            "staging its partial sums") in str(info.value)
+    assert be.lib.stops == [(b"an expert raised on rank 2", 26, 2)]
 
 
 def test_a_peer_stop_without_a_readable_note_says_where_to_look(monkeypatch):
@@ -448,6 +467,9 @@ def test_a_peer_stop_without_a_readable_note_says_where_to_look(monkeypatch):
         assert info.value.rank == 1 and info.value.reason is None
         assert "rank 1 stopped after an error of its own (see its message" in str(info.value)
         assert "before staging its partial sums" in str(info.value)
+        # This rank's own stop: its message, the first rank still named (peer 1).
+        ((note, n, origin),) = be.lib.stops
+        assert note.startswith(b"rank 0: rank 1 stopped after an error of its own") and origin == 1
 
 
 def test_other_device_errors_are_not_peer_stops(monkeypatch):
@@ -460,7 +482,9 @@ def test_other_device_errors_are_not_peer_stops(monkeypatch):
     with pytest.raises(MokDeviceError) as later:
         be._alive()
     assert not isinstance(later.value, MokPeerStopped)
-    assert be.lib.stops[0][0].startswith(b"rank 0: topk_idx holds an expert id outside")
+    ((note, n, origin),) = be.lib.stops
+    assert note.startswith(b"rank 0: topk_idx holds an expert id outside") and n == len(note)
+    assert not note.startswith(b"megatron_mok") and n <= 240 and origin == 0
 
 
 def test_abort_leaves_its_reason_as_the_note_cut_to_240_bytes(monkeypatch):
@@ -470,8 +494,8 @@ def test_abort_leaves_its_reason_as_the_note_cut_to_240_bytes(monkeypatch):
     reason = "an expert raised: " + "\u00e9" * 200             # 418 bytes of UTF-8
     be.abort(reason)
     be.abort("again")                                          # once is enough
-    ((note, n),) = be.lib.stops
-    assert n == len(note) and REASON_BYTES - 1 <= n <= REASON_BYTES
+    ((note, n, origin),) = be.lib.stops
+    assert n == len(note) and REASON_BYTES - 1 <= n <= REASON_BYTES and origin == 1
     assert reason.startswith(note.decode("utf-8"))            # cut on a character boundary
     assert be.stopped and "an expert raised" in be.broken
 

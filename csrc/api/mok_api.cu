@@ -423,21 +423,26 @@ int mok_layout_fused(const MokContext* ctx, int speculative) {
   return layout_is_fused(ctx->comm.ws.cfg, speculative != 0) ? 1 : 0;
 }
 
-int mok_stop_rank(MokContext* ctx, void* stream, const char* reason, int reason_bytes) {
+int mok_stop_rank(MokContext* ctx, void* stream, const char* reason, int reason_bytes, int origin) {
   if (int e = check_ready(ctx)) return e;
   if (reason_bytes < 0 || reason_bytes > kStopNoteBytes || (reason_bytes > 0 && reason == nullptr))
     return fail("mok_stop_rank: reason_bytes must be in [0, " + std::to_string(kStopNoteBytes) +
                 "] with a reason, got " + std::to_string(reason_bytes));
+  if (origin < 0 || origin >= ctx->comm.world)
+    return fail("mok_stop_rank: origin " + std::to_string(origin) + " outside [0, " +
+                std::to_string(ctx->comm.world) + ")");
   StopNote note{};
   note.length_plus_one = 1 + reason_bytes;
+  note.origin = origin;
   if (reason_bytes > 0) std::memcpy(note.text, reason, reason_bytes);
   return check_launch(launch_stop_rank(ctx->comm, note, static_cast<cudaStream_t>(stream)),
                       "stop_rank launch");
 }
 
-int mok_read_stop_note(const MokContext* ctx, int peer, void* stream, char* text, int* length) {
+int mok_read_stop_note(const MokContext* ctx, int peer, void* stream, char* text, int* length,
+                       int* origin) {
   if (int e = check_ready(ctx)) return e;
-  if (peer < 0 || peer >= ctx->comm.world || text == nullptr || length == nullptr)
+  if (peer < 0 || peer >= ctx->comm.world || text == nullptr || length == nullptr || origin == nullptr)
     return fail("mok_read_stop_note: peer " + std::to_string(peer) + " outside [0, " +
                 std::to_string(ctx->comm.world) + ") or a null output");
   // A copy on the caller's stream (a loopback rank's own: the legacy stream would wait for the
@@ -451,7 +456,11 @@ int mok_read_stop_note(const MokContext* ctx, int peer, void* stream, char* text
   const int n = note.length_plus_one - 1;
   if (n > kStopNoteBytes) return fail("mok_read_stop_note: peer " + std::to_string(peer) +
                                       "'s note claims " + std::to_string(n) + " bytes");
+  if (n >= 0 && (note.origin < 0 || note.origin >= ctx->comm.world))
+    return fail("mok_read_stop_note: peer " + std::to_string(peer) + "'s note names rank " +
+                std::to_string(note.origin));
   *length = n < 0 ? -1 : n;
+  *origin = n < 0 ? -1 : note.origin;
   if (n > 0) std::memcpy(text, note.text, n);
   return 0;
 }

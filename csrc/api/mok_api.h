@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 18
+#define MOK_ABI_VERSION 19
 int mok_abi_version(void);
 
 /* expert_alignment >= 1: each local expert's rows are followed by zero rows (no source, prob 0)
@@ -147,17 +147,21 @@ int mok_pack_rows(void* stream, void* dst, int64_t dst_bytes, const void* a, int
  * until the peers have read what this rank published last (each routing slot's latest call,
  * each ring slot's latest generation: a call that completed on this rank completes on them),
  * then marks this rank's error report aborted (code 4), leaves `reason` (reason_bytes of UTF-8,
- * at most 240) in its workspace for the peers' messages (mok_read_stop_note), poisons every flag
+ * at most 240) and `origin` (the rank whose own error it was: this rank, or the first rank of a
+ * chain of stops, whose note this rank passes on) in its workspace for the peers' messages
+ * (mok_read_stop_note), poisons every flag
  * its peers wait on for it (its routing slots, its dispatch and combine ring slots) and sets its
  * releases in every peer to their end, so that peers inside the next call raise at once, naming
  * this rank (code 7), instead of timing out. The context cannot be used for communication
  * afterwards, on any rank. */
-int mok_stop_rank(MokContext* ctx, void* stream, const char* reason, int reason_bytes);
-/* Why peer `peer` stopped (mok_stop_rank's reason, which its kernel left in its workspace before
- * its poison): up to 240 bytes of UTF-8 into `text` (not terminated), their count into
- * `*length`, -1 when the peer left no note (it has not stopped). Read after this rank's kernels
- * reported that peer stopped (code 7): a copy on `stream`, waited for. */
-int mok_read_stop_note(const MokContext* ctx, int peer, void* stream, char* text, int* length);
+int mok_stop_rank(MokContext* ctx, void* stream, const char* reason, int reason_bytes, int origin);
+/* Why peer `peer` stopped (mok_stop_rank's reason and origin, which its kernel left in its
+ * workspace before its poison): up to 240 bytes of UTF-8 into `text` (not terminated), their
+ * count into `*length` and the origin rank into `*origin`, both -1 when the peer left no note
+ * (it has not stopped). Read after this rank's kernels reported that peer stopped (code 7): a
+ * copy on `stream`, waited for. */
+int mok_read_stop_note(const MokContext* ctx, int peer, void* stream, char* text, int* length,
+                       int* origin);
 const char* mok_last_error(void);
 int mok_sm_count(int device);
 /* A new CUDA stream (non-blocking) on `device`, or NULL. For loopback ranks (threads of one

@@ -318,36 +318,43 @@ class CudaBackend:
                 self._sync()
                 abandoned = abandoned_waits(self.error_words.cpu().tolist(),
                                             self.abandoned_words.cpu().tolist())
-            peer_reason = None
+            note = None
             if words[0] == PEER_STOPPED:
-                peer_reason = self._peer_stop_note(int(words[2]))
-                self.broken_by = (int(words[2]), peer_reason)
-            self.broken = describe(words, self.timeout_s, self.buf.max_recv_tokens, abandoned,
-                                   peer_reason)
+                peer = int(words[2])
+                origin, text = self._peer_stop_note(peer)
+                note = (peer if origin is None else origin, text)
+                self.broken_by = note
+            self.broken = describe(words, self.timeout_s, self.buf.max_recv_tokens, abandoned, note)
             # This rank stops here: its peers, maybe waiting for it in this very call (a data
             # error is this rank's alone), must not wait until their timeout. A failed stop
-            # must not hide the device error (the peers then time out, as before).
+            # must not hide the device error (the peers then time out, as before). After a
+            # peer's stop, its note is passed on (a chain of stops names the first rank).
             try:
-                self._stop_rank(self.broken)
+                self._stop_rank(self.broken if note is None or note[1] is None else note[1],
+                                None if note is None else note[0])
             except Exception as err:
                 warnings.warn(f"megatron_mok: rank {self.buf.rank} could not stop its peers after "
                               f"a device error ({err}); they will wait until their timeout")
             raise self._broken_error()
 
-    def _peer_stop_note(self, peer: int) -> Optional[str]:
-        """The reason ``peer`` left in its workspace when it stopped (``mok_read_stop_note``),
-        or ``None`` when it left none or the read failed: the message then says where to look.
-        After this rank's kernels are done (they gave up their waits on the error): the copy
-        waits for them on this rank's stream."""
+    def _peer_stop_note(self, peer: int) -> tuple:
+        """``(origin, reason)`` that ``peer`` left in its workspace when it stopped
+        (``mok_read_stop_note``): the rank whose own error it was (``peer``, or the first rank
+        of a chain of stops) and its reason; ``(None, None)`` when it left none or the read
+        failed (the message then says where to look). After this rank's kernels are done (they
+        gave up their waits on the error): the copy waits for them on this rank's stream."""
         try:
             self._sync()
             text = ctypes.create_string_buffer(REASON_BYTES)
-            n = ctypes.c_int(-1)
-            if self.lib.mok_read_stop_note(self.ctx, peer, self._stream(), text, ctypes.byref(n)) != 0:
-                return None
+            n, origin = ctypes.c_int(-1), ctypes.c_int(-1)
+            if self.lib.mok_read_stop_note(self.ctx, peer, self._stream(), text, ctypes.byref(n),
+                                           ctypes.byref(origin)) != 0:
+                return None, None
         except Exception:   # noqa: BLE001  (a message's detail: never hide the error itself)
-            return None
-        return text.raw[:n.value].decode("utf-8", "replace") if n.value >= 0 else None
+            return None, None
+        if n.value < 0:
+            return None, None
+        return origin.value, text.raw[:n.value].decode("utf-8", "replace")
 
     def abort(self, reason: str) -> None:
         """Stop this rank after an error of its own (:meth:`Buffer.abort`): every later call
@@ -356,14 +363,15 @@ class CudaBackend:
             self.broken = stopped_message(self.buf.rank, reason)
         self._stop_rank(reason)
 
-    def _stop_rank(self, reason: str) -> None:
+    def _stop_rank(self, reason: str, origin: Optional[int] = None) -> None:
         """``mok_stop_rank`` once, on the current stream after this rank's queued work (the side
         stream's too: nothing this rank publishes later may overwrite the poison): every flag a
         peer waits on for this rank becomes "stopped", so their waits end with an error naming
         this rank instead of a timeout. Not in a world of one rank, not while a CUDA graph is
         captured (the launch would only run at a replay; the peers are capturing, not waiting),
         not after destroy(). ``reason`` (its first :data:`REASON_BYTES` bytes, without the
-        package's prefix) is left in the workspace for the peers' messages."""
+        package's prefix) and ``origin`` (the rank whose own error it was; default this rank)
+        are left in the workspace for the peers' messages."""
         if (self.stopped or self.destroyed or self.buf.world_size == 1 or not getattr(self, "ctx", None)
                 or torch.cuda.is_current_stream_capturing()):
             return
@@ -372,7 +380,8 @@ class CudaBackend:
         if getattr(self, "side_stream", None) is not None:
             main.wait_stream(self.side_stream)
         note = reason_bytes(reason.removeprefix("megatron_mok: "))
-        self._check(self.lib.mok_stop_rank(self.ctx, self._stream(), note, len(note)))
+        origin = self.buf.rank if origin is None else origin
+        self._check(self.lib.mok_stop_rank(self.ctx, self._stream(), note, len(note), origin))
 
     def trace_view(self) -> torch.Tensor:
         """Diagnostics: ``[kTraceBlocks, 2]`` int64 view of the start/end times (globaltimer ns)

@@ -6,7 +6,7 @@ import ctypes
 from ctypes import c_double, c_float, c_int, c_int64, c_size_t, c_uint64, c_void_p, POINTER
 
 # The C ABI version this file declares (MOK_ABI_VERSION in csrc/api/mok_api.h).
-ABI_VERSION = 18
+ABI_VERSION = 19
 
 _SIGNATURES = {
     "mok_abi_version": (c_int, []),
@@ -37,8 +37,9 @@ _SIGNATURES = {
     "mok_combine": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int,
                             c_void_p, c_void_p, c_int64, c_int, c_int, c_int, c_int, c_int]),
     "mok_pack_rows": (c_int, [c_void_p, c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_int64, c_int64]),
-    "mok_stop_rank": (c_int, [c_void_p, c_void_p, ctypes.c_char_p, c_int]),
-    "mok_read_stop_note": (c_int, [c_void_p, c_int, c_void_p, ctypes.c_char_p, POINTER(c_int)]),
+    "mok_stop_rank": (c_int, [c_void_p, c_void_p, ctypes.c_char_p, c_int, c_int]),
+    "mok_read_stop_note": (c_int, [c_void_p, c_int, c_void_p, ctypes.c_char_p, POINTER(c_int),
+                                   POINTER(c_int)]),
     "mok_last_error": (ctypes.c_char_p, []),
     "mok_sm_count": (c_int, [c_int]),
     "mok_stream_create": (c_void_p, [c_int]),

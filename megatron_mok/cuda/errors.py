@@ -114,17 +114,19 @@ class MokTimeout(RuntimeError):
 
 
 class MokDevicePeerStopped(MokDeviceError, MokPeerStopped):
-    """The CUDA backend's peer error: this rank's kernels found rank ``rank``'s flags poisoned
-    (it stopped after an error of its own, ``Buffer.abort``), and ``reason`` is the note that
-    rank's stop kernel left in its workspace (``None`` if it could not be read). Caught as
+    """The CUDA backend's peer error: this rank's kernels found a peer's flags poisoned (it
+    stopped, ``Buffer.abort``); ``rank`` is the rank whose own error it was (that peer, or the
+    first rank of a chain of stops: each stopped rank passes the note it read on) and ``reason``
+    the note its stop kernel left in its workspace (``None`` if it could not be read). Caught as
     either parent: a device error to code written for the CUDA backend, a peer's stop to code
     written for both backends."""
 
 
-def describe(report, timeout_s: float, max_recv_tokens, abandoned=(), peer_reason=None) -> str:
+def describe(report, timeout_s: float, max_recv_tokens, abandoned=(), note=None) -> str:
     """Human-readable message for an ``ErrorReport`` read as 8 int32 words; ``abandoned``:
-    the other waits this rank gave up after a timeout (:func:`abandoned_waits`);
-    ``peer_reason``: for a peer's stop (code 7), the note it left (:class:`MokDevicePeerStopped`)."""
+    the other waits this rank gave up after a timeout (:func:`abandoned_waits`); ``note``:
+    for a peer's stop (code 7), ``(origin, reason)`` from the note it left (the rank whose own
+    error it was, and its reason, ``None`` if unread: :class:`MokDevicePeerStopped`)."""
     code, rank, peer, what = (int(v) for v in report[:4])
     detail = _word64(report[4], report[5])
     kind = ERROR_CODES.get(code, f"error code {code}")
@@ -167,11 +169,13 @@ def describe(report, timeout_s: float, max_recv_tokens, abandoned=(), peer_reaso
         return (f"megatron_mok: rank {rank} stopped this Buffer after an error of its own (its "
                 "first error said which); it can no longer be used on any rank of its group.")
     if code == 7:
-        # The peer's own words where its stop note could be read, else where to look for them.
-        why = (f"({peer_reason})" if peer_reason else
+        # The first rank's words where the stop note could be read, else where to look for them.
+        origin, reason = note if note is not None else (peer, None)
+        why = (f"({reason})" if reason else
                "(see its message: e.g. an input refused there, more tokens than "
                "max_tokens_per_rank, or a device error it read)")
-        stopped = f"megatron_mok: rank {rank}: rank {peer} stopped after an error of its own {why}"
+        whose = "an error of its own" if origin == peer else f"rank {origin}'s error"
+        stopped = f"megatron_mok: rank {rank}: rank {peer} stopped after {whose} {why}"
         if what in (1, 5):
             before = (f"publishing its routing for this dispatch (routing call {detail})" if what == 1
                       else f"staging its partial sums for this combine (combine ring generation {detail})")

@@ -66,7 +66,9 @@ static_assert(offsetof(ErrorReport, abandoned) == 32, "errors.py reads the table
 // megatron_mok/cuda/errors.py (STOP_NOTE_BYTES) mirrors the text's size.
 struct StopNote {
   int32_t length_plus_one;  // 0: no note (the workspace starts zeroed); else 1 + bytes of text
-  int32_t pad[3];
+  int32_t origin;           // the rank whose own error it was: this rank, or the peer whose stop
+                            // stopped it (its note passed on, so a chain names the first rank)
+  int32_t pad[2];
   char text[kStopNoteBytes];  // UTF-8, not terminated
 };
 static_assert(sizeof(StopNote) == 256, "one 256-byte region");
