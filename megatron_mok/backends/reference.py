@@ -13,7 +13,6 @@ reduction.
 from __future__ import annotations
 
 import contextlib
-
 import warnings
 from dataclasses import dataclass
 from typing import Optional

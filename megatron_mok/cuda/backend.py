@@ -181,8 +181,8 @@ class CudaBackend:
             if self.mem.loopback:
                 buf.group.check_layout_fits(sms, blocks, -(-buf.max_tokens_per_rank // C))
         self.broken: Optional[str] = None
-        # (rank, reason) of the peer whose stop broke this backend: later calls raise the same
-        # MokDevicePeerStopped (_broken_error).
+        # (origin, reason) of the stop note that broke this backend (the rank whose own error it
+        # was, and its words): later calls raise the same MokDevicePeerStopped (_broken_error).
         self.broken_by: Optional[tuple] = None
         # MOK_EAGER_STAGE_FIRST=1: the eager dispatch's staging kernel runs on the side stream
         # while the host reads R (module docstring). Events are reused: a wait binds to the
