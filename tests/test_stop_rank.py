@@ -178,6 +178,7 @@ def _check_peers(out, where):
             assert re.search(r"rank (1 stopped after an error of its own|\d+ stopped after rank 1's "
                              r"error) \(" + re.escape(e["reason"]) + r"\)", e["msg"]), e["msg"]
         assert later["msg"] == msg
+        print(f"[peer {rank}] {msg[:160]}")            # with -s: which peer each rank found
         assert took < FAST_S, f"rank {rank} raised after {took:.1f} s (timeout {TIMEOUT_S} s): {msg}"
         if where in ("dispatch", "static", "device_error"):
             assert "before publishing its routing" in msg, msg

@@ -2,7 +2,7 @@
 # Session 38's one-GPU calls (benchmarks/NOTES.md, item 57).
 #
 #   bash scripts/device_runs/s38_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of stopnote regress mutants refstop
+#     PARTS: any of stopnote regress mutants refstop chains
 #
 # stopnote  item 57 (the CUDA peers quote the stopping rank's reason, C ABI 18): the CUDA stop
 #           tests (tests/test_stop_rank.py: loopback ranks, and processes sharing the GPU), the
@@ -12,6 +12,10 @@
 #           built here into .mutants38: carried).
 # refstop   the reference backend's stop twins (tests/test_reference_stop.py: 2 processes
 #           sharing the GPU; comm.py now takes its reason size from cuda/errors.py).
+# chains    the 3- and 4-process stop twins, CHAIN_REPEATS times (default 10) with -s: how often a
+#           peer finds another peer's poison before rank 1's (a chain of stops; a race), and
+#           that such a peer still names rank 1 and its words ("rank r stopped after rank 1's
+#           error (...)").
 # Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
 # Carry: megatron_mok/_lib, .mutants38 (mutants).
 C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
@@ -28,6 +32,13 @@ mutants)
   cuda_mutants .mutants38 stop_note_not_written,stop_note_read_from_self 0 ;;
 refstop)
   MOK_TEST_SHARED_GPU=1 run_pytest refstop 240 -m "gpu or multigpu" tests/test_reference_stop.py ;;
+chains)
+  for i in $(seq ${CHAIN_REPEATS:-10}); do
+    MOK_TEST_SHARED_GPU=1 run_pytest chains_$i 120 -s -m multigpu tests/test_stop_rank.py \
+      -k "on_gpus and (dispatch-4 or combine-4)" > /dev/null
+  done
+  grep -ho "\[peer [0-9]*\] .*" $R/chains_*.log | sort | uniq -c | sort -rn | cut -c1-200 | head -12
+  grep -L " 2 passed" $R/chains_*.log | head ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
 echo "[$PART] $((SECONDS - t0)) s"
