@@ -38,7 +38,7 @@ chains)
       -k "on_gpus and (dispatch-4 or combine-4)" > /dev/null
   done
   grep -ho "\[peer [0-9]*\] .*" $R/chains_*.log | sort | uniq -c | sort -rn | cut -c1-200 | head -12
-  grep -L " 2 passed" $R/chains_*.log | head ;;
+  grep -L "^2 passed" $R/chains_*.log | head ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
 echo "[$PART] $((SECONDS - t0)) s"
