@@ -347,7 +347,11 @@ MUTANTS: List[Mutant] = [
     M("comm_post_stop_gives_up_at_once", "megatron_mok/comm.py",
       "        if time.monotonic() > deadline:\n            return False",
       "        if True:\n            return False",
-      [f"{REFSTOP}::test_reference_peers_of_a_stopped_rank_raise_at_once[skipped-2]"]),
+      [f"{REFSTOP}::test_wait_bounded_polls_other_backends_until_the_deadline"]),
+    M("comm_poll_never_gives_up", "megatron_mok/comm.py",
+      "        if time.monotonic() > deadline:\n            return False",
+      "        if False:\n            return False",
+      [f"{REFSTOP}::test_wait_bounded_polls_other_backends_until_the_deadline"]),
     M("cuda_device_error_not_stopping", CB,
       "            try:\n                self._stop_rank(self.broken if note is None or note[1] is None else note[1],\n"
       "                                None if note is None else note[0])\n            except Exception as err:\n"

@@ -417,3 +417,36 @@ def test_status_record_round_trip():
     assert len(stops[1].encode()) <= STATUS_REASON_BYTES and len(stops[1]) > 100
     with pytest.raises(ValueError, match="at most"):
         _status_record(list(range(20)), None, "cpu")
+
+
+class _PolledWork:
+    """A stand-in for an NCCL collective's work: complete after ``polls`` polls (never: None)."""
+
+    def __init__(self, polls):
+        self.polls, self.waited, self.cap = polls, False, 5000
+
+    def is_completed(self):
+        if self.polls is None:
+            self.cap -= 1
+            assert self.cap > 0, "polled far past the deadline"   # a wait that never gives up
+            return False
+        self.polls -= 1
+        return self.polls < 0
+
+    def wait(self, timeout=None):
+        self.waited = True
+        return True
+
+
+def test_wait_bounded_polls_other_backends_until_the_deadline(monkeypatch):
+    # Not gloo (NCCL: its wait only orders the stream): the work is polled; done within the
+    # deadline is True (and waited for), never done is False once the deadline passed.
+    from megatron_mok import comm
+
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "nccl")
+    work = _PolledWork(3)
+    assert comm.wait_bounded(work, None, 5.0) and work.waited
+    work = _PolledWork(None)
+    t0 = time.monotonic()
+    assert not comm.wait_bounded(work, None, 0.05) and not work.waited
+    assert 0.05 <= time.monotonic() - t0 < 2.0
