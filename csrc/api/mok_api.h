@@ -149,11 +149,10 @@ int mok_pack_rows(void* stream, void* dst, int64_t dst_bytes, const void* a, int
  * then marks this rank's error report aborted (code 4), leaves `reason` (reason_bytes of UTF-8,
  * at most 240) and `origin` (the rank whose own error it was: this rank, or the first rank of a
  * chain of stops, whose note this rank passes on) in its workspace for the peers' messages
- * (mok_read_stop_note), poisons every flag
- * its peers wait on for it (its routing slots, its dispatch and combine ring slots) and sets its
- * releases in every peer to their end, so that peers inside the next call raise at once, naming
- * this rank (code 7), instead of timing out. The context cannot be used for communication
- * afterwards, on any rank. */
+ * (mok_read_stop_note), poisons every flag its peers wait on for it (its routing slots, its
+ * dispatch and combine ring slots) and sets its releases in every peer to their end, so that
+ * peers inside the next call raise at once, naming this rank (code 7), instead of timing out.
+ * The context cannot be used for communication afterwards, on any rank. */
 int mok_stop_rank(MokContext* ctx, void* stream, const char* reason, int reason_bytes, int origin);
 /* Why peer `peer` stopped (mok_stop_rank's reason and origin, which its kernel left in its
  * workspace before its poison): up to 240 bytes of UTF-8 into `text` (not terminated), their

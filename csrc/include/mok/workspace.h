@@ -63,7 +63,7 @@ static_assert(offsetof(ErrorReport, abandoned) == 32, "errors.py reads the table
 // Why this rank stopped after an error of its own (kernels/stop_rank.cu): written once, by the
 // stop kernel, before the system fence that precedes its poison, so a peer whose wait ended on
 // the poison finds the note complete when its host reads it (mok_read_stop_note). 256 bytes:
-// megatron_mok/cuda/errors.py (STOP_NOTE_BYTES) mirrors the text's size.
+// megatron_mok/cuda/errors.py (REASON_BYTES) mirrors the text's size.
 struct StopNote {
   int32_t length_plus_one;  // 0: no note (the workspace starts zeroed); else 1 + bytes of text
   int32_t origin;           // the rank whose own error it was: this rank, or the peer whose stop
