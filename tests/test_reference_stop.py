@@ -13,6 +13,9 @@ with valid inputs and must raise ``MokPeerStopped`` naming rank 1 and its reason
 ``FAST_S`` (the Buffer's timeout is ``TIMEOUT_S``, the group's 180 s); then every rank's next
 call is refused without any exchange, and an ``all_reduce`` on the same group still works (no
 collective was left pending).
+
+A peer that never makes the call (a rank stopped between calls that does not call again, NOTES
+item 58) ends every reference collective after the Buffer's ``timeout_s`` in ``MokTimeout``.
 """
 
 import time

@@ -7,7 +7,9 @@ peers are already in the same call, waiting for that rank's routing, staged toke
 sums. Before, they waited until their ``timeout_s`` (60 s by default) and then named a timeout.
 Now the raising rank first stops the Buffer (``Buffer.abort``): on the CUDA backend a kernel
 poisons every flag its peers wait on for it, and their waits end with ``MokDeviceError`` naming
-it ("rank 1 stopped after an error of its own").
+it ("rank 1 stopped after an error of its own"): a ``MokDevicePeerStopped`` (also a
+``MokPeerStopped``) quoting rank 1's reason, which its stop kernel left in its workspace, and
+naming rank 1 even when a peer found another stopped peer first (NOTES item 57).
 
 GPU: loopback ranks (threads on one GPU, ``megatron_mok.loopback``) with a timeout of
 ``TIMEOUT_S``; each peer must raise in well under it, with the message that names rank 1, for
