@@ -2,7 +2,7 @@
 # Session 38's one-GPU calls (benchmarks/NOTES.md, item 57).
 #
 #   bash scripts/device_runs/s38_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of stopnote regress mutants refstop chains
+#     PARTS: any of stopnote regress mutants refstop chains megatron
 #
 # stopnote  item 57 (the CUDA peers quote the stopping rank's reason, C ABI 18): the CUDA stop
 #           tests (tests/test_stop_rank.py: loopback ranks, and processes sharing the GPU), the
@@ -16,8 +16,11 @@
 #           peer finds another peer's poison before rank 1's (a chain of stops; a race), and
 #           that such a peer still names rank 1 and its words ("rank r stopped after rank 1's
 #           error (...)").
+# megatron  the Megatron T_max twins (tests/megatron/test_megatron_eval.py -k over_t_max: the CPU
+#           reference and 2 processes on the GPU, megatron-core 0.19.2 from the carried .whl): the
+#           CUDA peer's error is now a MokDevicePeerStopped quoting the adapter's message.
 # Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
-# Carry: megatron_mok/_lib, .mutants38 (mutants).
+# Carry: megatron_mok/_lib, .mutants38 (mutants), .whl (megatron).
 C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
 . "$(dirname "$0")/common.sh"
 for PART in $PARTS; do
@@ -39,6 +42,10 @@ chains)
   done
   grep -ho "\[peer [0-9]*\] .*" $R/chains_*.log | sort | uniq -c | sort -rn | cut -c1-200 | head -12
   grep -L "^2 passed" $R/chains_*.log | head ;;
+megatron)
+  [ -d /tmp/site/megatron ] || install_wheels .whl /tmp/site
+  PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
+    run_pytest megatron_t_max 240 tests/megatron/test_megatron_eval.py -k "over_t_max" ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
 echo "[$PART] $((SECONDS - t0)) s"

@@ -211,7 +211,7 @@ def layer_small_first_dispatch(rank, world, backend_env=None, set_env=True):
 def layer_one_rank_over_t_max(rank, world, backend_env=None):
     """``MOK_MAX_TOKENS_PER_RANK`` = 22: rank 0's 24-token prefill (:data:`PREFILL`) is over it,
     rank 1's 20 tokens are not. Rank 0 raises the ``ValueError`` naming the knob; rank 1, in the
-    same dispatch waiting for rank 0's routing, must raise at once (``MokDeviceError`` naming
+    same dispatch waiting for rank 0's routing, must raise at once (``MokDevicePeerStopped`` naming
     rank 0 on the CUDA backend, ``MokPeerStopped`` on the reference), not after its timeout. Returns ``(seconds, message)``."""
     import time
 
