@@ -278,6 +278,7 @@ def _never_calls_again(rank, world_size):
     posts its stop) its post completes the peers' queued exchange, so the group ends healthy."""
     buf = _buffer(world_size, rank, timeout_s=2.0)
     x, idx, w = _inputs(rank, world_size)
+    assert _group_still_works(rank, world_size)   # every rank here: the good call's 2 s are its own
     buf.dispatch(x, idx, w)                       # one good call on every rank first
     if rank == 1:
         buf.abort("never calls again")
