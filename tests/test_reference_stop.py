@@ -454,3 +454,18 @@ def test_wait_bounded_polls_other_backends_until_the_deadline(monkeypatch):
     t0 = time.monotonic()
     assert not comm.wait_bounded(work, None, 0.05) and not work.waited
     assert 0.05 <= time.monotonic() - t0 < 2.0
+
+
+def test_the_errors_are_exported_with_one_hierarchy():
+    # One `except mok.MokPeerStopped` catches a peer's stop on either backend; the CUDA one is
+    # also a MokDeviceError (what code written for the CUDA backend catches); all RuntimeErrors.
+    from megatron_mok.cuda import errors
+
+    for name in ("MokDeviceError", "MokDevicePeerStopped", "MokPeerStopped", "MokTimeout"):
+        assert getattr(mok, name) is getattr(errors, name) and name in mok.__all__
+    assert issubclass(mok.MokDevicePeerStopped, mok.MokPeerStopped)
+    assert issubclass(mok.MokDevicePeerStopped, mok.MokDeviceError)
+    assert not issubclass(mok.MokTimeout, (mok.MokPeerStopped, mok.MokDeviceError))
+    assert all(issubclass(getattr(mok, n), RuntimeError) for n in ("MokDeviceError", "MokTimeout"))
+    err = mok.MokDevicePeerStopped(2, "why", "message")
+    assert (err.rank, err.reason, str(err)) == (2, "why", "message")
