@@ -65,3 +65,10 @@ cuda_mutants() {  # cuda_mutants LIBS ONLY FUZZ_S: scripts/mutation_audit_cuda.p
     --out $R/audit --only $2 --fuzz-seconds $3 > $R/audit.log 2>&1
   echo "[mutants] rc=$?"; tail -8 $R/audit.log
 }
+
+megatron_t_max_twins() {  # the Megatron T_max twins (CPU reference; 2 processes on the GPU),
+    # megatron-core from the carried .whl (sessions 37-38)
+  [ -d /tmp/site/megatron ] || install_wheels .whl /tmp/site
+  PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
+    run_pytest megatron_t_max 240 tests/megatron/test_megatron_eval.py -k "over_t_max"
+}

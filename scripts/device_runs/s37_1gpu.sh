@@ -51,9 +51,7 @@ PY
 refstop)
   MOK_TEST_SHARED_GPU=1 run_pytest refstop 300 -m "gpu or multigpu" --durations=6 \
     tests/test_reference_stop.py tests/test_stop_rank.py
-  [ -d /tmp/site/megatron ] || install_wheels .whl /tmp/site
-  PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
-    run_pytest megatron_t_max 240 tests/megatron/test_megatron_eval.py -k "over_t_max" ;;
+  megatron_t_max_twins ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
 echo "[$PART] $((SECONDS - t0)) s"

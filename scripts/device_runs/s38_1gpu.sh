@@ -43,9 +43,7 @@ chains)
   grep -ho "\[peer [0-9]*\] .*" $R/chains_*.log | sort | uniq -c | sort -rn | cut -c1-200 | head -12
   grep -L "^2 passed" $R/chains_*.log | head ;;
 megatron)
-  [ -d /tmp/site/megatron ] || install_wheels .whl /tmp/site
-  PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
-    run_pytest megatron_t_max 240 tests/megatron/test_megatron_eval.py -k "over_t_max" ;;
+  megatron_t_max_twins ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
 echo "[$PART] $((SECONDS - t0)) s"
