@@ -152,15 +152,11 @@ def post_stop(reason: str, group, world_size: int, device, timeout_s: float) -> 
     ``timeout_s``; if not, the collective is left pending (the rank is failing anyway) and the
     peers wait for it as before."""
     rec = _status_record((), reason, device)
-    if world_size == 1:
-        return True
-    if is_loopback(group):                 # its exchange has the hub's own timeout
-        group.all_gather(rec)
-        return True
-    flat = rec.view(torch.uint8)
-    outs = [torch.empty_like(flat) for _ in range(world_size)]
-    work = dist.all_gather(outs, flat, group=group, async_op=True)
-    return wait_bounded(work, group, timeout_s)
+    try:                                   # (a loopback group: its hub's own timeout)
+        all_gather_exact(rec, group, world_size, timeout_s, "a stop's post")
+    except MokTimeout:
+        return False
+    return True
 
 
 def status_device(group, hint=None) -> torch.device:

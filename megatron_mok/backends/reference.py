@@ -148,6 +148,7 @@ class ReferenceBackend:
 
     def __init__(self, buf):
         self.buf = buf
+        self.timeout_s = timeout_seconds(buf.timeout_s)   # every collective's limit
 
     def _alive(self, device=None) -> None:
         # Nothing is freed here, but a destroyed Buffer must refuse on every backend alike, so
@@ -179,11 +180,10 @@ class ReferenceBackend:
         if self.told or self.aborted is None or b.world_size == 1:
             return
         self.told = True
-        timeout_s = timeout_seconds(b.timeout_s)
         try:
             dev = status_device(b.group, device if device is not None else b.device)
-            why = None if post_stop(self.aborted, b.group, b.world_size, dev, timeout_s) else \
-                f"none reached a call of this Buffer within {timeout_s} s"
+            why = None if post_stop(self.aborted, b.group, b.world_size, dev, self.timeout_s) else \
+                f"none reached a call of this Buffer within {self.timeout_s} s"
         except Exception as err:        # e.g. the process group is gone
             why = f"{type(err).__name__}: {err}"
         if why is not None:
@@ -197,7 +197,7 @@ class ReferenceBackend:
         the post would pair with a peer's next collective)."""
         b = self.buf
         with self._timing_out():
-            return all_gather_exact(t, b.group, b.world_size, timeout_seconds(b.timeout_s), what)
+            return all_gather_exact(t, b.group, b.world_size, self.timeout_s, what)
 
     @contextlib.contextmanager
     def _timing_out(self):
@@ -221,7 +221,7 @@ class ReferenceBackend:
         b._status_due = False          # from here an error of this call is not a skipped call
         with self._timing_out():
             vals, stops = exchange_status(values, b.group, b.world_size, device,
-                                          timeout_seconds(b.timeout_s), f"the status exchange of {call}")
+                                          self.timeout_s, f"the status exchange of {call}")
         if stops:
             r = min(stops)
             self.abort(stops[r], rank=r)

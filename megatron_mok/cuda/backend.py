@@ -96,6 +96,9 @@ class CudaBackend:
     # it reads False on an instance whose __init__ raised part-way.
     destroyed = False
     stopped = False   # mok_stop_rank was launched (_stop_rank): once is enough
+    # (origin, reason) of the stop note that broke this backend (the rank whose own error it
+    # was, and its words): later calls raise the same MokDevicePeerStopped (_broken_error).
+    broken_by: Optional[tuple] = None
 
     def __init__(self, buf):
         self.buf = buf
@@ -181,9 +184,6 @@ class CudaBackend:
             if self.mem.loopback:
                 buf.group.check_layout_fits(sms, blocks, -(-buf.max_tokens_per_rank // C))
         self.broken: Optional[str] = None
-        # (origin, reason) of the stop note that broke this backend (the rank whose own error it
-        # was, and its words): later calls raise the same MokDevicePeerStopped (_broken_error).
-        self.broken_by: Optional[tuple] = None
         # MOK_EAGER_STAGE_FIRST=1: the eager dispatch's staging kernel runs on the side stream
         # while the host reads R (module docstring). Events are reused: a wait binds to the
         # record made before it, so re-recording is safe.
@@ -287,9 +287,8 @@ class CudaBackend:
     def _broken_error(self) -> MokDeviceError:
         """The error every call raises once ``broken``: a :class:`MokDevicePeerStopped` where a
         peer's stop broke this backend (its rank and reason kept), else a :class:`MokDeviceError`."""
-        by = getattr(self, "broken_by", None)
-        if by is not None:
-            return MokDevicePeerStopped(by[0], by[1], self.broken)
+        if self.broken_by is not None:
+            return MokDevicePeerStopped(*self.broken_by, self.broken)
         return MokDeviceError(self.broken)
 
     def _rows(self, t, name: str):
