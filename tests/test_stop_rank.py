@@ -9,7 +9,10 @@ Now the raising rank first stops the Buffer (``Buffer.abort``): on the CUDA back
 poisons every flag its peers wait on for it, and their waits end with ``MokDeviceError`` naming
 it ("rank 1 stopped after an error of its own"): a ``MokDevicePeerStopped`` (also a
 ``MokPeerStopped``) quoting rank 1's reason, which its stop kernel left in its workspace, and
-naming rank 1 even when a peer found another stopped peer first (NOTES item 57).
+naming rank 1 even when a peer found another stopped peer first (NOTES item 57); and each
+peer's own stop note, read back from its workspace, passes rank 1's on (origin 1, rank 1's
+words): the link of a chain of stops, checked on every run whether or not a chain happened
+(NOTES item 59).
 
 GPU: loopback ranks (threads on one GPU, ``megatron_mok.loopback``) with a timeout of
 ``TIMEOUT_S``; each peer must raise in well under it, with the message that names rank 1, for
@@ -108,9 +111,17 @@ def _one_rank_stops(rank, world_size, where, hidden=H):
     took = time.monotonic() - t0
     with pytest.raises(MokDeviceError) as again:   # refused from now on, naming the same stop
         buf.dispatch(x, idx, w)
+    own = _own_note(buf, rank)
     _all_here()
     buf.destroy()
-    return took, _peer_error(info.value), _peer_error(again.value)
+    return took, _peer_error(info.value), _peer_error(again.value), own
+
+
+def _own_note(buf, rank):
+    """``(origin, reason)`` of the stop note this peer's own stop kernel left in its workspace
+    (read back through the library, as its peers would read it): a rank stopped by a peer
+    passes that peer's note on, so this is the link of a chain of stops (NOTES item 59)."""
+    return buf._get_backend("cuda")._peer_stop_note(rank)
 
 
 def _peer_error(exc):
@@ -145,9 +156,10 @@ def _device_error_on_rank_1(buf, x, idx, w, bad, E, t0):
     took = time.monotonic() - t0
     with pytest.raises(MokDeviceError) as again:
         buf.dispatch(x, idx, w)
+    own = _own_note(buf, rank)
     _all_here()
     buf.destroy()
-    return took, _peer_error(info.value), _peer_error(again.value)
+    return took, _peer_error(info.value), _peer_error(again.value), own
 
 
 # What rank 1's stop note says (its reason, without the package's prefix), per ``where``.
@@ -167,8 +179,11 @@ def _check_peers(out, where):
     for rank, got in enumerate(out):
         if rank == 1:
             continue
-        took, err, later = got
+        took, err, later, own = got
         msg = err["msg"]
+        # Its own stop kernel wrote rank 1's note on, origin and words unchanged, whichever
+        # peer it found first: a rank that reads this rank's note names rank 1.
+        assert own == (1, err["reason"]), f"rank {rank}: its own note {own}, its error {err}"
         # The peer's error names rank 1 and quotes its reason (its stop note), as a
         # MokPeerStopped (also a MokDeviceError), and so does every later refusal.
         # With 3+ ranks a peer may find another peer's poison first (that peer stopped after
