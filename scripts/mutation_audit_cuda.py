@@ -346,6 +346,12 @@ MUTANTS: List[Mutant] = [
              "const char* src = ctx->comm.peers.base[ctx->comm.rank] + ctx->comm.ws.stop_note;"),),
            ("tests/test_stop_rank.py", "-k", "loopback and (default or narrow)"),
            "a peer reads its own (empty) note instead of the stopped rank's: no reason quoted"),
+    # NOTES item 59: a rank stopped by a peer passes the peer's note on, origin included.
+    Mutant("stop_note_origin_is_self", "api/mok_api.cu",
+           (("  note.origin = origin;", "  note.origin = ctx->comm.rank;"),),
+           ("tests/test_stop_rank.py", "-k", "loopback and (default or narrow)"),
+           "a rank stopped by a peer's stop names itself as the origin: a chain of stops names the "
+           "wrong rank (before item 59 only a chain, a race, showed it)"),
     # NOTES item 46: a protocol error replaces an unread data error in the report.
     Mutant("data_error_hides_timeout", "include/mok/device.h",
            (("  while (is_data_error(prev) && !is_data_error(code)) {",

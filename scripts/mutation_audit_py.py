@@ -58,6 +58,7 @@ ERR = "megatron_mok/cuda/errors.py"
 CBE = "megatron_mok/cuda/backend.py"
 VER = "megatron_mok/megatron/versions.py"
 PM = "megatron_mok/cuda/peer_memory.py"
+NVD_SRC = "megatron_mok/cuda/nvlink_domain.py"
 LAUNCH = "megatron_mok/launch.py"
 PATCH = "megatron_mok/megatron/_patch.py"
 CB = "megatron_mok/cuda/backend.py"
@@ -82,6 +83,7 @@ BENCHT = "tests/test_benchmarks_cpu.py"
 ERRT = "tests/test_device_errors.py"
 BINDT = "tests/test_bindings_constants.py"
 PMT = "tests/test_peer_memory.py"
+NVD = "tests/test_nvlink_domain.py"
 MG_ENTRY = "tests/megatron/test_megatron_entrypoints.py"
 MG_BUDGET = "tests/megatron/test_megatron_budget.py"
 SAFETY = "tests/test_handle_safety.py"
@@ -574,6 +576,19 @@ MUTANTS: List[Mutant] = [
     M("pm_shared_gpu_asked_for_a_path", PM, "if r == rank or h != host or u == uuid:",
       "if r == rank or h != host:", [PMT]),
     M("pm_error_on_no_pairs", PM, "    if not pairs:\n        return None\n", "", [PMT]),
+    # -------------------------------------------- one NVLink domain across hosts (item 60)
+    M("pm_hosts_never_checked", PM, "        if len({k[0] for k in keys}) > 1:\n",
+      "        if len({k[0] for k in keys}) > 2:\n", [NVD]),
+    M("nvd_one_host_refused", NVD_SRC, "    if len(by_host) < 2:\n        return None\n", "", [NVD]),
+    M("nvd_gap_in_fabric_passes", NVD_SRC, "    if None not in known and len(set(known)) == 1:",
+      "    if len(set(known) - {None}) == 1:", [NVD]),
+    M("nvd_override_on_some_ranks", NVD_SRC, "        if all(assumes):", "        if any(assumes):", [NVD]),
+    M("nvd_unjoined_fabric_counts", NVD_SRC,
+      "if f[\"state\"] != FABRIC_STATE_COMPLETED or f[\"status\"] != 0 or not int(f[\"cluster\"], 16):",
+      "if f[\"status\"] != 0 or not int(f[\"cluster\"], 16):", [NVD]),
+    M("nvd_zero_cluster_counts", NVD_SRC,
+      "if f[\"state\"] != FABRIC_STATE_COMPLETED or f[\"status\"] != 0 or not int(f[\"cluster\"], 16):",
+      "if f[\"state\"] != FABRIC_STATE_COMPLETED or f[\"status\"] != 0:", [NVD]),
     # ------------------------------------------------------------------------------ launcher
     M("launch_path_is_cwd", LAUNCH, "sys.path[0:1] = [os.path.dirname(os.path.abspath(script))]",
       "sys.path[0:1] = [os.getcwd()]", [MG_ENTRY]),

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..loopback import is_loopback
+from .nvlink_domain import assumed as nvlink_assumed, domain_problem, fabric_of
 
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -148,6 +149,15 @@ class PeerMemory:
         group = group if group is not None else dist.group.WORLD
         keys: List = [None] * world_size
         dist.all_gather_object(keys, device_key(device), group=group)
+        if len({k[0] for k in keys}) > 1:
+            # Several hosts: one NVLink domain only on a multi-node NVLink system (NVML's GPU
+            # fabric). Every rank makes this second gather (all saw the same hosts) and so all
+            # raise together, before torch's symmetric memory tries to map across hosts.
+            probe: List = [None] * world_size
+            dist.all_gather_object(probe, (fabric_of(keys[rank][1]), nvlink_assumed()), group=group)
+            problem = domain_problem(keys, [p[0] for p in probe], [p[1] for p in probe])
+            if problem is not None:
+                raise RuntimeError(problem)
         try:
             mine = unreachable_peers(keys, rank, _visible_index, torch.cuda.can_device_access_peer)
         except Exception as e:  # noqa: BLE001  (a preflight: never leave the peers in the gather)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Session 39's one-GPU calls (benchmarks/NOTES.md, items 59 and 60).
+#
+#   bash scripts/device_runs/s39_1gpu.sh COMMIT "PARTS" [FUZZ_S]
+#     PARTS: any of stopnote mutants chains nvlink regress
+#
+# stopnote  item 59: the CUDA stop tests (tests/test_stop_rank.py: loopback ranks, and processes
+#           sharing the GPU), now also reading back each peer's own stop note, which must pass
+#           rank 1's on (origin 1, rank 1's words); the C ABI and device-error message tests.
+# mutants   item 59's CUDA mutant (stop_note_origin_is_self) and item 57's two (libraries built
+#           here into .mutants39: carried).
+# chains    the 4-process stop twins CHAIN_REPEATS times (default 4) with -s (as s38's part).
+# nvlink    item 60: what NVML says of this H200's GPU fabric (scripts/probe_nvlink_fabric.py:
+#           expected "not supported" on a single-host board), and the NVLink-domain tests.
+# regress   the one-GPU regression selections (common.sh).
+# Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
+# Carry: megatron_mok/_lib, .mutants39.
+C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
+. "$(dirname "$0")/common.sh"
+for PART in $PARTS; do
+t0=$SECONDS
+case $PART in
+stopnote)
+  MOK_TEST_SHARED_GPU=1 run_pytest stopnote 360 -m "gpu or multigpu" --durations=8 \
+    tests/test_stop_rank.py tests/test_cuda_library_abi.py tests/test_device_errors.py ;;
+mutants)
+  cuda_mutants .mutants39 stop_note_origin_is_self,stop_note_not_written,stop_note_read_from_self 0 ;;
+chains)
+  for i in $(seq ${CHAIN_REPEATS:-4}); do
+    MOK_TEST_SHARED_GPU=1 run_pytest chains_$i 120 -s -m multigpu tests/test_stop_rank.py \
+      -k "on_gpus and (dispatch-4 or combine-4)" > /dev/null
+  done
+  grep -ho "\[peer [0-9]*\] .*" $R/chains_*.log | sort | uniq -c | sort -rn | cut -c1-200 | head -12
+  grep -L "^2 passed" $R/chains_*.log | head ;;
+nvlink)
+  python3 scripts/probe_nvlink_fabric.py --json $R/fabric.json 2>&1 | tee $R/fabric.log
+  nvidia-smi -q | grep -A8 -i "fabric" | head -20 | tee -a $R/fabric.log
+  run_pytest nvlink 120 tests/test_nvlink_domain.py tests/test_peer_memory.py ;;
+regress)
+  regress_selections ;;
+*) echo "unknown part $PART"; exit 2 ;;
+esac
+echo "[$PART] $((SECONDS - t0)) s"
+done
+fuzz $FUZZ fuzz
+cd $OUT && tar czf r.tgz r && rm -rf r
