@@ -71,7 +71,7 @@ def _one_rank_stops(rank, world_size, where, hidden=H):
         torch.cuda.current_stream().synchronize()
     t0 = time.monotonic()
     if where == "device_error":
-        return _device_error_on_rank_1(buf, x, idx, w, bad, E, t0)
+        return _device_error_on_rank_1(buf, x, idx, w, bad, E, rank)
     if bad:
         if where in ("dispatch", "static"):
             big = torch.zeros(T + 1, hidden, dtype=torch.bfloat16, device=dev)
@@ -132,7 +132,7 @@ def _peer_error(exc):
             "rank": getattr(exc, "rank", None), "reason": getattr(exc, "reason", None)}
 
 
-def _device_error_on_rank_1(buf, x, idx, w, bad, E, t0):
+def _device_error_on_rank_1(buf, x, idx, w, bad, E, rank):
     """A data error (a bad expert id) on rank 1, read at its dispatch's host read after its
     transfer was launched: the peers' call completes without an error (the stop waits for
     their reads of what rank 1 published), and their next dispatch raises at once."""
