@@ -48,6 +48,25 @@ def timeout_seconds(timeout_s: Optional[float]) -> float:
     return float(os.environ.get("MOK_TIMEOUT_S") or DEFAULT_TIMEOUT_S)
 
 
+def group_timeout_seconds(group) -> Optional[float]:
+    """The timeout ``group``'s own collectives run under (``init_process_group`` /
+    ``new_group(timeout=...)``: Megatron sets its groups' from ``--distributed-timeout-minutes``),
+    in seconds; ``None`` when it cannot be read (a loopback group, torch.distributed not
+    initialised, a backend without options: torch keeps it in private fields)."""
+    if is_loopback(group) or not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        for device in (torch.device("cuda"), torch.device("cpu")):
+            if device in pg._device_types:
+                timeout = pg._get_backend(device).options._timeout
+                if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+                    return timeout.total_seconds()
+    except Exception:   # noqa: BLE001  (private fields: not readable -> the caller's default)
+        return None
+    return None
+
+
 def wait_bounded(work, group, timeout_s: float) -> bool:
     """Wait for the async collective ``work`` up to ``timeout_s``: whether it completed (if not,
     it stays queued in the group). gloo waits with its own timeout; other backends (NCCL) are

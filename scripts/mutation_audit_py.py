@@ -354,6 +354,14 @@ MUTANTS: List[Mutant] = [
       "        if time.monotonic() > deadline:\n            return False",
       "        if False:\n            return False",
       [f"{REFSTOP}::test_wait_bounded_polls_other_backends_until_the_deadline"]),
+    # NOTES item 61: the Megatron dispatcher's Buffers wait as long as the EP group would.
+    M("comm_group_timeout_unread", "megatron_mok/comm.py",
+      "                    return timeout.total_seconds()\n", "                    return None\n",
+      [f"{REFSTOP}::test_a_groups_own_timeout_is_read"]),
+    M("mg_group_timeout_ignored", DISP, "        if opts.timeout_s is None:\n            # Neither",
+      "        if False:\n            # Neither", [f"{MG_INSTALL}::test_buffer_waits_as_long_as_the_ep_group"]),
+    M("mg_group_timeout_beats_the_variable", DISP, "        if opts.timeout_s is None:\n            # Neither",
+      "        if True:\n            # Neither", [f"{MG_INSTALL}::test_buffer_waits_as_long_as_the_ep_group"]),
     M("cuda_device_error_not_stopping", CB,
       "            try:\n                self._stop_rank(self.broken if note is None or note[1] is None else note[1],\n"
       "                                None if note is None else note[0])\n            except Exception as err:\n"

@@ -469,3 +469,32 @@ def test_the_errors_are_exported_with_one_hierarchy():
     assert all(issubclass(getattr(mok, n), RuntimeError) for n in ("MokDeviceError", "MokTimeout"))
     err = mok.MokDevicePeerStopped(2, "why", "message")
     assert (err.rank, err.reason, str(err)) == (2, "why", "message")
+
+
+def _group_timeouts(rank, world_size):
+    from datetime import timedelta
+
+    from megatron_mok.comm import group_timeout_seconds
+
+    sub = dist.new_group(list(range(world_size)), timeout=timedelta(minutes=7))
+    return group_timeout_seconds(None), group_timeout_seconds(sub)
+
+
+def test_a_groups_own_timeout_is_read(monkeypatch):
+    # What the Megatron dispatcher's Buffers wait for a late peer without MOK_TIMEOUT_S: the EP
+    # group's own timeout (NOTES item 61); the harness makes the world with DEFAULT_TIMEOUT_S.
+    from harness import DEFAULT_TIMEOUT_S
+    from megatron_mok.comm import group_timeout_seconds
+
+    out = run_distributed(_group_timeouts, 2, fresh=True, timeout=60)
+    assert out == [(float(DEFAULT_TIMEOUT_S), 420.0)] * 2, out
+    assert group_timeout_seconds(None) is None          # torch.distributed not initialised here
+
+    class NoOptions:                                    # a backend without readable options
+        _device_types = [torch.device("cpu")]
+
+        def _get_backend(self, device):
+            raise RuntimeError("no backend")
+    import megatron_mok.comm as comm
+    monkeypatch.setattr(comm.dist, "is_initialized", lambda: True)
+    assert group_timeout_seconds(NoOptions()) is None

@@ -64,6 +64,7 @@ from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from ..comm import group_timeout_seconds
 from . import budget
 from .budget import RankBudget
 from .config import MokConfigError, MokOptions, config_problems, error_check_mode
@@ -450,6 +451,14 @@ class MokTokenDispatcher(MoETokenDispatcher):
                 _T_MAX[gkey] = t_max
         kwargs = {name: getattr(opts, name) for name in ("ring_bytes", "timeout_s")
                   if getattr(opts, name) is not None}
+        if opts.timeout_s is None:
+            # Neither MOK_TIMEOUT_S nor config.moe_mok_timeout_s: wait for a late EP peer as
+            # long as the group's own collectives would (Megatron: --distributed-timeout-minutes,
+            # 10 by default), so a straggler that alltoall's NCCL all-to-all would wait for does
+            # not end the job under mok (NOTES item 61); the Buffer default (60 s) if unreadable.
+            group_timeout = group_timeout_seconds(group)
+            if group_timeout is not None:
+                kwargs["timeout_s"] = group_timeout
         num_sms = self.num_sms()
         if num_sms is not None:
             kwargs["num_sms"] = num_sms

@@ -2,7 +2,7 @@
 # Session 39's one-GPU calls (benchmarks/NOTES.md, items 59 and 60).
 #
 #   bash scripts/device_runs/s39_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of stopnote mutants chains nvlink regress
+#     PARTS: any of stopnote mutants chains nvlink regress ncclto
 #
 # stopnote  item 59: the CUDA stop tests (tests/test_stop_rank.py: loopback ranks, and processes
 #           sharing the GPU), now also reading back each peer's own stop note, which must pass
@@ -13,6 +13,8 @@
 # nvlink    item 60: what NVML says of this H200's GPU fabric (scripts/probe_nvlink_fabric.py:
 #           expected "not supported" on a single-host board), and the NVLink-domain tests.
 # regress   the one-GPU regression selections (common.sh).
+# ncclto    item 61: an NCCL group's own timeout read as the Megatron dispatcher reads it
+#           (comm.group_timeout_seconds), for the world and a new_group.
 # Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
 # Carry: megatron_mok/_lib, .mutants39.
 C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
@@ -38,6 +40,17 @@ nvlink)
   run_pytest nvlink 120 tests/test_nvlink_domain.py tests/test_peer_memory.py ;;
 regress)
   regress_selections ;;
+ncclto)
+  MASTER_ADDR=127.0.0.1 MASTER_PORT=29531 timeout 120 python3 -c "
+import datetime, torch, torch.distributed as dist
+from megatron_mok.comm import group_timeout_seconds
+torch.cuda.set_device(0)
+dist.init_process_group('nccl', rank=0, world_size=1, timeout=datetime.timedelta(minutes=9), device_id=torch.device('cuda', 0))
+sub = dist.new_group([0], timeout=datetime.timedelta(minutes=11))
+got = (group_timeout_seconds(None), group_timeout_seconds(sub))
+print('nccl group timeouts', got, 'expected (540.0, 660.0)', 'OK' if got == (540.0, 660.0) else 'MISMATCH')
+dist.destroy_process_group()
+" 2>&1 | tee $R/ncclto.log ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
 echo "[$PART] $((SECONDS - t0)) s"

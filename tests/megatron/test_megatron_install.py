@@ -1309,3 +1309,35 @@ def test_drop_and_pad_switched_on_without_a_factor_is_a_clear_error(fresh_buffer
     d.moe_expert_capacity_factor = 4.0          # E / topk: nothing dropped
     tokens, _ = d.token_dispatch(h, w)
     assert tokens.shape[0] == 8 * 6             # every local expert gets T x EP rows
+
+
+def _first_buffer(d):
+    rmap = torch.zeros(6, 8, dtype=torch.bool)
+    rmap[:, :2] = True
+    h, w = d.dispatch_preprocess(torch.ones(6, 1, 16), rmap, rmap.float())
+    d.token_dispatch(h, w)
+    return d.buffer
+
+
+def test_buffer_waits_as_long_as_the_ep_group(fresh_buffers, monkeypatch):
+    # Without MOK_TIMEOUT_S a late EP peer is waited for as long as the group's own collectives
+    # would (Megatron's --distributed-timeout-minutes; alltoall's NCCL all-to-all waits that
+    # long), not the Buffer default of 60 s (NOTES item 61); MOK_TIMEOUT_S and the config knob win.
+    from megatron_mok.megatron import dispatcher as D
+
+    monkeypatch.delenv("MOK_TIMEOUT_S", raising=False)
+    asked = []
+    monkeypatch.setattr(D, "group_timeout_seconds", lambda g: asked.append(g) or 600.0)
+    assert _first_buffer(_dispatcher()).timeout_s == 600.0 and len(asked) == 1
+    D.reset_buffers()
+    monkeypatch.setenv("MOK_TIMEOUT_S", "5")
+    assert _first_buffer(_dispatcher()).timeout_s == 5.0 and len(asked) == 1
+    D.reset_buffers()
+    monkeypatch.delenv("MOK_TIMEOUT_S")
+    d = _dispatcher()
+    d.config.moe_mok_timeout_s = 7
+    d.options = type(d.options).from_config(d.config)
+    assert _first_buffer(d).timeout_s == 7.0
+    D.reset_buffers()
+    monkeypatch.setattr(D, "group_timeout_seconds", lambda g: None)   # unreadable: Buffer default
+    assert _first_buffer(_dispatcher()).timeout_s is None
