@@ -2,7 +2,7 @@
 # Session 39's one-GPU calls (benchmarks/NOTES.md, items 59 and 60).
 #
 #   bash scripts/device_runs/s39_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of stopnote mutants chains nvlink regress ncclto
+#     PARTS: any of stopnote mutants chains nvlink regress ncclto megatron
 #
 # stopnote  item 59: the CUDA stop tests (tests/test_stop_rank.py: loopback ranks, and processes
 #           sharing the GPU), now also reading back each peer's own stop note, which must pass
@@ -15,8 +15,10 @@
 # regress   the one-GPU regression selections (common.sh).
 # ncclto    item 61: an NCCL group's own timeout read as the Megatron dispatcher reads it
 #           (comm.group_timeout_seconds), for the world and a new_group.
+# megatron  the Megatron T_max twins (common.sh; megatron-core 0.19.2 from the carried .whl):
+#           the dispatcher's Buffers now take the EP group's timeout.
 # Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
-# Carry: megatron_mok/_lib, .mutants39.
+# Carry: megatron_mok/_lib, .mutants39 (mutants), .whl (megatron).
 C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
 . "$(dirname "$0")/common.sh"
 for PART in $PARTS; do
@@ -51,6 +53,8 @@ got = (group_timeout_seconds(None), group_timeout_seconds(sub))
 print('nccl group timeouts', got, 'expected (540.0, 660.0)', 'OK' if got == (540.0, 660.0) else 'MISMATCH')
 dist.destroy_process_group()
 " 2>&1 | tee $R/ncclto.log ;;
+megatron)
+  megatron_t_max_twins ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
 echo "[$PART] $((SECONDS - t0)) s"
