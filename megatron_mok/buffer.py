@@ -45,15 +45,29 @@ def _destroy_live_buffers() -> None:
             pass
 
 
-def available_backends() -> list:
+def available_backends(device=None) -> list:
     """Backends usable in this process: always ``reference``; ``cuda`` when the compiled
-    library loads and a CUDA device is visible."""
-    from .cuda import library
-
+    library loads and holds code for ``device`` (default: the current CUDA device; the
+    default build runs on Hopper, sm_90a, only)."""
     names = ["reference"]
-    if torch.cuda.is_available() and library.is_available():
+    if torch.cuda.is_available() and _cuda_runs_on(device):
         names.append("cuda")
     return names
+
+
+def _cuda_runs_on(device=None) -> bool:
+    """Whether the CUDA library loads and has code for ``device`` (a CUDA device or index;
+    ``None``: the current one)."""
+    from .cuda import library
+
+    if not library.is_available():
+        return False
+    if device is None:
+        index = torch.cuda.current_device()
+    else:
+        index = torch.device(device).index if not isinstance(device, int) else device
+        index = torch.cuda.current_device() if index is None else index
+    return library.kernel_arch(index)[0] is not None
 
 
 class Buffer:
@@ -384,7 +398,7 @@ class Buffer:
         if self.requested_backend != "auto":
             return self.requested_backend
         dev = self.device or torch.device("cpu")
-        return "cuda" if dev.type == "cuda" and "cuda" in available_backends() else "reference"
+        return "cuda" if dev.type == "cuda" and "cuda" in available_backends(dev) else "reference"
 
     def __repr__(self):
         return (f"Buffer(rank={self.rank}/{self.world_size}, experts={self.num_experts}, "
@@ -398,7 +412,7 @@ class Buffer:
         name = self.requested_backend
         is_tensor = isinstance(t, torch.Tensor)   # not one: the input checks raise the TypeError
         if name == "auto":
-            name = "cuda" if is_tensor and t.is_cuda and "cuda" in available_backends() else "reference"
+            name = "cuda" if is_tensor and t.is_cuda and "cuda" in available_backends(t.device) else "reference"
         if name == "cuda" and is_tensor and not t.is_cuda:
             raise ValueError(f"backend='cuda' needs CUDA tensors, got a tensor on {t.device}")
         if name == "cuda" and is_tensor and name not in self._backends:

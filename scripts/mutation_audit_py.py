@@ -354,6 +354,15 @@ MUTANTS: List[Mutant] = [
       "        if time.monotonic() > deadline:\n            return False",
       "        if False:\n            return False",
       [f"{REFSTOP}::test_wait_bounded_polls_other_backends_until_the_deadline"]),
+    # NOTES item 62: the CUDA backend only on GPUs the library has code for.
+    M("cuda_unsupported_gpu_let_through", CB,
+      "        if arch is None:        # before any workspace", "        if False:        # before any workspace",
+      ["tests/test_gpu_support.py::test_cuda_backend_names_the_gpu_it_cannot_run_on"]),
+    M("auto_ignores_the_gpu_arch", BUF, "    return library.kernel_arch(index)[0] is not None\n",
+      "    return True\n", ["tests/test_gpu_support.py::test_auto_picks_cuda_only_where_the_library_has_code"]),
+    M("auto_asks_the_current_gpu_only", BUF,
+      "        index = torch.device(device).index if not isinstance(device, int) else device\n",
+      "        index = None\n", ["tests/test_gpu_support.py::test_auto_picks_cuda_only_where_the_library_has_code"]),
     # NOTES item 61: the Megatron dispatcher's Buffers wait as long as the EP group would.
     M("comm_group_timeout_unread", "megatron_mok/comm.py",
       "                    return timeout.total_seconds()\n", "                    return None\n",

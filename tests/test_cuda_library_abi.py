@@ -453,3 +453,25 @@ def test_a_chunk_past_the_routing_kernels_shared_memory_is_refused_at_create():
     assert not _create(lib, chunk=1, e_local=4000)
     msg = lib.mok_last_error().decode()
     assert "no chunk fits" in msg and "4000 local experts" in msg and "at most" not in msg, msg
+
+
+def test_kernel_arch_without_a_device_is_refused_with_a_message():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: test_the_gpu_runs_the_librarys_code checks it")
+    lib = library.get()
+    assert lib.mok_kernel_arch(0) == -1
+    assert lib.mok_last_error().decode().startswith("mok_kernel_arch: ")
+
+
+@pytest.mark.gpu
+def test_the_gpu_runs_the_librarys_code():
+    # The default build (sm_90a) on a Hopper GPU: the code it runs is sm_90 (binaryVersion 90).
+    import torch
+
+    lib = library.get()
+    major, minor = torch.cuda.get_device_capability(0)
+    assert lib.mok_kernel_arch(0) == 10 * major + minor == 90
+    assert lib.mok_kernel_arch(torch.cuda.device_count()) == -1    # no such device
+    assert "cannot be selected" in lib.mok_last_error().decode()

@@ -483,6 +483,25 @@ const char* mok_last_error(void) { return g_last_error.c_str(); }
 
 int mok_abi_version(void) { return MOK_ABI_VERSION; }
 
+int mok_kernel_arch(int device) {
+  int prev = -1;
+  if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
+    cudaGetLastError();
+    fail("mok_kernel_arch: device " + std::to_string(device) + " cannot be selected");
+    return -1;
+  }
+  cudaFuncAttributes a{};
+  const cudaError_t e = mok::stop_rank_kernel_attributes(&a);
+  cudaSetDevice(prev);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear it: a later launch must not report this one
+    fail(std::string("mok_kernel_arch: no code for device ") + std::to_string(device) + ": " +
+         cudaGetErrorString(e));
+    return -1;
+  }
+  return a.binaryVersion;
+}
+
 int mok_sm_count(int device) {
   int n = 0;
   if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return -1;

@@ -14,7 +14,7 @@ typedef struct MokContext MokContext;
 
 /* Bumped whenever a signature below changes; megatron_mok/cuda/bindings.py refuses a library
  * of another version (a stale build would otherwise take the new arguments wrongly). */
-#define MOK_ABI_VERSION 19
+#define MOK_ABI_VERSION 20
 int mok_abi_version(void);
 
 /* expert_alignment >= 1: each local expert's rows are followed by zero rows (no source, prob 0)
@@ -163,6 +163,11 @@ int mok_read_stop_note(const MokContext* ctx, int peer, void* stream, char* text
                        int* origin);
 const char* mok_last_error(void);
 int mok_sm_count(int device);
+/* The architecture of the library's code that `device` runs (cudaFuncAttributes::binaryVersion of
+ * one of its kernels, e.g. 90 for sm_90a), or -1 when the library holds none this device can run
+ * (built for another GPU: mok_last_error says which device); asked before any workspace is made,
+ * so an unsupported GPU is refused with a message instead of failing at its first launch. */
+int mok_kernel_arch(int device);
 /* A new CUDA stream (non-blocking) on `device`, or NULL. For loopback ranks (threads of one
  * process on one GPU): torch's stream pool hands its streams out round robin, so two ranks
  * could get the same stream and serialise kernels that wait for each other. Never destroyed

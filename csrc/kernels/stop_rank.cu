@@ -87,4 +87,8 @@ cudaError_t launch_stop_rank(const CommContext& c, const StopNote& note, cudaStr
   return launch_kernel(c, stop_rank_kernel, 1, kStopThreads, 0, s, c, note);
 }
 
+cudaError_t stop_rank_kernel_attributes(cudaFuncAttributes* a) {
+  return cudaFuncGetAttributes(a, stop_rank_kernel);
+}
+
 }  // namespace mok

@@ -116,6 +116,9 @@ class CudaBackend:
         # current device, now), so that a tensor on another GPU is refused from here on.
         dev = buf._cuda_device()
         self.device = dev
+        arch, why_not = library.kernel_arch(dev.index)
+        if arch is None:        # before any workspace: a clear error, not a failed first launch
+            raise RuntimeError(library.unsupported_gpu_message(dev.index, why_not))
         self.misaligned_copies = 0  # inputs copied to a 16-byte aligned address (aligned_rows)
         elem = torch.tensor([], dtype=buf.dtype).element_size()
         pelem = torch.tensor([], dtype=buf.combine_partial_dtype).element_size()

@@ -6,7 +6,7 @@ import ctypes
 from ctypes import c_double, c_float, c_int, c_int64, c_size_t, c_uint64, c_void_p, POINTER
 
 # The C ABI version this file declares (MOK_ABI_VERSION in csrc/api/mok_api.h).
-ABI_VERSION = 19
+ABI_VERSION = 20
 
 _SIGNATURES = {
     "mok_abi_version": (c_int, []),
@@ -42,6 +42,7 @@ _SIGNATURES = {
                                    POINTER(c_int)]),
     "mok_last_error": (ctypes.c_char_p, []),
     "mok_sm_count": (c_int, [c_int]),
+    "mok_kernel_arch": (c_int, [c_int]),
     "mok_stream_create": (c_void_p, [c_int]),
 }
 

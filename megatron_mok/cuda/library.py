@@ -18,6 +18,7 @@ _LIB_NAME = "libmok_cuda.so"
 _lib: Optional[ctypes.CDLL] = None
 _load_error: Optional[str] = None
 _load_lock = threading.Lock()
+_arch: dict = {}          # device index -> (binaryVersion or None, why not)
 
 BUILD_HINT = (
     "the MoK CUDA library is not built. Build it with nvcc >= 12.3 on PATH (or CUDA_HOME set): "
@@ -70,3 +71,29 @@ def get() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"backend='cuda' is unavailable: {_load_error}. {BUILD_HINT}")
     return lib
+
+
+def kernel_arch(device_index: int) -> tuple:
+    """``(arch, why_not)`` of the library's code on GPU ``device_index``: ``arch`` is what that
+    GPU runs (``mok_kernel_arch``, e.g. 90 for the default sm_90a build), ``None`` when the
+    library holds no code it can run (built for another architecture: ``why_not`` says so) or
+    does not load. Asked once per device (``auto`` asks it for every call)."""
+    if device_index not in _arch:
+        lib = _load()
+        if lib is None:
+            return None, f"backend='cuda' is unavailable: {_load_error}"
+        arch = lib.mok_kernel_arch(int(device_index))
+        _arch[device_index] = (arch, None) if arch > 0 else (None, lib.mok_last_error().decode())
+    return _arch[device_index]
+
+
+def unsupported_gpu_message(device_index: int, why_not: str) -> str:
+    """The error of ``backend='cuda'`` on a GPU the library has no code for."""
+    import torch
+
+    name = torch.cuda.get_device_name(device_index)
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return (f"backend='cuda' cannot run on cuda:{device_index} ({name}, compute capability "
+            f"{major}.{minor}): the MoK CUDA library holds no code for it ({why_not}). Its kernels "
+            f"are built for Hopper (sm_90a: H100, H200, GH200; MOK_CUDA_ARCH at build time). On "
+            f"other GPUs use backend='reference' (slow), or Megatron's alltoall / flex dispatcher.")

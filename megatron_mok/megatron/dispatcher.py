@@ -489,9 +489,11 @@ class MokTokenDispatcher(MoETokenDispatcher):
                               f"dispatchers' budget, so an A/B runs both at one budget); MOK_NUM_SMS "
                               f"sets MoK's own (its default here: {self._default_num_sms()})",
                               stacklevel=2)
-            if hidden.is_cuda and opts.backend == "auto" and "cuda" not in mok.available_backends():
+            if (hidden.is_cuda and opts.backend == "auto"
+                    and "cuda" not in mok.available_backends(hidden.device)):
                 # Not silent: the reference backend is correct but slow (all-gathers tokens).
-                warnings.warn("MoK: the CUDA backend is not built, so the Megatron dispatcher runs "
+                warnings.warn("MoK: the CUDA backend is not built, or built for another GPU (its "
+                              "kernels run on Hopper, sm_90a), so the Megatron dispatcher runs "
                               "the pure-torch reference backend on GPU tensors (correct, slow). "
                               "Build the extension, or set MOK_BACKEND=reference to say you mean it.",
                               stacklevel=2)

@@ -2,7 +2,7 @@
 # Session 39's one-GPU calls (benchmarks/NOTES.md, items 59 and 60).
 #
 #   bash scripts/device_runs/s39_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of stopnote mutants chains nvlink regress ncclto megatron
+#     PARTS: any of stopnote mutants chains nvlink regress ncclto megatron arch
 #
 # stopnote  item 59: the CUDA stop tests (tests/test_stop_rank.py: loopback ranks, and processes
 #           sharing the GPU), now also reading back each peer's own stop note, which must pass
@@ -15,6 +15,8 @@
 # regress   the one-GPU regression selections (common.sh).
 # ncclto    item 61: an NCCL group's own timeout read as the Megatron dispatcher reads it
 #           (comm.group_timeout_seconds), for the world and a new_group.
+# arch      item 62 (C ABI 20): the library's C ABI tests (mok_kernel_arch on this H200: 90) and
+#           the GPU-support tests.
 # megatron  the Megatron T_max twins (common.sh; megatron-core 0.19.2 from the carried .whl):
 #           the dispatcher's Buffers now take the EP group's timeout.
 # Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
@@ -55,6 +57,8 @@ dist.destroy_process_group()
 " 2>&1 | tee $R/ncclto.log ;;
 megatron)
   megatron_t_max_twins ;;
+arch)
+  run_pytest arch 120 tests/test_cuda_library_abi.py tests/test_gpu_support.py tests/test_bindings_constants.py ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
 echo "[$PART] $((SECONDS - t0)) s"

@@ -122,6 +122,9 @@ bool dispatch_call_fits_ring(const Workspace& ws);
 // poison every flag they wait on for it and give up its waits for their releases
 // (kernels/stop_rank.cu). One block on `s`.
 cudaError_t launch_stop_rank(const CommContext& c, const StopNote& note, cudaStream_t s);
+// The stop kernel's attributes on the current device (mok_kernel_arch): fails when the library
+// holds no code this device can run.
+cudaError_t stop_rank_kernel_attributes(cudaFuncAttributes* a);
 
 // rows x [a row | b row | zeros] into dst rows of dst_bytes (the FP8 dispatch's pack); every
 // width a multiple of 16 bytes, a_bytes + b_bytes <= dst_bytes, pointers 16-byte aligned.
