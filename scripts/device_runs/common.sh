@@ -72,3 +72,19 @@ megatron_t_max_twins() {  # the Megatron T_max twins (CPU reference; 2 processes
   PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
     run_pytest megatron_t_max 240 tests/megatron/test_megatron_eval.py -k "over_t_max"
 }
+
+stop_tests() {  # the CUDA stop tests (loopback ranks, processes sharing the GPU), the C ABI and
+    # device-error message tests (sessions 38-39)
+  MOK_TEST_SHARED_GPU=1 run_pytest stopnote 360 -m "gpu or multigpu" --durations=8 \
+    tests/test_stop_rank.py tests/test_cuda_library_abi.py tests/test_device_errors.py
+}
+
+stop_chains() {  # stop_chains REPEATS: the 4-process stop twins REPEATS times with -s, then how
+    # often each peer found which stop (a chain of stops is a race; sessions 38-39)
+  for i in $(seq $1); do
+    MOK_TEST_SHARED_GPU=1 run_pytest chains_$i 120 -s -m multigpu tests/test_stop_rank.py \
+      -k "on_gpus and (dispatch-4 or combine-4)" > /dev/null
+  done
+  grep -ho "\[peer [0-9]*\] .*" $R/chains_*.log | sort | uniq -c | sort -rn | cut -c1-200 | head -12
+  grep -L "^2 passed" $R/chains_*.log | head
+}

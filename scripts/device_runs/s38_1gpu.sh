@@ -27,8 +27,7 @@ for PART in $PARTS; do
 t0=$SECONDS
 case $PART in
 stopnote)
-  MOK_TEST_SHARED_GPU=1 run_pytest stopnote 360 -m "gpu or multigpu" --durations=8 \
-    tests/test_stop_rank.py tests/test_cuda_library_abi.py tests/test_device_errors.py ;;
+  stop_tests ;;
 regress)
   regress_selections ;;
 mutants)
@@ -36,12 +35,7 @@ mutants)
 refstop)
   MOK_TEST_SHARED_GPU=1 run_pytest refstop 240 -m "gpu or multigpu" tests/test_reference_stop.py ;;
 chains)
-  for i in $(seq ${CHAIN_REPEATS:-10}); do
-    MOK_TEST_SHARED_GPU=1 run_pytest chains_$i 120 -s -m multigpu tests/test_stop_rank.py \
-      -k "on_gpus and (dispatch-4 or combine-4)" > /dev/null
-  done
-  grep -ho "\[peer [0-9]*\] .*" $R/chains_*.log | sort | uniq -c | sort -rn | cut -c1-200 | head -12
-  grep -L "^2 passed" $R/chains_*.log | head ;;
+  stop_chains ${CHAIN_REPEATS:-10} ;;
 megatron)
   megatron_t_max_twins ;;
 *) echo "unknown part $PART"; exit 2 ;;

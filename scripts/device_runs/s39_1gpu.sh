@@ -27,17 +27,11 @@ for PART in $PARTS; do
 t0=$SECONDS
 case $PART in
 stopnote)
-  MOK_TEST_SHARED_GPU=1 run_pytest stopnote 360 -m "gpu or multigpu" --durations=8 \
-    tests/test_stop_rank.py tests/test_cuda_library_abi.py tests/test_device_errors.py ;;
+  stop_tests ;;
 mutants)
   cuda_mutants .mutants39 stop_note_origin_is_self,stop_note_not_written,stop_note_read_from_self 0 ;;
 chains)
-  for i in $(seq ${CHAIN_REPEATS:-4}); do
-    MOK_TEST_SHARED_GPU=1 run_pytest chains_$i 120 -s -m multigpu tests/test_stop_rank.py \
-      -k "on_gpus and (dispatch-4 or combine-4)" > /dev/null
-  done
-  grep -ho "\[peer [0-9]*\] .*" $R/chains_*.log | sort | uniq -c | sort -rn | cut -c1-200 | head -12
-  grep -L "^2 passed" $R/chains_*.log | head ;;
+  stop_chains ${CHAIN_REPEATS:-4} ;;
 nvlink)
   python3 scripts/probe_nvlink_fabric.py --json $R/fabric.json 2>&1 | tee $R/fabric.log
   nvidia-smi -q | grep -A8 -i "fabric" | head -20 | tee -a $R/fabric.log
