@@ -338,6 +338,12 @@ def test_combine_refuses_misaligned_rows_before_launching(expert_out, y, rows, t
 def test_combine_without_rows_or_tokens_needs_no_pointers():
     """No rows (row_cap 0) and no tokens: nothing is read or written, null pointers pass the
     alignment check (the call then fails at its launch here, without a GPU, not before)."""
+    import torch
+
+    if torch.cuda.is_available():
+        # There the call passes its checks and launches on the fake workspace, and the last
+        # error is the previous test's (run s39-4): the check is for a machine without a GPU.
+        pytest.skip("a GPU is visible: the call would launch on a fake workspace")
     lib = library.get()
     ctx = _with_fake_peers(lib)
     try:
