@@ -229,3 +229,33 @@ def rows_per_expert_message(rank: int, expert: int, rows: int, rows_per_expert: 
     """A drop-and-pad dispatch's error: a local expert of ``rank`` got more than ``N`` rows."""
     return (f"megatron_mok: rank {rank}: local expert {expert} received {rows} rows, more than "
             f"rows_per_expert={rows_per_expert}; the capacity must hold every routed row")
+
+
+def ranks_text(ranks) -> str:
+    """``0-3, 6`` for ``[0, 1, 2, 3, 6]`` (sorted ranks)."""
+    ranks = list(ranks)
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(parts)
+
+
+def disagreement(fields, every, show=None):
+    """What differs between the ranks' values of ``fields`` (``every[r]``: rank ``r``'s values,
+    in ``fields``' order; ``show(field, value)`` prints a value), one clause per field that
+    differs: ``"hidden: 7168 on ranks 0-2, 4096 on rank 3"``; ``None`` when all agree."""
+    show = show or (lambda field, value: str(value))
+    clauses = []
+    for i, name in enumerate(fields):
+        by_value = {}
+        for r, row in enumerate(every):
+            by_value.setdefault(row[i], []).append(r)
+        if len(by_value) > 1:
+            clauses.append(f"{name}: " + ", ".join(
+                f"{show(name, v)} on rank{'s' if len(rs) > 1 else ''} {ranks_text(rs)}"
+                for v, rs in sorted(by_value.items(), key=lambda kv: kv[1][0])))
+    return "; ".join(clauses) or None

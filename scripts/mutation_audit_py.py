@@ -354,6 +354,14 @@ MUTANTS: List[Mutant] = [
       "        if time.monotonic() > deadline:\n            return False",
       "        if False:\n            return False",
       [f"{REFSTOP}::test_wait_bounded_polls_other_backends_until_the_deadline"]),
+    # NOTES item 63: the ranks of a CUDA-backend group agree on the workspace layout.
+    M("cuda_layout_mismatch_accepted", CB, "        if diff is not None:\n            self.lib.mok_destroy(self.ctx)",
+      "        if False:\n            self.lib.mok_destroy(self.ctx)", ["tests/test_layout_agreement.py"]),
+    M("cuda_layout_dtype_unchecked", CB, "DTYPE_CODES[buf.dtype], DTYPE_CODES[buf.combine_partial_dtype]",
+      "DTYPE_CODES[torch.bfloat16], DTYPE_CODES[buf.combine_partial_dtype]", ["tests/test_layout_agreement.py"]),
+    M("validation_disagreement_first_field_only", "megatron_mok/validation.py",
+      "    return \"; \".join(clauses) or None\n", "    return clauses[0] if clauses else None\n",
+      ["tests/test_layout_agreement.py"]),
     # NOTES item 62: the CUDA backend only on GPUs the library has code for.
     M("cuda_unsupported_gpu_let_through", CB,
       "        if arch is None:        # before any workspace", "        if False:        # before any workspace",

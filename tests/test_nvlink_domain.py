@@ -14,7 +14,8 @@ import pytest
 
 from harness import run_distributed
 from megatron_mok.cuda import nvlink_domain
-from megatron_mok.cuda.nvlink_domain import _ranks_text, domain_problem, fabric_fields, fabric_of
+from megatron_mok.cuda.nvlink_domain import domain_problem, fabric_fields, fabric_of
+from megatron_mok.validation import ranks_text
 
 A, B, C, D = "GPU-aaaa", "GPU-bbbb", "GPU-cccc", "GPU-dddd"
 TWO_HOSTS = [("h1", A), ("h1", B), ("h2", C), ("h2", D)]
@@ -22,9 +23,9 @@ NET = ("1f" * 16, 7)
 
 
 def test_ranks_text():
-    assert _ranks_text([0, 1, 2, 3, 6]) == "0-3, 6"
-    assert _ranks_text([5]) == "5"
-    assert _ranks_text([0, 2, 3]) == "0, 2-3"
+    assert ranks_text([0, 1, 2, 3, 6]) == "0-3, 6"
+    assert ranks_text([5]) == "5"
+    assert ranks_text([0, 2, 3]) == "0, 2-3"
 
 
 def test_one_host_needs_no_fabric():

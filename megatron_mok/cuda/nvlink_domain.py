@@ -22,6 +22,8 @@ import ctypes
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..validation import ranks_text
+
 # nvmlGpuFabricInfo_t (nvml.h, driver R530+): state NVML_GPU_FABRIC_STATE_COMPLETED once the
 # GPU has joined its NVLink network; GPUs on no NVLink network (every single-host HGX board)
 # report NVML_GPU_FABRIC_STATE_NOT_SUPPORTED (0) or fail the call.
@@ -89,18 +91,6 @@ def fabric_of(uuid: str, nvml=None) -> Optional[Tuple[str, int]]:
     return f["cluster"], f["clique"]
 
 
-def _ranks_text(ranks: Sequence[int]) -> str:
-    """``0-3, 6`` for ``[0, 1, 2, 3, 6]``."""
-    parts, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ", ".join(parts)
-
-
 def domain_problem(keys: Sequence[Tuple[str, str]], fabrics: Sequence[Optional[Tuple[str, int]]],
                    assumes: Optional[Sequence[bool]] = None) -> Optional[str]:
     """The error every rank raises when the group's ranks (``keys[r]``: ``(host, GPU UUID)``)
@@ -118,17 +108,17 @@ def domain_problem(keys: Sequence[Tuple[str, str]], fabrics: Sequence[Optional[T
         if all(assumes):
             return None
         return (f"megatron_mok: {ASSUME_ENV}=1 is set on ranks "
-                f"{_ranks_text([r for r, a in enumerate(assumes) if a])} only; set it the same "
+                f"{ranks_text([r for r, a in enumerate(assumes) if a])} only; set it the same "
                 f"on every rank of the group")
     known = [tuple(f) if f is not None else None for f in fabrics]
     if None not in known and len(set(known)) == 1:
         return None
-    placed = "; ".join(f"ranks {_ranks_text(rs)} on {h}" for h, rs in sorted(by_host.items(),
+    placed = "; ".join(f"ranks {ranks_text(rs)} on {h}" for h, rs in sorted(by_host.items(),
                                                                             key=lambda kv: kv[1][0]))
     missing = [r for r, f in enumerate(known) if f is None]
     if missing:
         why = (f"NVML reports no multi-node NVLink network (GPU fabric) for the GPUs of ranks "
-               f"{_ranks_text(missing)}")
+               f"{ranks_text(missing)}")
     else:
         domains = sorted({f for f in known})
         why = (f"their GPUs report {len(domains)} different NVLink domains (cluster, clique): "

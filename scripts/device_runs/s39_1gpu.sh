@@ -2,7 +2,7 @@
 # Session 39's one-GPU calls (benchmarks/NOTES.md, items 59 and 60).
 #
 #   bash scripts/device_runs/s39_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of stopnote mutants chains nvlink regress ncclto megatron arch
+#     PARTS: any of stopnote mutants chains nvlink regress ncclto megatron arch layout
 #
 # stopnote  item 59: the CUDA stop tests (tests/test_stop_rank.py: loopback ranks, and processes
 #           sharing the GPU), now also reading back each peer's own stop note, which must pass
@@ -17,6 +17,9 @@
 #           (comm.group_timeout_seconds), for the world and a new_group.
 # arch      item 62 (C ABI 20): the library's C ABI tests (mok_kernel_arch on this H200: 90) and
 #           the GPU-support tests.
+# layout    item 63: ranks whose Buffers differ refuse together before allocating
+#           (tests/test_layout_agreement.py: loopback ranks, 2 processes sharing the GPU), and the
+#           CUDA sample of the regression selections.
 # megatron  the Megatron T_max twins (common.sh; megatron-core 0.19.2 from the carried .whl):
 #           the dispatcher's Buffers now take the EP group's timeout.
 # Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
@@ -51,6 +54,11 @@ dist.destroy_process_group()
 " 2>&1 | tee $R/ncclto.log ;;
 megatron)
   megatron_t_max_twins ;;
+layout)
+  MOK_TEST_SHARED_GPU=1 run_pytest layout 120 tests/test_layout_agreement.py tests/test_cuda_library_abi.py \
+    tests/test_gpu_support.py
+  SAMPLE=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import mutation_audit_cuda as m; print(m.SAMPLE[-1])")
+  run_pytest sample 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py -k "$SAMPLE" ;;
 arch)
   run_pytest arch 120 tests/test_cuda_library_abi.py tests/test_gpu_support.py tests/test_bindings_constants.py ;;
 *) echo "unknown part $PART"; exit 2 ;;
