@@ -94,3 +94,18 @@ def test_stop_note_size_matches_the_kernels():
     m = re.search(r"constexpr int kStopNoteBytes = (\d+);", config)
     assert m and int(m.group(1)) == errors.REASON_BYTES
     assert "static_assert(sizeof(StopNote) == 256" in _read("include/mok/workspace.h")
+
+
+def test_dtype_codes_match_the_kernels_enum():
+    # The combine takes its dtypes as these codes (launch.h DtypeCode); a second, different
+    # table of the same name once shadowed this one in backend.py and every combine read its
+    # rows in the wrong dtype (found on the GPU, s39-5: this test would have found it here).
+    import torch
+
+    from megatron_mok.cuda import backend
+
+    m = re.search(r"enum DtypeCode : int \{ kBF16 = (\d+), kFP16 = (\d+), kFP32 = (\d+) \};",
+                  _read("include/mok/launch.h"))
+    assert m, "DtypeCode not found in launch.h"
+    assert backend.DTYPE_CODES == {torch.bfloat16: int(m.group(1)), torch.float16: int(m.group(2)),
+                                   torch.float32: int(m.group(3))}

@@ -58,7 +58,7 @@ SPEC_MARGIN, SPEC_HISTORY = 1.10, 8
 META_SLOTS = 16
 # The arguments that shape a workspace, as _check_layout_agrees gathers them, each with how its
 # value is shown in the mismatch error.
-DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+# (DTYPE_CODES above: the codes the library takes, reused here.)
 _DTYPE_NAMES = {v: str(k).removeprefix("torch.") for k, v in DTYPE_CODES.items()}
 LAYOUT_FIELDS = (("C ABI version", str), ("num_experts", str), ("hidden", str), ("topk", str),
                  ("max_tokens_per_rank", str), ("dtype", lambda v: _DTYPE_NAMES[v]),
