@@ -3,6 +3,8 @@ raises on the rank that passed it instead of hanging its peers."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -259,3 +261,31 @@ def disagreement(fields, every, show=None):
                 f"{show(name, v)} on rank{'s' if len(rs) > 1 else ''} {ranks_text(rs)}"
                 for v, rs in sorted(by_value.items(), key=lambda kv: kv[1][0])))
     return "; ".join(clauses) or None
+
+
+def buffer_layout(buf) -> list:
+    """``[(name, value, show)]``: the Buffer arguments that every rank of its group must share
+    (its peers read its rows, partial sums and routing as their own arguments say), each as
+    an int (dtypes as their index in :data:`SUPPORTED_DTYPES`) and how to print it."""
+    def dtype_name(v):
+        return str(SUPPORTED_DTYPES[v]).removeprefix("torch.")
+    return [("num_experts", buf.num_experts, str), ("hidden", buf.hidden, str), ("topk", buf.topk, str),
+            ("max_tokens_per_rank", buf.max_tokens_per_rank, str),
+            ("dtype", SUPPORTED_DTYPES.index(buf.dtype), dtype_name),
+            ("combine_partial_dtype", SUPPORTED_DTYPES.index(buf.combine_partial_dtype), dtype_name),
+            ("expert_alignment", buf.expert_alignment, str)]
+
+
+def layout_error(fields, every, also: str = "") -> Optional[str]:
+    """The error every rank raises when the ranks' values of ``fields`` (``[(name, mine,
+    show)]``; ``every[r]``: rank ``r``'s values in that order) differ, naming each field and
+    which ranks hold which value; ``None`` when all agree. ``also``: what else must be the
+    same, for the message (NOTES item 63)."""
+    shows = {name: show for name, _, show in fields}
+    diff = disagreement([name for name, _, _ in fields], every, lambda name, v: shows[name](v))
+    if diff is None:
+        return None
+    return (f"megatron_mok: the ranks of this group made their Buffers with different workspace "
+            f"layouts ({diff}); every rank must make it with the same num_experts, hidden, topk, "
+            f"max_tokens_per_rank, dtype, combine_partial_dtype and expert_alignment{also} (in "
+            f"Megatron: the same model config and MOK_* variables on every rank)")

@@ -9,7 +9,9 @@ every rank raises the same ``ValueError`` naming what differs on which ranks (NO
 
 CPU: the comparison and its words (``validation.disagreement``), and the backend's check on
 gloo ranks (the check itself is host code; a stand-in library records the context's release).
-GPU: loopback ranks and processes sharing the GPU, before any workspace exists.
+GPU: loopback ranks and processes sharing the GPU, before any workspace exists. The reference
+backend sends a fingerprint of the same arguments in every call's status exchange: at the first
+call of Buffers that differ, every rank raises the same words.
 """
 
 import types
@@ -121,3 +123,47 @@ def test_processes_refuse_another_layout():
         pytest.skip("needs 2 GPUs (or MOK_TEST_SHARED_GPU=1)")
     out = run_distributed(_make_buffer, 2, {"hidden": 128}, backend="nccl", timeout=120)
     assert out[0] == out[1] and "hidden: 64 on rank 0, 128 on rank 1" in out[0], out
+
+
+# ------------------------------------------------------------------ the reference backend
+def _reference_call(rank, world_size, differ):
+    """A reference-backend Buffer whose arguments differ on rank 1 (``differ``), then its first
+    dispatch: the words every rank raises there (``None``: the dispatch and a combine ran), and
+    that the Buffer refuses from then on."""
+    import megatron_mok as mok
+    from harness import make_inputs
+
+    kw = dict(num_experts=4 * world_size, hidden=16, topk=2, max_tokens_per_rank=8)
+    if rank == 1:
+        kw.update(differ)
+    buf = mok.Buffer(None, backend="reference", timeout_s=20, **kw)
+    x, idx, w = make_inputs(3, world_size, [5] * world_size, 4 * world_size, 16, 2, torch.bfloat16,
+                            device="cpu")[rank]
+    if rank == 1 and "dtype" in differ:
+        x = x.to(differ["dtype"])
+    try:
+        res = buf.dispatch(x, idx, w)
+    except ValueError as e:
+        with pytest.raises(RuntimeError, match="different workspace layouts"):
+            buf.dispatch(x, idx, w)          # refused from now on, naming the same problem
+        return str(e)
+    buf.combine(res.tokens, res.handle)
+    return None
+
+
+@pytest.mark.parametrize("differ, words", [
+    ({}, None),
+    ({"num_experts": 12}, "num_experts: 8 on rank 0, 12 on rank 1"),
+    ({"max_tokens_per_rank": 9}, "max_tokens_per_rank: 8 on rank 0, 9 on rank 1"),
+    ({"dtype": torch.float16}, "dtype: bfloat16 on rank 0, float16 on rank 1; combine_partial_dtype: "
+                               "bfloat16 on rank 0, float16 on rank 1"),
+    ({"combine_partial_dtype": torch.float32}, "combine_partial_dtype: bfloat16 on rank 0, float32 on rank 1"),
+    ({"hidden": 16, "expert_alignment": 4}, "expert_alignment: 1 on rank 0, 4 on rank 1"),
+])
+def test_reference_ranks_refuse_another_layout_at_the_first_call(differ, words):
+    out = run_distributed(_reference_call, 2, differ, timeout=60)
+    assert out[0] == out[1], out
+    if words is None:
+        assert out[0] is None
+    else:
+        assert f"different workspace layouts ({words})" in out[0], out[0]

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import zlib
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ..comm import all_gather_exact, exchange_status, post_stop, status_device, timeout_seconds
+from ..comm import (STATUS_VALUES, all_gather_exact, exchange_status, post_stop, status_device,
+                    timeout_seconds)
 from ..cuda.errors import MokPeerStopped, MokTimeout, stopped_message
-from ..validation import recv_overflow_message, rows_per_expert_message
+from ..validation import buffer_layout, layout_error, recv_overflow_message, rows_per_expert_message
 from ..fp8 import PairRows
 from ..loopback import settle  # host-syncing ops below: wait for the stream first there
 from ..handle import DispatchHandle
@@ -149,6 +151,11 @@ class ReferenceBackend:
     def __init__(self, buf):
         self.buf = buf
         self.timeout_s = timeout_seconds(buf.timeout_s)   # every collective's limit
+        # The arguments every rank must share, and their fingerprint, sent in the last value
+        # of every call's status exchange (NOTES item 63): a rank whose Buffer differs would
+        # gather differently shaped or differently read routing, tokens and partial sums.
+        self.layout = buffer_layout(buf)
+        self.fingerprint = 1 + zlib.crc32(repr([v for _, v, _ in self.layout]).encode())
 
     def _alive(self, device=None) -> None:
         # Nothing is freed here, but a destroyed Buffer must refuse on every backend alike, so
@@ -219,6 +226,7 @@ class ReferenceBackend:
         self._alive(device)
         b = self.buf
         b._status_due = False          # from here an error of this call is not a skipped call
+        values = list(values) + [0] * (STATUS_VALUES - 1 - len(values)) + [self.fingerprint]
         with self._timing_out():
             vals, stops = exchange_status(values, b.group, b.world_size, device,
                                           self.timeout_s, f"the status exchange of {call}")
@@ -227,7 +235,23 @@ class ReferenceBackend:
             self.abort(stops[r], rank=r)
             self.told = True
             raise MokPeerStopped(r, stops[r])
+        if len(set(vals[:, STATUS_VALUES - 1].tolist())) > 1:
+            self._layouts_differ(device)
         return vals
+
+    def _layouts_differ(self, device) -> None:
+        """Every rank found the fingerprints differ in the same exchange: all gather the
+        arguments themselves (one bounded gather, every rank makes it), and all raise the same
+        ``ValueError`` naming what differs on which ranks; the Buffer refuses from then on."""
+        b = self.buf
+        mine = torch.tensor([v for _, v, _ in self.layout], dtype=torch.int64, device=device)
+        every = self._gather(mine, "the comparison of the ranks' Buffer arguments").tolist()
+        problem = layout_error(self.layout, every) or (
+            "megatron_mok: the ranks of this group sent different Buffer fingerprints with equal "
+            "arguments (a different build of megatron_mok on some ranks?)")
+        self.abort(problem)
+        self.told = True                   # every rank raises here, in this call
+        raise ValueError(problem)
 
     def _check_rows_everywhere(self, all_idx: torch.Tensor, counts: torch.Tensor,
                                vals: torch.Tensor) -> None:

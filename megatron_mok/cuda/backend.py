@@ -27,7 +27,7 @@ from ..comm import all_gather_exact, all_gather_ints, timeout_seconds
 from ..fp8 import PairRows
 from ..handle import DispatchHandle
 from ..rows import aligned_rows
-from ..validation import disagreement
+from ..validation import buffer_layout, layout_error
 from . import bindings, library
 from .launch_policy import env_int, launch_policy
 from .errors import (ABANDONED_ENTRY_BYTES, ABANDONED_OFFSET, REASON_BYTES, WAIT_KIND_COUNT,
@@ -56,16 +56,6 @@ DATA_ERRORS = (BAD_EXPERT, EXPERT_OVERFLOW)
 # of the last SPEC_HISTORY calls, plus one chunk of slack.
 SPEC_MARGIN, SPEC_HISTORY = 1.10, 8
 META_SLOTS = 16
-# The arguments that shape a workspace, as _check_layout_agrees gathers them, each with how its
-# value is shown in the mismatch error.
-# (DTYPE_CODES above: the codes the library takes, reused here.)
-_DTYPE_NAMES = {v: str(k).removeprefix("torch.") for k, v in DTYPE_CODES.items()}
-LAYOUT_FIELDS = (("C ABI version", str), ("num_experts", str), ("hidden", str), ("topk", str),
-                 ("max_tokens_per_rank", str), ("dtype", lambda v: _DTYPE_NAMES[v]),
-                 ("combine_partial_dtype", lambda v: _DTYPE_NAMES[v]), ("expert_alignment", str),
-                 ("MOK_CHUNK_TOKENS", str), ("dispatch ring chunks (ring_bytes)", str),
-                 ("combine ring chunks (ring_bytes)", str), ("workspace bytes", str))
-
 # Most routes per token and ranks per Buffer (csrc/include/mok/config.h kMaxTopk, kMaxRanks).
 MAX_TOPK, MAX_RANKS = 32, 64
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -265,11 +255,12 @@ class CudaBackend:
         the workspace is allocated, in one bounded gather (a rank that failed before it: the
         others' MokTimeout), and every rank raises the same words (NOTES item 63)."""
         buf = self.buf
-        fields = dict(LAYOUT_FIELDS)
-        mine = [bindings.ABI_VERSION, buf.num_experts, buf.hidden, buf.topk, buf.max_tokens_per_rank,
-                DTYPE_CODES[buf.dtype], DTYPE_CODES[buf.combine_partial_dtype], buf.expert_alignment,
-                self.chunk_tokens, disp_chunks, comb_chunks, nbytes]
-        t = torch.tensor(mine, dtype=torch.int64, device=dev)
+        fields = buffer_layout(buf) + [
+            ("MOK_CHUNK_TOKENS", self.chunk_tokens, str),
+            ("dispatch ring chunks (ring_bytes)", disp_chunks, str),
+            ("combine ring chunks (ring_bytes)", comb_chunks, str),
+            ("workspace bytes", nbytes, str), ("C ABI version", bindings.ABI_VERSION, str)]
+        t = torch.tensor([v for _, v, _ in fields], dtype=torch.int64, device=dev)
         try:
             every = all_gather_exact(t, buf.group, buf.world_size, self.timeout_s,
                                      "the CUDA backend's creation (its workspace layout)").tolist()
@@ -277,17 +268,12 @@ class CudaBackend:
             self.lib.mok_destroy(self.ctx)   # nothing else was made yet
             self.ctx = None
             raise
-        names = [name for name, _ in LAYOUT_FIELDS]
-        diff = disagreement(names, every, lambda name, v: fields[name](v))
-        if diff is not None:
+        problem = layout_error(fields, every, also=", the same ring_bytes and MOK_CHUNK_TOKENS, "
+                                                   "and the same build of the library")
+        if problem is not None:
             self.lib.mok_destroy(self.ctx)
             self.ctx = None
-            raise ValueError(
-                f"megatron_mok: the ranks of this group made their Buffers with different workspace "
-                f"layouts ({diff}); every rank must make it with the same num_experts, hidden, "
-                f"topk, max_tokens_per_rank, dtype, combine_partial_dtype, expert_alignment and "
-                f"ring_bytes, the same MOK_CHUNK_TOKENS, and the same build of the library (in "
-                f"Megatron: the same model config and MOK_* variables on every rank)")
+            raise ValueError(problem)
 
     def _check_ranks_agree(self, dev) -> None:
         """Settings that fix where a rank's peers read its tokens (chunk size, staging mode,
