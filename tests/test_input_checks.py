@@ -102,7 +102,7 @@ def test_auto_backend_is_made_on_the_first_tensors_gpu(monkeypatch):
     the first tensor's device was recorded, so a Buffer first used with tensors on cuda:1 while
     cuda:0 was current put its workspace on cuda:0 and accepted cuda:1 tensors."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(buffer_mod, "available_backends", lambda: ["reference", "cuda"])
+    monkeypatch.setattr(buffer_mod, "available_backends", lambda device=None: ["reference", "cuda"])
     monkeypatch.setattr(cuda_backend, "CudaBackend", _RecordingBackend)
     _RecordingBackend.made_on = []
     buf = make_buf(backend="auto")
@@ -128,6 +128,7 @@ def test_cuda_backend_fixes_the_buffers_device_when_made(monkeypatch):
     real ``CudaBackend.__init__`` runs until it needs a GPU (pinned memory)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(library, "kernel_arch", lambda index: (90, None))   # a Hopper GPU
     buf = make_buf()
     buf.requested_backend = "cuda"
     with pytest.raises(RuntimeError, match=r"(?i)pin"):   # no GPU here: stops at the pinned report

@@ -255,6 +255,8 @@ class CudaBackend:
         the workspace is allocated, in one bounded gather (a rank that failed before it: the
         others' MokTimeout), and every rank raises the same words (NOTES item 63)."""
         buf = self.buf
+        if buf.world_size == 1:
+            return                             # nobody to differ from
         fields = buffer_layout(buf) + [
             ("MOK_CHUNK_TOKENS", self.chunk_tokens, str),
             ("dispatch ring chunks (ring_bytes)", disp_chunks, str),
