@@ -45,7 +45,7 @@ class _Lib:
 def _check_on_rank(rank, world_size, differ):
     """``CudaBackend._check_layout_agrees`` on a stand-in backend whose Buffer's arguments are
     the same on every rank except ``differ`` (``{rank: {name: value}}``); returns the error's
-    words (``None``: no error) and whether the context was released."""
+    words (``None``: no error), whether the context was released, and ``be.ctx``."""
     from megatron_mok.cuda.backend import CudaBackend
 
     args = dict(group=None, world_size=world_size, num_experts=8, hidden=64, topk=2,
@@ -60,8 +60,8 @@ def _check_on_rank(rank, world_size, differ):
     try:
         CudaBackend._check_layout_agrees(be, torch.device("cpu"), ring["disp"], ring["comb"], ring["nbytes"])
     except ValueError as e:
-        return str(e), be.lib.destroyed == [1234] and be.ctx is None
-    return None, be.lib.destroyed == []
+        return str(e), be.lib.destroyed, be.ctx
+    return None, be.lib.destroyed, be.ctx
 
 
 @pytest.mark.parametrize("differ, words", [
@@ -79,11 +79,11 @@ def _check_on_rank(rank, world_size, differ):
 def test_every_rank_refuses_another_layout_before_allocating(differ, words):
     out = run_distributed(_check_on_rank, 2, differ, timeout=60)
     assert out[0] == out[1], out                     # the same words on every rank
-    msg, released = out[0]
-    assert released
+    msg, destroyed, ctx = out[0]
     if words is None:
-        assert msg is None
+        assert msg is None and destroyed == [] and ctx == 1234     # kept for the workspace
     else:
+        assert destroyed == [1234] and ctx is None                 # released before raising
         assert f"different workspace layouts ({words})" in msg, msg
         assert "in Megatron: the same model config and MOK_* variables on every rank" in msg
 
