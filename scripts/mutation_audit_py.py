@@ -355,8 +355,8 @@ MUTANTS: List[Mutant] = [
       "        if False:\n            return False",
       [f"{REFSTOP}::test_wait_bounded_polls_other_backends_until_the_deadline"]),
     # NOTES item 63: the ranks of a CUDA-backend group agree on the workspace layout.
-    M("cuda_layout_mismatch_accepted", CB, "        if problem is not None:\n            self.lib.mok_destroy(self.ctx)",
-      "        if False:\n            self.lib.mok_destroy(self.ctx)", ["tests/test_layout_agreement.py"]),
+    M("cuda_layout_mismatch_accepted", CB, "            if problem is not None:\n                raise ValueError(problem)",
+      "            if False:\n                raise ValueError(problem)", ["tests/test_layout_agreement.py"]),
     M("layout_dtype_unchecked", VAL, '("dtype", SUPPORTED_DTYPES.index(buf.dtype), dtype_name)',
       '("dtype", 0, dtype_name)', ["tests/test_layout_agreement.py"]),
     M("ref_layout_unchecked", REF, "        if len(set(vals[:, STATUS_VALUES - 1].tolist())) > 1:",

@@ -266,16 +266,14 @@ class CudaBackend:
         try:
             every = all_gather_exact(t, buf.group, buf.world_size, self.timeout_s,
                                      "the CUDA backend's creation (its workspace layout)").tolist()
+            problem = layout_error(fields, every, also=", the same ring_bytes and MOK_CHUNK_TOKENS, "
+                                                       "and the same build of the library")
+            if problem is not None:
+                raise ValueError(problem)
         except BaseException:
             self.lib.mok_destroy(self.ctx)   # nothing else was made yet
             self.ctx = None
             raise
-        problem = layout_error(fields, every, also=", the same ring_bytes and MOK_CHUNK_TOKENS, "
-                                                   "and the same build of the library")
-        if problem is not None:
-            self.lib.mok_destroy(self.ctx)
-            self.ctx = None
-            raise ValueError(problem)
 
     def _check_ranks_agree(self, dev) -> None:
         """Settings that fix where a rank's peers read its tokens (chunk size, staging mode,
