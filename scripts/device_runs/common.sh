@@ -55,7 +55,7 @@ regress_selections() {  # the one-GPU regression selections (sessions 35-36): th
     tests/test_cuda_backend.py -k "prob_grads_only or narrow_rows or (fp8 and (cuda or loopback))"
   run_pytest errors 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \
     -k "missing_peer or overflow or bad_expert or lagging or past_its_waits or hang or timeout"
-  run_pytest schedules 120 -m "gpu and not multigpu" tests/test_cuda_loopback.py \
+  run_pytest schedules 180 -m "gpu and not multigpu" tests/test_cuda_loopback.py \
     -k "alternative_schedules or combine_split or streamed_produce or speculative"
 }
 
