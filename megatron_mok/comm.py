@@ -110,12 +110,6 @@ def all_gather_exact(t: torch.Tensor, group, world_size: int, timeout_s: Optiona
     return torch.stack(outs).view(t.dtype).view(world_size, *t.shape)
 
 
-def all_gather_ints(values: List[int], group, world_size: int, device) -> torch.Tensor:
-    """Gather a short list of host ints from every rank: ``[W, len(values)]`` int64 on ``device``."""
-    t = torch.tensor(values, dtype=torch.int64, device=device)
-    return all_gather_exact(t, group, world_size)
-
-
 # The status every reference-backend call exchanges first (``exchange_status``): one fixed-size
 # int64 record per rank, whatever the call, so a rank that stops instead of making a call can
 # post it in that call's place. Word 0: 0, or 1 + the byte length of a stop reason; words

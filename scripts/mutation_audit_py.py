@@ -361,6 +361,10 @@ MUTANTS: List[Mutant] = [
       '("dtype", 0, dtype_name)', ["tests/test_layout_agreement.py"]),
     M("ref_layout_unchecked", REF, "        if len(set(vals[:, STATUS_VALUES - 1].tolist())) > 1:",
       "        if False:", ["tests/test_layout_agreement.py"]),
+    # NOTES item 65: the staging settings compared with the layout, before allocating.
+    M("layout_staging_unchecked", CB,
+      '("copy-engine staging (MOK_DISPATCH_CE_STAGE)", int(self.ce_stage), _used),',
+      '("copy-engine staging (MOK_DISPATCH_CE_STAGE)", 1, _used),', ["tests/test_layout_agreement.py"]),
     M("validation_disagreement_first_field_only", "megatron_mok/validation.py",
       "    return \"; \".join(clauses) or None\n", "    return clauses[0] if clauses else None\n",
       ["tests/test_layout_agreement.py"]),

@@ -527,17 +527,20 @@ def test_cuda_alternative_schedules_wrap_the_ring(env, world_size):
 
 def _staging_settings_disagree(rank, world_size):
     """Rank 1 turns copy-engine staging off, the others keep it: the Buffer must refuse on
-    every rank (peers would read tokens from other slots than the ones staged), not hang."""
+    every rank (peers would read tokens from other slots than the ones staged), not hang;
+    every rank with the same words, before any workspace (NOTES item 65)."""
     env = {"MOK_DISPATCH_CE_STAGE": "0"} if rank == 1 else {}
     dev = rank_device(rank)
-    with pytest.raises(ValueError, match="disagree on the dispatch staging settings"):
+    with pytest.raises(ValueError, match="different workspace layouts") as e:
         _with_env(env, lambda r, w: mok_buffer(4 * w, 64, 2, 32, torch.bfloat16, "cuda", dev), rank, world_size)
-    return True
+    return str(e.value)
 
 
 @pytest.mark.parametrize("world_size", GPU_WORLD_SIZES)
 def test_cuda_ranks_with_different_staging_settings_are_refused(world_size):
-    assert all(run_distributed(_staging_settings_disagree, world_size, backend="nccl", timeout=120))
+    out = run_distributed(_staging_settings_disagree, world_size, backend="nccl", timeout=120)
+    assert len(set(out)) == 1, out
+    assert "copy-engine staging (MOK_DISPATCH_CE_STAGE): used on rank" in out[0], out
 
 
 def _static_cuda(rank, world_size, name, extra_rows):

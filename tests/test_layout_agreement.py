@@ -56,7 +56,8 @@ def _check_on_rank(rank, world_size, differ):
     ring.update(differ.get(rank, {}).get("ring", {}))
     args.pop("ring", None)
     be = types.SimpleNamespace(buf=types.SimpleNamespace(**args), lib=_Lib(), ctx=1234,
-                               chunk_tokens=args.pop("chunk_tokens", 64), timeout_s=30.0)
+                               chunk_tokens=args.pop("chunk_tokens", 64), timeout_s=30.0,
+                               ce_stage=args.pop("ce_stage", True), stage_first=args.pop("stage_first", False))
     try:
         CudaBackend._check_layout_agrees(be, torch.device("cpu"), ring["disp"], ring["comb"], ring["nbytes"])
     except ValueError as e:
@@ -75,6 +76,11 @@ def _check_on_rank(rank, world_size, differ):
      "dispatch ring chunks (ring_bytes): 100 on rank 0, 50 on rank 1; workspace bytes: 1048576 "
      "on rank 0, 524288 on rank 1"),
     ({1: {"chunk_tokens": 128}}, "MOK_CHUNK_TOKENS: 64 on rank 0, 128 on rank 1"),
+    # where the peers read a rank's tokens (NOTES item 65: was a second gather, after allocating)
+    ({1: {"ce_stage": False}}, "copy-engine staging (MOK_DISPATCH_CE_STAGE): used on rank 0, not used on rank 1"),
+    ({0: {"ce_stage": False, "stage_first": True}},
+     "copy-engine staging (MOK_DISPATCH_CE_STAGE): not used on rank 0, used on rank 1; "
+     "MOK_EAGER_STAGE_FIRST: 1 on rank 0, 0 on rank 1"),
 ])
 def test_every_rank_refuses_another_layout_before_allocating(differ, words):
     out = run_distributed(_check_on_rank, 2, differ, timeout=60)

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from ..comm import all_gather_exact, all_gather_ints, timeout_seconds
+from ..comm import all_gather_exact, timeout_seconds
 from ..fp8 import PairRows
 from ..handle import DispatchHandle
 from ..rows import aligned_rows
@@ -75,6 +75,10 @@ class CudaLayout:
     """Backend-private part of a handle: the device layout arrays (``csrc`` HandleArrays)."""
 
     scratch: torch.Tensor   # uint8, carved by HandleArrays::make
+
+
+def _used(v: int) -> str:
+    return "used" if v else "not used"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -139,6 +143,17 @@ class CudaBackend:
             raise ValueError(f"megatron_mok: {self.lib.mok_last_error().decode()}")
         self.timeout_s = timeout_seconds(buf.timeout_s)
         nbytes = self.lib.mok_workspace_bytes(self.ctx)
+        # MOK_EAGER_STAGE_FIRST=1: the eager dispatch's staging kernel runs on the side stream
+        # while the host reads R (module docstring). Events are reused: a wait binds to the
+        # record made before it, so re-recording is safe.
+        self.stage_first = _env_int("MOK_EAGER_STAGE_FIRST", 0) != 0
+        # Copy-engine staging (NOTES #31, on unless MOK_DISPATCH_CE_STAGE=0): the copy engine
+        # copies x into my dispatch ring before the transfer kernel, so all its blocks pull. Only
+        # for a ring that holds a whole call (the slots are then fixed) and not with stage-first.
+        # Both fix where the peers read a rank's tokens: decided here, before the layout check
+        # compares them.
+        self.ce_stage = (_env_int("MOK_DISPATCH_CE_STAGE", 1) != 0 and not self.stage_first
+                         and bool(self.lib.mok_dispatch_ce_stage_supported(self.ctx)))
         self._check_layout_agrees(dev, disp_chunks, comb_chunks, nbytes)
         # The eager dispatch's host report (R, tasks, the speculative verdict, 0, then 8 error
         # words), written by the layout's scan kernel straight into mapped pinned memory: the
@@ -189,10 +204,6 @@ class CudaBackend:
             if self.mem.loopback:
                 buf.group.check_layout_fits(sms, blocks, -(-buf.max_tokens_per_rank // C))
         self.broken: Optional[str] = None
-        # MOK_EAGER_STAGE_FIRST=1: the eager dispatch's staging kernel runs on the side stream
-        # while the host reads R (module docstring). Events are reused: a wait binds to the
-        # record made before it, so re-recording is safe.
-        self.stage_first = _env_int("MOK_EAGER_STAGE_FIRST", 0) != 0
         # MOK_EAGER_FILL_FIRST=1: the eager dispatch queues the fill before the host reads R,
         # into per-row outputs sized by a bound on R (every slot of every source's tokens:
         # W * T_max * K rows, 20 bytes each; the handle keeps them, sliced to R), so the fill runs
@@ -218,14 +229,8 @@ class CudaBackend:
         self.fill_first = bound_fits and (_env_int("MOK_EAGER_FILL_FIRST", 0) != 0 or self.speculative)
         self._spec_recent: list = []
         self.spec_fallbacks = 0  # calls whose guess was short on some rank (all redid the transfer)
-        # Copy-engine staging (NOTES #31, on unless MOK_DISPATCH_CE_STAGE=0): the copy engine
-        # copies x into my dispatch ring before the transfer kernel, so all its blocks pull. Only
-        # for a ring that holds a whole call (the slots are then fixed) and not with stage-first.
-        self.ce_stage = (_env_int("MOK_DISPATCH_CE_STAGE", 1) != 0 and not self.stage_first
-                         and bool(self.lib.mok_dispatch_ce_stage_supported(self.ctx)))
         # The transfer mode's copy-engine flag, for every transfer of this Buffer.
         self.ce_mode = bindings.TRANSFER_CE_STAGED if self.ce_stage else bindings.TRANSFER_BOTH
-        self._check_ranks_agree(dev)
         self._own_side = None
         if self.mem.loopback:       # never the stream of another rank (loopback.OwnStream)
             from ..loopback import OwnStream
@@ -259,6 +264,10 @@ class CudaBackend:
             return                             # nobody to differ from
         fields = buffer_layout(buf) + [
             ("MOK_CHUNK_TOKENS", self.chunk_tokens, str),
+            # where the peers read this rank's tokens: staged slots (fixed, chunk j in slot j)
+            # or ring slots claimed per call; stage-first's two halves
+            ("copy-engine staging (MOK_DISPATCH_CE_STAGE)", int(self.ce_stage), _used),
+            ("MOK_EAGER_STAGE_FIRST", int(self.stage_first), str),
             ("dispatch ring chunks (ring_bytes)", disp_chunks, str),
             ("combine ring chunks (ring_bytes)", comb_chunks, str),
             ("workspace bytes", nbytes, str), ("C ABI version", bindings.ABI_VERSION, str)]
@@ -266,27 +275,15 @@ class CudaBackend:
         try:
             every = all_gather_exact(t, buf.group, buf.world_size, self.timeout_s,
                                      "the CUDA backend's creation (its workspace layout)").tolist()
-            problem = layout_error(fields, every, also=", the same ring_bytes and MOK_CHUNK_TOKENS, "
-                                                       "and the same build of the library")
+            problem = layout_error(fields, every, also=", the same ring_bytes, MOK_CHUNK_TOKENS, "
+                                   "MOK_DISPATCH_CE_STAGE and MOK_EAGER_STAGE_FIRST, and the same "
+                                   "build of the library")
             if problem is not None:
                 raise ValueError(problem)
         except BaseException:
             self.lib.mok_destroy(self.ctx)   # nothing else was made yet
             self.ctx = None
             raise
-
-    def _check_ranks_agree(self, dev) -> None:
-        """Settings that fix where a rank's peers read its tokens (chunk size, staging mode,
-        stage-first halves) come from each rank's environment: a mismatch would read the wrong
-        bytes, so it is an error here, naming the ranks."""
-        mine = [self.chunk_tokens, int(self.ce_stage), int(self.stage_first)]
-        every = all_gather_ints(mine, self.buf.group, self.buf.world_size, dev).view(self.buf.world_size, -1)
-        for r, theirs in enumerate(every.tolist()):
-            if theirs != mine:
-                raise ValueError(
-                    f"megatron_mok: rank {self.buf.rank} and rank {r} disagree on the dispatch "
-                    f"staging settings (MOK_CHUNK_TOKENS, MOK_DISPATCH_CE_STAGE, MOK_EAGER_STAGE_FIRST "
-                    f"and a ring that holds a call): {mine} vs {theirs}; set the same on every rank")
 
     # ----------------------------------------------------------------------------- helpers
     def _check(self, rc: int) -> None:
