@@ -147,15 +147,18 @@ def _read_status(all_rec: torch.Tensor) -> Tuple[torch.Tensor, Dict[int, str]]:
 
 def exchange_status(values: Sequence[int], group, world_size: int, device,
                     timeout_s: Optional[float] = None,
-                    what: str = "a status exchange") -> Tuple[torch.Tensor, Dict[int, str]]:
+                    what: str = "a status exchange",
+                    stop: Optional[str] = None) -> Tuple[torch.Tensor, Dict[int, str]]:
     """The first collective of every reference-backend call: every rank's ``values`` (up to
     :data:`STATUS_VALUES` host ints) and which ranks stopped instead of making the call.
 
     Returns ``(values [W, STATUS_VALUES] int64 on the CPU, {rank: stop reason})``. A rank that
     stops posts the same record with its reason (:func:`post_stop`), so it matches this
     collective whatever call its peers are in. ``timeout_s``: as :func:`all_gather_exact`'s
-    (a peer that never makes the call, nor posts a stop, ends in ``MokTimeout``)."""
-    rec = _status_record(values, None, device)
+    (a peer that never makes the call, nor posts a stop, ends in ``MokTimeout``). ``stop``:
+    this rank's own reason, sent in this exchange (returned with the others', as its peers
+    read it: cut to :data:`STATUS_REASON_BYTES`)."""
+    rec = _status_record(values, stop, device)
     return _read_status(all_gather_exact(rec, group, world_size, timeout_s, what))
 
 

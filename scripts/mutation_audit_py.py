@@ -365,6 +365,13 @@ MUTANTS: List[Mutant] = [
     M("layout_staging_unchecked", CB,
       '("copy-engine staging (MOK_DISPATCH_CE_STAGE)", int(self.ce_stage), _used),',
       '("copy-engine staging (MOK_DISPATCH_CE_STAGE)", 1, _used),', ["tests/test_layout_agreement.py"]),
+    # NOTES item 66: a rank that cannot allocate its workspace stops every rank.
+    M("alloc_failure_kept_to_itself", PM,
+      '"the workspace allocation", stop=failure)', '"the workspace allocation", stop=None)',
+      ["tests/test_workspace_allocation.py"]),
+    M("alloc_failed_peers_go_on", PM,
+      "    if failed:\n        tensor = None", "    if failure is not None:\n        tensor = None",
+      ["tests/test_workspace_allocation.py"]),
     M("validation_disagreement_first_field_only", "megatron_mok/validation.py",
       "    return \"; \".join(clauses) or None\n", "    return clauses[0] if clauses else None\n",
       ["tests/test_layout_agreement.py"]),

@@ -164,8 +164,13 @@ class CudaBackend:
         with torch.cuda.device(dev):
             self._check(self.lib.mok_set_host_report(self.ctx, self._host_report_t.data_ptr()))
         self.host_report = (ctypes.c_int32 * 12).from_address(self._host_report_t.data_ptr())
-        with torch.cuda.device(dev):
-            self.mem = PeerMemory(nbytes, buf.group, buf.rank, buf.world_size, dev)
+        try:
+            with torch.cuda.device(dev):
+                self.mem = PeerMemory(nbytes, buf.group, buf.rank, buf.world_size, dev, self.timeout_s)
+        except BaseException:
+            self.lib.mok_destroy(self.ctx)   # no workspace was made: the context is all to free
+            self.ctx = None
+            raise
         ptrs = (ctypes.c_uint64 * buf.world_size)(*self.mem.peer_ptrs)
         self._check(self.lib.mok_set_peers(self.ctx, ptrs, buf.world_size, float(self.timeout_s)))
         self.scratch_bytes = self.lib.mok_handle_scratch_bytes(self.ctx)

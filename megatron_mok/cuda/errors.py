@@ -97,16 +97,17 @@ class MokDeviceError(RuntimeError):
 
 
 class MokTimeout(RuntimeError):
-    """The reference backend's timeout: one of its collectives (``what``) waited ``timeout_s``
-    (the Buffer's ``timeout_s``, the CUDA backend's spin-wait limit) for the other ranks of
-    the group. The CUDA backend's kernels report theirs as a :class:`MokDeviceError`."""
+    """A host-side collective (``what``: a reference-backend call's, or the CUDA backend's at
+    creation: its layout check, its workspace allocation) waited ``timeout_s`` (the Buffer's
+    ``timeout_s``, the CUDA backend's spin-wait limit) for the other ranks of the group. The
+    CUDA backend's kernels report theirs as a :class:`MokDeviceError`."""
 
     def __init__(self, rank: int, what: str, timeout_s: float):
         super().__init__(
             f"megatron_mok: rank {rank} timed out after {timeout_s:g} s waiting for the other ranks "
-            f"of its group in {what} (reference backend). A peer is missing (stopped between "
-            "calls without calling again, or its process stuck), hung, or called dispatch/combine "
-            "in a different order. Raise Buffer(timeout_s=...) (or MOK_TIMEOUT_S) if a peer is "
+            f"of its group in {what} (a host-side collective). A peer is missing (stopped between "
+            "calls without calling again, or its process stuck), hung, or made its Buffers or called "
+            "dispatch/combine in a different order. Raise Buffer(timeout_s=...) (or MOK_TIMEOUT_S) if a peer is "
             "merely slow. This Buffer can no longer be used, and the unfinished collective stays "
             "queued in its process group (a rank that arrives late completes it, then times out in "
             "its next one): make a new group and Buffer, or end the job.")

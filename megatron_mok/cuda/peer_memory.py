@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..comm import exchange_status, status_device
 from ..loopback import is_loopback
 from .nvlink_domain import assumed as nvlink_assumed, domain_problem, fabric_of
 
@@ -119,6 +120,38 @@ def _local_index_of(uuid: str, fallback: int) -> int:
     return fallback if i is None else i
 
 
+def allocation_error(failed: Dict[int, str], nbytes: int) -> str:
+    """The error every rank raises when the ranks in ``failed`` (``{rank: its error}``) could not
+    allocate their ``nbytes`` workspace."""
+    which = ", ".join(f"rank {r} ({why})" for r, why in sorted(failed.items()))
+    return (f"megatron_mok: the CUDA backend's workspace ({nbytes / 2**20:.1f} MiB per rank) could "
+            f"not be allocated on {len(failed)} rank(s) of this group: {which}; no rank made its "
+            "Buffer. Free GPU memory on those ranks, or make the workspace smaller on every rank "
+            "(ring_bytes / MOK_RING_BYTES, max_tokens_per_rank).")
+
+
+def allocate_on_every_rank(alloc, nbytes: int, group, world_size: int, timeout_s: Optional[float]):
+    """``alloc()`` (this rank's ``nbytes`` workspace) on every rank of ``group``, then one bounded
+    exchange of the outcomes. If it failed on any rank (out of memory, typically: a rank's free
+    memory depends on its own activations, e.g. after imbalanced routing), every rank raises the
+    same ``RuntimeError`` naming those ranks and their errors, where the others would wait for it
+    in the rendezvous (NOTES item 66). Returns this rank's tensor.
+
+    The exchange is a small status record on the group's device (a GPU for NCCL): after a
+    failed large allocation a small one still finds room."""
+    tensor, failure, cause = None, None, None
+    try:
+        tensor = alloc()
+    except Exception as e:  # noqa: BLE001  (whatever the allocator raised: the peers must hear it)
+        failure, cause = f"{type(e).__name__}: {e}", e
+    _, failed = exchange_status((), group, world_size, status_device(group), timeout_s,
+                                "the workspace allocation", stop=failure)
+    if failed:
+        tensor = None                # the ranks that allocated free theirs: no Buffer is made
+        raise RuntimeError(allocation_error(failed, nbytes)) from cause
+    return tensor
+
+
 class PeerMemory:
     """``nbytes`` of device memory on every rank of ``group``, zeroed, with peer pointers.
 
@@ -128,7 +161,10 @@ class PeerMemory:
             this process.
     """
 
-    def __init__(self, nbytes: int, group, rank: int, world_size: int, device: torch.device):
+    def __init__(self, nbytes: int, group, rank: int, world_size: int, device: torch.device,
+                 timeout_s: Optional[float] = None):
+        """``timeout_s``: how long a rank waits for its peers' allocation outcomes
+        (:func:`allocate_on_every_rank`; ``None``: the group's own timeout)."""
         disable_multicast_env()
         self._handle = None
         self.ipc_reason: Optional[str] = None
@@ -172,11 +208,12 @@ class PeerMemory:
             raise RuntimeError(problem)
         self.ipc_reason = ipc_plan(keys)
         if self.ipc_reason is not None:
-            self._map_with_ipc(nbytes, group, rank, world_size, device, keys)
+            self._map_with_ipc(nbytes, group, rank, world_size, device, keys, timeout_s)
             return
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.tensor = allocate_on_every_rank(lambda: symm_mem.empty(nbytes, dtype=torch.uint8, device=device),
+                                             nbytes, group, world_size, timeout_s)
         self._handle = symm_mem.rendezvous(self.tensor, group.group_name)
         if getattr(self._handle, "multicast_ptr", 0):
             # Not used by any kernel; said here so that nobody starts relying on it.
@@ -191,7 +228,7 @@ class PeerMemory:
         dist.barrier(group=group)
         torch.cuda.synchronize(device)
 
-    def _map_with_ipc(self, nbytes, group, rank, world_size, device, keys) -> None:
+    def _map_with_ipc(self, nbytes, group, rank, world_size, device, keys, timeout_s) -> None:
         """Each rank allocates its workspace, shares it as torch shares CUDA tensors between
         processes (an IPC handle plus a reference count the owner's allocator honours), and opens
         every peer's: ``peer_ptrs`` are then valid in this process as with symmetric memory.
@@ -202,7 +239,8 @@ class PeerMemory:
         from torch.multiprocessing.reductions import reduce_tensor
 
         torch.cuda.ipc_collect()   # blocks of destroyed workspaces whose peers let go
-        self.tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.tensor = allocate_on_every_rank(lambda: torch.zeros(nbytes, dtype=torch.uint8, device=device),
+                                             nbytes, group, world_size, timeout_s)
         torch.cuda.synchronize(device)
         rebuild = None
         shares: List = [None] * world_size
