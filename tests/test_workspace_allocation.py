@@ -120,3 +120,35 @@ def test_a_rank_short_of_memory_stops_every_rank():
     assert "no rank made its Buffer" in w0
     # afterwards: experts 0 and 1 live on rank 0 (4 per rank), and both ranks send them 5 tokens
     assert (got0, got1) == (20, 0), out
+
+
+# ------------------------------------------------------------------- what the docs state
+def _workspace_bytes(T_max, K, ring=256 << 20, W=8, H=7168, E=256, C=64):
+    """The CUDA library's workspace size for a bf16 Buffer, as the backend asks for it."""
+    from megatron_mok.cuda import library
+    from megatron_mok.cuda.backend import META_SLOTS
+
+    lib = library.get()
+    ctx = lib.mok_create(W, 0, H, 2, 2, K, E // W, T_max, C, META_SLOTS, ring // (C * H * 2),
+                         ring // (C * H * 2 + C * K * 4), 1)
+    assert ctx, lib.mok_last_error()
+    try:
+        return lib.mok_workspace_bytes(ctx)
+    finally:
+        lib.mok_destroy(ctx)
+
+
+@pytest.mark.parametrize("T_max, K, ring", [(4096, 8, 256 << 20), (16384, 4, 256 << 20),
+                                            (65536, 8, 256 << 20), (4096, 8, 64 << 20)])
+def test_the_workspace_size_the_docs_state(T_max, K, ring):
+    """README / docs/MEGATRON.md: the workspace is about 2 x ring_bytes + 128 x topk x T_max
+    bytes (515 MiB per rank at the standard shape), within 2 MiB (each ring is a whole number
+    of chunks: up to one chunk, 0.9 MiB at hidden 7168, below ring_bytes)."""
+    from megatron_mok.cuda import library
+
+    if not library.is_available():
+        pytest.skip("the CUDA library is not built")
+    got = _workspace_bytes(T_max, K, ring)
+    assert abs(got - (2 * ring + 128 * K * T_max)) < 2 * 2**20, got
+    if (T_max, K, ring) == (4096, 8, 256 << 20):
+        assert round(got / 2**20) == 515
