@@ -1422,8 +1422,9 @@ def _cuda_input_errors(rank, world_size):
     return True
 
 
-@pytest.mark.parametrize("alignment", (1, 16))
+# (world_size last in the id, as scripts/device_runs/common.sh's world_ids selects by it)
 @pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.gpu)] + GPU_WORLD_SIZES)
+@pytest.mark.parametrize("alignment", (1, 16))
 def test_cuda_static_overflow_counts_match_written_rows(world_size, alignment):
     over = run_distributed(_static_overflow_counts, world_size, alignment, backend="nccl",
                            timeout=120, fresh=True)

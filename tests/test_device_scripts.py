@@ -212,3 +212,24 @@ def test_step3_selects_the_gpu_tests_of_tests_megatron():
     ids = _collect(["-m", "gpu or multigpu", "tests/megatron"])
     assert len(ids) >= 25, len(ids)
     assert any("test_example_ep_overlap_gpu" in i for i in ids)
+
+
+def test_world_ids_leave_no_multigpu_test_out(tmp_path):
+    """common.sh's ``world_ids`` (x2_tests.sh's selection) run as the device scripts run it:
+    every multi-GPU test of tests/ (not tests/megatron: step 3 of the plan) is selected at some
+    world size, and a test without a world-size parameter (a 2-rank test) at world size 2. Until
+    session 40 it kept only ids ending in a world size, so the parameterless 2-rank tests (the
+    device check, the layout twin) were never selected."""
+    every = set(_collect(["-m", "multigpu", "tests", "--ignore=tests/megatron"]))
+    assert len(every) > 100
+    chosen = {}
+    for world in (2, 3, 4):      # the world sizes the multi-GPU tests use
+        r = subprocess.run(["bash", "-c", f'OUT="$1"; C=test; . scripts/device_runs/common.sh >/dev/null 2>&1; '
+                                          f'world_ids "" {world}', "world_ids", str(tmp_path)],
+                           cwd=REPO, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]})
+        chosen[world] = {x for x in r.stdout.splitlines() if "::" in x}
+    assert set().union(*chosen.values()) == every, sorted(every - set().union(*chosen.values()))[:5]
+    plain = {i for i in every if not i.endswith("]")}
+    assert plain and plain <= chosen[2] and not plain & chosen[4]
+
