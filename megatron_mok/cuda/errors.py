@@ -106,9 +106,9 @@ class MokTimeout(RuntimeError):
         super().__init__(
             f"megatron_mok: rank {rank} timed out after {timeout_s:g} s waiting for the other ranks "
             f"of its group in {what} (a host-side collective). A peer is missing (stopped between "
-            "calls without calling again, or its process stuck), hung, or made its Buffers or called "
-            "dispatch/combine in a different order. Raise Buffer(timeout_s=...) (or MOK_TIMEOUT_S) if a peer is "
-            "merely slow. This Buffer can no longer be used, and the unfinished collective stays "
+            "calls without calling again, or its process stuck), hung, or made its Buffers or "
+            "called dispatch/combine in a different order. Raise Buffer(timeout_s=...) (or "
+            "MOK_TIMEOUT_S) if a peer is merely slow. This Buffer can no longer be used, and the unfinished collective stays "
             "queued in its process group (a rank that arrives late completes it, then times out in "
             "its next one): make a new group and Buffer, or end the job.")
         self.rank, self.what, self.timeout_s = rank, what, timeout_s
