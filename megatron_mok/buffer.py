@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import sys
 import warnings
 import weakref
 from typing import Optional
@@ -35,11 +36,32 @@ def _check_num_sms(num_sms) -> None:
                          f"may occupy; None: its default), got {num_sms!r}")
 
 
+def uncaught_exception() -> Optional[BaseException]:
+    """The exception the interpreter is exiting with: the one it printed last as uncaught
+    (``sys.last_exc``, Python 3.12; ``sys.last_value`` before), else ``None``."""
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+
+
+def exit_reason(exc: BaseException) -> str:
+    """What a rank's peers read when it exits with the uncaught ``exc`` (NOTES item 68)."""
+    return f"its process is exiting after an uncaught {type(exc).__name__}: {exc}"
+
+
 @atexit.register
 def _destroy_live_buffers() -> None:
-    """Free every Buffer's peer memory at exit, before torch tears down its allocators."""
+    """Free every Buffer's peer memory at exit, before torch tears down its allocators.
+
+    When the process exits with an uncaught exception (raised outside the Buffer's own calls,
+    which stop it themselves: an expert, the attention, the loss, the data loader), each
+    CUDA-backend Buffer first stops its peers (:meth:`Buffer._stop_at_exit`): a peer waiting in
+    a dispatch or combine for this rank raises at once, quoting the exception, instead of
+    spinning until its timeout (the EP group's, 10 minutes under Megatron) where the launcher
+    does not end it."""
+    exc = uncaught_exception()
     for buf in list(_LIVE_BUFFERS):
         try:
+            if exc is not None:
+                buf._stop_at_exit(exit_reason(exc))
             buf.destroy()
         except Exception:  # exiting: nothing useful to do with an error here
             pass
@@ -342,6 +364,21 @@ class Buffer:
             b.abort(reason)
         if skipped_call or self._status_due:
             self._tell_peers()
+
+    def _stop_at_exit(self, reason: str) -> None:
+        """:meth:`abort` at the exit of a process failing with an uncaught exception, for the
+        CUDA backend only: its stop is one kernel that writes into the peers' workspaces and
+        waits for nobody. The reference backend's stop is a collective its peers would have to
+        join (they are in some other call, or gone): the exit would wait for it until
+        ``timeout_s``; its peers' gloo / NCCL collectives fail once this process is gone.
+        Not at a clean exit: a peer may still be finishing its last combine, reading flags this
+        rank set, which the stop would overwrite. Not on loopback ranks (threads, all done)."""
+        cuda = self._backends.get("cuda")
+        if (cuda is None or self._destroyed or self._aborted is not None or self.world_size == 1
+                or getattr(getattr(cuda, "mem", None), "loopback", True)):
+            return
+        self._aborted = reason
+        cuda.abort(reason)
 
     def _tell_peers(self) -> None:
         """After :meth:`abort`, in place of a call the peers make: the reference backend posts
