@@ -21,11 +21,11 @@ graph_chain() {  # graph_chain base|new I LIMIT_S: profile_graph_chain.py (W = 1
     echo "[chain $1 $2] rc=$?"; sed -n '/medians over rounds/,/^$/p' $R/chain_$1_$2.log
 }
 
-world_ids() {  # world_ids K WORLD: the multigpu test ids of the CUDA, FP8, stop-rank, receive-budget, reference-stop, layout-agreement and workspace-allocation test files that -k K selects, at world size WORLD (tests without a parameter are 2-rank tests: WORLD 2)
+world_ids() {  # world_ids K WORLD: the multigpu test ids of tests/ (not tests/megatron: its own step) that -k K selects, at world size WORLD (tests without a parameter are 2-rank tests: WORLD 2)
     local own='$^'
     [ "$2" = 2 ] && own='::[A-Za-z0-9_]+$'
-    python3 -m pytest --collect-only -q -m multigpu -k "$1" tests/test_cuda_backend.py tests/test_fp8_dispatch.py tests/test_stop_rank.py tests/test_recv_budget.py tests/test_reference_stop.py tests/test_layout_agreement.py \
-      tests/test_workspace_allocation.py -p no:cacheprovider 2>/dev/null | grep "::" | grep -E -- "-${2}\]$|\[${2}\]$|$own"
+    python3 -m pytest --collect-only -q -m multigpu -k "$1" tests --ignore=tests/megatron \
+      -p no:cacheprovider 2>/dev/null | grep "::" | grep -E -- "-${2}\]$|\[${2}\]$|$own"
 }
 
 fuzz() {  # fuzz SECONDS NAME: the fuzzer (world sizes up to 4, a seed from the clock) into $R/NAME; 0 seconds: nothing
