@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# Session 40's one-GPU calls (benchmarks/NOTES.md, items 65 and 66).
+# Session 40's one-GPU calls (benchmarks/NOTES.md, items 65, 66 and 68).
 #
 #   bash scripts/device_runs/s40_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of alloc stopnote regress
+#     PARTS: any of alloc exit stopnote sample megatron regress
 #
 # alloc     item 66: a rank short of memory stops every rank in the same words (2 processes sharing
 #           the GPU, rank 1's allocator capped), then both make a Buffer and dispatch; item 65: ranks
 #           with different staging settings refuse together before allocating; item 63's layout
 #           agreement tests.
+# exit      item 68: a rank whose process exits with an uncaught exception stops its peer (two real
+#           processes sharing the GPU, tests/test_exit_stop.py).
 # stopnote  the CUDA stop tests (common.sh): the backend's creation changed around the workspace.
+# sample    the CUDA sample of the regression selections (the mutation audit's).
+# megatron  the Megatron T_max twins (common.sh; megatron-core 0.19.2 from the carried .whl).
 # regress   the one-GPU regression selections (common.sh).
 # Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
-# Carry: megatron_mok/_lib.
+# Carry: megatron_mok/_lib; .whl (megatron).
 C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
 . "$(dirname "$0")/common.sh"
 for PART in $PARTS; do
@@ -20,8 +24,15 @@ case $PART in
 alloc)
   MOK_TEST_SHARED_GPU=1 run_pytest alloc 180 tests/test_workspace_allocation.py tests/test_layout_agreement.py \
     "tests/test_cuda_backend.py::test_cuda_ranks_with_different_staging_settings_are_refused" ;;
+exit)
+  MOK_TEST_SHARED_GPU=1 run_pytest exit 240 tests/test_exit_stop.py ;;
 stopnote)
   stop_tests ;;
+sample)
+  SAMPLE=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import mutation_audit_cuda as m; print(m.SAMPLE[-1])")
+  run_pytest sample 150 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py -k "$SAMPLE" ;;
+megatron)
+  megatron_t_max_twins ;;
 regress)
   regress_selections ;;
 *) echo "unknown part $PART"; exit 2 ;;
