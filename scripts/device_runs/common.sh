@@ -49,10 +49,15 @@ budget_selection() {  # the receive budget's GPU tests (sessions 36-37): world 1
     -k "budget or static_overflow or rows_per_expert_overflow or failed_dispatch_launch or test_cuda_library_abi"
 }
 
+cuda_sample() {  # cuda_sample LIMIT_S: the CUDA sample of the mutation audit (one-GPU tests)
+  local sample
+  sample=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import mutation_audit_cuda as m; print(m.SAMPLE[-1])")
+  run_pytest sample $1 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py -k "$sample"
+}
+
 regress_selections() {  # the one-GPU regression selections (sessions 35-36): the CUDA sample of the
     # mutation audit, the narrow / FP8 tests, the error paths, the alternative schedules
-  SAMPLE=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import mutation_audit_cuda as m; print(m.SAMPLE[-1])")
-  run_pytest sample 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py -k "$SAMPLE"
+  cuda_sample 120
   run_pytest narrow_fp8 90 -m "gpu and not multigpu" tests/test_fp8_dispatch.py tests/test_cuda_loopback.py \
     tests/test_cuda_backend.py -k "prob_grads_only or narrow_rows or (fp8 and (cuda or loopback))"
   run_pytest errors 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \

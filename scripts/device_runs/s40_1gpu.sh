@@ -29,8 +29,7 @@ exit)
 stopnote)
   stop_tests ;;
 sample)
-  SAMPLE=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import mutation_audit_cuda as m; print(m.SAMPLE[-1])")
-  run_pytest sample 150 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py -k "$SAMPLE" ;;
+  cuda_sample 150 ;;
 megatron)
   megatron_t_max_twins ;;
 regress)
