@@ -20,7 +20,6 @@ import types
 import weakref
 
 import pytest
-import torch
 
 import megatron_mok.buffer as buffer_mod
 from harness import gpus_for
