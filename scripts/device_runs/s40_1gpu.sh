@@ -2,7 +2,7 @@
 # Session 40's one-GPU calls (benchmarks/NOTES.md, items 65, 66 and 68).
 #
 #   bash scripts/device_runs/s40_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of alloc exit stopnote sample megatron regress
+#     PARTS: any of alloc exit stopnote sample megatron regress isolated hostprof
 #
 # alloc     item 66: a rank short of memory stops every rank in the same words (2 processes sharing
 #           the GPU, rank 1's allocator capped), then both make a Buffer and dispatch; item 65: ranks
@@ -14,6 +14,10 @@
 # sample    the CUDA sample of the regression selections (the mutation audit's).
 # megatron  the Megatron T_max twins (common.sh; megatron-core 0.19.2 from the carried .whl).
 # regress   the one-GPU regression selections (common.sh).
+# isolated  item 69's worker as a dry run at world size 1 (CUDA_VISIBLE_DEVICES=0): the script runs,
+#           the CUDA backend bitwise the reference (the isolated 2-GPU case needs two GPUs).
+# hostprof  where a small eager / static call's host time goes: profile_host_calls.py at 128 and
+#           512 tokens under cProfile (functions by own time, and by cumulative time).
 # Then the fuzzer for FUZZ_S seconds (default 30; 0: none).
 # Carry: megatron_mok/_lib; .whl (megatron).
 C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
@@ -34,6 +38,19 @@ megatron)
   megatron_t_max_twins ;;
 regress)
   regress_selections ;;
+isolated)
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 tests/isolated_gpu_worker.py 0 1 29533 $R/isolated_w1.json \
+    > $R/isolated.log 2>&1; echo "[isolated] rc=$?"; cat $R/isolated_w1.json; echo ;;
+hostprof)
+  timeout 240 python3 -m cProfile -o $R/host.prof scripts/profile_host_calls.py --out $R/host \
+    --tokens 128,512 --calls 300 --commit $C > $R/hostprof.log 2>&1; echo "[hostprof] rc=$?"
+  python3 -c "
+import pstats, sys
+for key in ('tottime', 'cumulative'):
+    print('==== by', key)
+    pstats.Stats('$R/host.prof', stream=sys.stdout).strip_dirs().sort_stats(key).print_stats(45)
+" > $R/hostprof_stats.txt 2>&1
+  head -60 $R/hostprof_stats.txt | cut -c1-160 ;;
 *) echo "unknown part $PART"; exit 2 ;;
 esac
 echo "[$PART] $((SECONDS - t0)) s"
