@@ -59,11 +59,16 @@ def _destroy_live_buffers() -> None:
     does not end it."""
     exc = uncaught_exception()
     for buf in list(_LIVE_BUFFERS):
-        try:
-            if exc is not None:
+        # Each step on its own: a stop that cannot launch (a broken CUDA context, say) must not
+        # keep the workspace from being freed. Exiting: nothing useful to do with an error here.
+        if exc is not None:
+            try:
                 buf._stop_at_exit(exit_reason(exc))
+            except Exception:
+                pass
+        try:
             buf.destroy()
-        except Exception:  # exiting: nothing useful to do with an error here
+        except Exception:
             pass
 
 

@@ -373,8 +373,8 @@ MUTANTS: List[Mutant] = [
       "    if failed:\n        tensor = None", "    if failure is not None:\n        tensor = None",
       ["tests/test_workspace_allocation.py"]),
     # NOTES item 68: a rank exiting with an uncaught exception stops its peers first.
-    M("exit_hook_never_stops", BUF, "            if exc is not None:\n                buf._stop_at_exit",
-      "            if False:\n                buf._stop_at_exit", ["tests/test_exit_stop.py"]),
+    M("exit_hook_never_stops", BUF, "        if exc is not None:\n            try:\n                buf._stop_at_exit",
+      "        if False:\n            try:\n                buf._stop_at_exit", ["tests/test_exit_stop.py"]),
     M("exit_stop_on_loopback", BUF, '                or getattr(getattr(cuda, "mem", None), "loopback", True)):',
       "                or False):", ["tests/test_exit_stop.py"]),
     M("validation_disagreement_first_field_only", "megatron_mok/validation.py",

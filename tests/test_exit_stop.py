@@ -43,11 +43,13 @@ def test_the_exception_is_the_one_the_interpreter_printed_last(monkeypatch):
 
 
 class _Live:
-    def __init__(self, log, name):
-        self.log, self.name = log, name
+    def __init__(self, log, name, stop_fails=False):
+        self.log, self.name, self.stop_fails = log, name, stop_fails
 
     def _stop_at_exit(self, reason):
         self.log.append((self.name, "stop", reason))
+        if self.stop_fails:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     def destroy(self):
         self.log.append((self.name, "destroy"))
@@ -60,14 +62,14 @@ def test_the_exit_hook_stops_the_buffers_only_after_an_uncaught_exception(monkey
     if uncaught is not None:
         monkeypatch.setattr(sys, "last_value", uncaught, raising=False)
     log = []
-    live = [_Live(log, "a"), _Live(log, "b")]
+    live = [_Live(log, "a", stop_fails=True), _Live(log, "b")]   # a's stop cannot launch
     monkeypatch.setattr(buffer_mod, "_LIVE_BUFFERS", weakref.WeakSet(live))
     buffer_mod._destroy_live_buffers()
     for name in ("a", "b"):
         mine = [e for e in log if e[0] == name]
         if uncaught is None:        # a clean exit: a peer may still read this rank's flags
             assert mine == [(name, "destroy")]
-        else:                       # stopped first, then freed
+        else:                       # stopped first, then freed (a stop that raised too)
             assert mine == [(name, "stop", "its process is exiting after an uncaught OSError: disk full"),
                             (name, "destroy")]
 
