@@ -360,6 +360,44 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo",
         raise
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous of processes)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_rank_scripts(script: str, world_size: int, *args: str, env_for_rank=None,
+                     timeout: float = 240) -> Tuple[List[int], List[str]]:
+    """Run ``python tests/SCRIPT RANK WORLD PORT *ARGS`` once per rank, as processes of their
+    own (for what a pooled rank cannot show: an interpreter really exiting, an environment set
+    before CUDA starts). ``env_for_rank(r)``: extra environment of rank ``r``. Returns every
+    rank's exit code and output; raises :class:`DistributedTestError` (killing them all) when
+    one has not exited within ``timeout`` seconds."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    port = free_port()
+    procs = []
+    for r in range(world_size):
+        env = {**os.environ, **((env_for_rank or (lambda _: {}))(r)),
+               "PYTHONPATH": os.path.dirname(here) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        procs.append(subprocess.Popen([sys.executable, os.path.join(here, script), str(r), str(world_size),
+                                       str(port), *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise DistributedTestError(f"{script}: a rank did not exit within {timeout:.0f} s (a hang?)")
+    return [p.returncode for p in procs], logs
+
+
 def run_loopback(fn, world_size: int, *args, device="cuda", timeout: Optional[float] = None,
                  **kwargs) -> List[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` loopback ranks:

@@ -2,7 +2,7 @@
 naming only its own GPU (as Slurm's ``--gpus-per-task=1`` or a launcher that isolates ranks
 does): each process sees its GPU as ``cuda:0`` and none of its peers'.
 
-    CUDA_VISIBLE_DEVICES=R python tests/isolated_gpu_worker.py RANK WORLD PORT OUT_JSON
+    CUDA_VISIBLE_DEVICES=R python tests/isolated_gpu_worker.py RANK WORLD PORT OUT_JSON  ({rank} in it: this rank's)
 
 Both ranks run a dispatch -> expert -> combine forward and backward on the CUDA backend and on
 the reference backend (same inputs, NCCL group) and write whether every output and gradient is
@@ -18,7 +18,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+out = sys.argv[4].format(rank=rank)     # a path, or a pattern with {rank}
 for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
     os.environ.setdefault(k, v)
 _TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -12,9 +12,6 @@ rank 1 raises uncaught after a dispatch, rank 0's combine must raise quoting it.
 """
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import types
 import weakref
@@ -22,7 +19,7 @@ import weakref
 import pytest
 
 import megatron_mok.buffer as buffer_mod
-from harness import gpus_for
+from harness import gpus_for, run_rank_scripts
 
 
 def test_the_reason_quotes_the_exception():
@@ -107,33 +104,15 @@ def test_only_a_cuda_backend_of_a_group_is_stopped_at_exit():
         assert buf._backends["cuda"].reasons == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_a_rank_exiting_with_an_uncaught_exception_stops_its_peer(tmp_path):
     if not gpus_for(2):
         pytest.skip("needs 2 GPUs (or MOK_TEST_SHARED_GPU=1)")
-    here = os.path.dirname(os.path.abspath(__file__))
-    port, out = _free_port(), str(tmp_path / "rank0.json")
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(here) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = [subprocess.Popen([sys.executable, os.path.join(here, "exit_worker.py"), str(r), "2", str(port), out],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a rank did not exit within 240 s")
-    assert procs[1].returncode == 1 and "an expert blew up on rank 1" in logs[1], logs[1][-2000:]
-    assert procs[0].returncode == 0, logs[0][-3000:]
+    out = str(tmp_path / "rank0.json")
+    codes, logs = run_rank_scripts("exit_worker.py", 2, out)
+    assert codes[1] == 1 and "an expert blew up on rank 1" in logs[1], logs[1][-2000:]
+    assert codes[0] == 0, logs[0][-3000:]
     got = json.load(open(out))
     assert got["raised"] == "MokDevicePeerStopped" and got["rank"] == 1, got
     assert got["reason"] == ("its process is exiting after an uncaught RuntimeError: an expert blew "
