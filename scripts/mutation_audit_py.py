@@ -111,8 +111,13 @@ class Mutant:
 
     @property
     def line(self) -> Optional[int]:
+        return self.line_in(ROOT)
+
+    def line_in(self, root: str) -> Optional[int]:
+        """The snippet's line in ``root``'s copy of the file (``None``: not there). An audit
+        reads it from its own copy: the working tree may be edited while it runs."""
         try:
-            with open(os.path.join(ROOT, self.path)) as f:
+            with open(os.path.join(root, self.path)) as f:
                 text = f.read()
         except OSError:
             return None
@@ -767,6 +772,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows, bad = [], []
     try:
         for m in chosen:
+            line = m.line_in(copy_root)
             result, detail, dt = run_mutant(m, copy_root, args.timeout)
             if m.equivalent and result == "SURVIVED":
                 shown = "equivalent"
@@ -777,8 +783,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 shown = result
                 if result != "KILLED":
                     bad.append(m.name)
-            rows.append((m, shown, detail, dt))
-            print(f"{m.name:36s} {m.path}:{m.line:<5} {shown:10s} {dt:6.1f}s  {detail}", flush=True)
+            rows.append((m, line, shown, detail, dt))
+            print(f"{m.name:36s} {m.path}:{line!s:<5} {shown:10s} {dt:6.1f}s  {detail}", flush=True)
     finally:
         if args.keep:
             print(f"copy kept at {copy_root}")
@@ -786,14 +792,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
 
     print("\n| mutant | where | change | result |\n|---|---|---|---|")
-    for m, shown, detail, _ in rows:
+    for m, line, shown, detail, _ in rows:
         what = f"`{m.original.strip()[:60]}` -> `{m.replacement.strip()[:60]}`".replace("\n", " ")
         res = f"{shown} ({detail})" if detail else shown
         if m.equivalent:
             res += f": {m.reason}"
-        print(f"| {m.name} | {m.path}:{m.line} | {what} | {res} |")
-    killed = sum(1 for _, s, _, _ in rows if s == "KILLED")
-    equiv = sum(1 for _, s, _, _ in rows if s == "equivalent")
+        print(f"| {m.name} | {m.path}:{line} | {what} | {res} |")
+    killed = sum(1 for _, _, s, _, _ in rows if s == "KILLED")
+    equiv = sum(1 for _, _, s, _, _ in rows if s == "equivalent")
     print(f"\n{killed} killed, {equiv} equivalent, {len(bad)} not accounted for: {bad}")
     return 1 if bad else 0
 
