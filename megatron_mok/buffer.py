@@ -379,11 +379,10 @@ class Buffer:
         Not at a clean exit: a peer may still be finishing its last combine, reading flags this
         rank set, which the stop would overwrite. Not on loopback ranks (threads, all done)."""
         cuda = self._backends.get("cuda")
-        if (cuda is None or self._destroyed or self._aborted is not None or self.world_size == 1
+        if (cuda is None or self._aborted is not None
                 or getattr(getattr(cuda, "mem", None), "loopback", True)):
             return
-        self._aborted = reason
-        cuda.abort(reason)
+        self.abort(reason)          # no call is in progress: it tells nobody through a collective
 
     def _tell_peers(self) -> None:
         """After :meth:`abort`, in place of a call the peers make: the reference backend posts

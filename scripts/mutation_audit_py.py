@@ -380,8 +380,8 @@ MUTANTS: List[Mutant] = [
     # NOTES item 68: a rank exiting with an uncaught exception stops its peers first.
     M("exit_hook_never_stops", BUF, "        if exc is not None:\n            try:\n                buf._stop_at_exit",
       "        if False:\n            try:\n                buf._stop_at_exit", ["tests/test_exit_stop.py"]),
-    M("exit_stop_on_loopback", BUF, '                or getattr(getattr(cuda, "mem", None), "loopback", True)):',
-      "                or False):", ["tests/test_exit_stop.py"]),
+    M("exit_stop_on_loopback", BUF, '                or getattr(getattr(cuda, "mem", None), "loopback", True)):\n            return\n        self.abort',
+      "                or False):\n            return\n        self.abort", ["tests/test_exit_stop.py"]),
     M("validation_disagreement_first_field_only", "megatron_mok/validation.py",
       "    return \"; \".join(clauses) or None\n", "    return clauses[0] if clauses else None\n",
       ["tests/test_layout_agreement.py"]),

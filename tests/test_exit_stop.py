@@ -83,6 +83,7 @@ class _Backend:
 def _buffer(backends, world_size=2, aborted=None, destroyed=False):
     buf = object.__new__(buffer_mod.Buffer)
     buf._backends, buf.world_size, buf._aborted, buf._destroyed = backends, world_size, aborted, destroyed
+    buf._status_due = False                     # between calls, as at an exit
     return buf
 
 
