@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
+from megatron_mok.cuda.peer_memory import disable_multicast_env  # noqa: E402
+
 rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ.setdefault(k, v)
+disable_multicast_env()                 # before any process group or CUDA allocation
 dev = torch.device("cuda", rank % torch.cuda.device_count())
 torch.cuda.set_device(dev)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

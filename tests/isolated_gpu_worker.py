@@ -20,13 +20,14 @@ import torch.distributed as dist
 
 rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 out = sys.argv[4].format(rank=rank)     # a path, or a pattern with {rank}
-for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ.setdefault(k, v)
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TESTS, os.path.dirname(_TESTS)]     # harness, and megatron_mok from this checkout
 from harness import assert_same_results, full_pass, make_inputs  # noqa: E402
 
 import megatron_mok as mok  # noqa: E402
+from megatron_mok.cuda.peer_memory import disable_multicast_env  # noqa: E402
+
+disable_multicast_env()                 # before the NCCL group is made
 
 result = {"visible_gpus": torch.cuda.device_count()}
 try:
