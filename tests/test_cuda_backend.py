@@ -89,10 +89,10 @@ def _repeats_and_sms(rank, world_size, name, seed, backend="cuda", sms_list=(4, 
 def ring_chunk_bytes(H, K, elem=2, partial_elem=2):
     """Bytes of one dispatch / combine ring chunk of the CUDA backend (its chunk size)."""
     try:
-        from megatron_mok.cuda.backend import DEFAULT_CHUNK_TOKENS as C
+        from megatron_mok.cuda.backend import DEFAULT_CHUNK_TOKENS, ring_chunk_bytes as chunk_bytes
     except Exception:       # the reference-only self-check does not need the CUDA module
-        C = 64
-    return C * H * elem, C * H * partial_elem + C * K * 4
+        return 64 * H * elem, 64 * H * partial_elem + 64 * K * 4
+    return chunk_bytes(DEFAULT_CHUNK_TOKENS, H, K, elem, partial_elem)
 
 
 def _ring_wrap(rank, world_size, calls, backend="cuda", chunks=3, T_max=1024, require_big=True,

@@ -126,11 +126,11 @@ def test_a_rank_short_of_memory_stops_every_rank():
 def _workspace_bytes(T_max, K, ring=256 << 20, W=8, H=7168, E=256, C=64):
     """The CUDA library's workspace size for a bf16 Buffer, as the backend asks for it."""
     from megatron_mok.cuda import library
-    from megatron_mok.cuda.backend import META_SLOTS
+    from megatron_mok.cuda.backend import META_SLOTS, ring_chunk_bytes
 
     lib = library.get()
-    ctx = lib.mok_create(W, 0, H, 2, 2, K, E // W, T_max, C, META_SLOTS, ring // (C * H * 2),
-                         ring // (C * H * 2 + C * K * 4), 1)
+    disp, comb = ring_chunk_bytes(C, H, K, 2, 2)
+    ctx = lib.mok_create(W, 0, H, 2, 2, K, E // W, T_max, C, META_SLOTS, ring // disp, ring // comb, 1)
     assert ctx, lib.mok_last_error()
     try:
         return lib.mok_workspace_bytes(ctx)

@@ -77,6 +77,14 @@ class CudaLayout:
     scratch: torch.Tensor   # uint8, carved by HandleArrays::make
 
 
+def ring_chunk_bytes(chunk_tokens: int, hidden: int, topk: int, elem: int, partial_elem: int):
+    """``(dispatch, combine)`` bytes of one ring chunk: ``chunk_tokens`` token rows, and for the
+    combine their partial sums plus each row's ``topk`` float32 weights. A ring of ``ring_bytes``
+    holds ``ring_bytes // chunk`` whole chunks of each."""
+    return (chunk_tokens * hidden * elem,
+            chunk_tokens * hidden * partial_elem + chunk_tokens * topk * 4)
+
+
 def _used(v: int) -> str:
     return "used" if v else "not used"
 
@@ -130,8 +138,7 @@ class CudaBackend:
         self.chunk_tokens = _env_int("MOK_CHUNK_TOKENS", DEFAULT_CHUNK_TOKENS)
         ring = buf.ring_bytes or DEFAULT_RING_BYTES
         C, H, K = self.chunk_tokens, buf.hidden, buf.topk
-        disp_chunk = C * H * elem
-        comb_chunk = C * H * pelem + C * K * 4
+        disp_chunk, comb_chunk = ring_chunk_bytes(C, H, K, elem, pelem)
         disp_chunks, comb_chunks = ring // disp_chunk, ring // comb_chunk
         if disp_chunks < 1 or comb_chunks < 1:
             raise ValueError(f"ring_bytes={ring} is smaller than one ring chunk "
