@@ -188,14 +188,21 @@ def _collect(args):
                                           ("alternative_schedules_match_reference", 2),
                                           ("alternative_schedules_wrap_the_ring", 2),
                                           ("not alternative_schedules", 4)])
-def test_x2_tests_selections_select_tests(select, world):
+def test_x2_tests_selections_select_tests(select, world, tmp_path):
     # x2_tests.sh's SELECT values (core, schedules, rings) and its WORLD filter, as it runs them
     text = open(os.path.join(RUNS, "x2_tests.sh")).read()
     assert f'K="{select}"' in text, "x2_tests.sh's selections changed: update this test"
-    ids = [i for i in _collect(["-m", "multigpu", "-k", select, "tests/test_cuda_backend.py",
-                                "tests/test_fp8_dispatch.py"])
-           if re.search(rf"-{world}\]$|\[{world}\]$", i)]
+    ids = _world_ids(select, world, tmp_path)
     assert len(ids) >= 10, (select, world, len(ids))
+
+
+def _world_ids(select: str, world: int, out_dir) -> set:
+    """common.sh's ``world_ids SELECT WORLD``, run as the device scripts run it."""
+    r = subprocess.run(["bash", "-c", f'OUT="$1"; C=test; . scripts/device_runs/common.sh >/dev/null 2>&1; '
+                                      f'world_ids "$2" {world}', "world_ids", str(out_dir), select],
+                       cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]})
+    return {x for x in r.stdout.splitlines() if "::" in x}
 
 
 def test_x2_suite_expert_tp_selection_selects_the_two_gpu_tests():
@@ -222,13 +229,7 @@ def test_world_ids_leave_no_multigpu_test_out(tmp_path):
     device check, the layout twin) were never selected."""
     every = set(_collect(["-m", "multigpu", "tests", "--ignore=tests/megatron"]))
     assert len(every) > 100
-    chosen = {}
-    for world in (2, 3, 4):      # the world sizes the multi-GPU tests use
-        r = subprocess.run(["bash", "-c", f'OUT="$1"; C=test; . scripts/device_runs/common.sh >/dev/null 2>&1; '
-                                          f'world_ids "" {world}', "world_ids", str(tmp_path)],
-                           cwd=REPO, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]})
-        chosen[world] = {x for x in r.stdout.splitlines() if "::" in x}
+    chosen = {world: _world_ids("", world, tmp_path) for world in (2, 3, 4)}   # the sizes in use
     assert set().union(*chosen.values()) == every, sorted(every - set().union(*chosen.values()))[:5]
     plain = {i for i in every if not i.endswith("]")}
     assert plain and plain <= chosen[2] and not plain & chosen[4]
