@@ -31,9 +31,6 @@ speed drifts by up to 2x between and within processes (run s14-2's process probe
 swamps a one-process-per-tree A/B; ``paired_change_<variant>_vs_<base>_us`` is the median
 over blocks of the variant's block median minus its mode's first variant's (run s14-4, which
 printed the one-call minus the separate variant as ``paired_change_<mode>_dispatch_us``).
-``--ab --toggle separate_allocations`` compares, the same way, the backend's diagnostic flag of
-that name off (``<mode>_default``) and on (``<mode>_separate_allocations``): a dispatch's arrays
-carved out of one allocation against one allocation each (NOTES item 71).
 ``--ab --settings "A=1;B=0;"`` compares eager Buffers made under those environment settings
 (the first is the base of every paired change). Under torchrun (``--ab`` only) every rank runs
 the same blocks in the same order and the slowest rank's figures are reported.
@@ -145,22 +142,19 @@ def call_inputs(common, dev, T, rank=0, world=1):
     return x, idx, w, dict(num_experts=E, hidden=H, topk=K, max_tokens_per_rank=T, backend="cuda")
 
 
-def ab_variants(settings, parse_settings, settings_label, toggle="separate_launches"):
-    """(name, mode, environment, value of the backend's ``toggle`` flag) of every variant of an
-    ``--ab`` run. No ``settings``: the flag off against on, eager and static; for
-    ``separate_launches`` #51 against its separate launches (``<mode>_one_call``,
-    ``<mode>_separate``), for another flag ``<mode>_default`` / ``<mode>_<flag>``. ``settings`` (``"A=1;B=0;"``, as ``profile_graph_chain.py``): one eager
+def ab_variants(settings, parse_settings, settings_label):
+    """(name, mode, environment, separate launches) of every variant of an ``--ab`` run.
+    No ``settings``: #51 against its separate launches, eager and static (``<mode>_one_call``,
+    ``<mode>_separate``). ``settings`` (``"A=1;B=0;"``, as ``profile_graph_chain.py``): one eager
     Buffer per setting, named ``eager[<label>]``, e.g. the opt-in eager schedules against the
     default."""
     if not settings:
-        labels = ("one_call", "separate") if toggle == "separate_launches" else ("default", toggle)
-        return [(f"{m}_{label}", m, {}, on) for m in ("eager", "static")
-                for label, on in zip(labels, (False, True))]
+        return [(f"{m}_{l}", m, {}, l == "separate") for m in ("eager", "static")
+                for l in ("one_call", "separate")]
     return [(f"eager[{settings_label(env)}]", "eager", env, False) for env in parse_settings(settings)]
 
 
-def ab_case(mok, common, torch, dev, T, blocks, per_block, warmup, sync, settings="", rank=0, world=1,
-            toggle="separate_launches"):
+def ab_case(mok, common, torch, dev, T, blocks, per_block, warmup, sync, settings="", rank=0, world=1):
     """Host paths side by side in one process (``ab_variants``), each with its own Buffer,
     alternating blocks. Paired changes: each variant against the first of its mode. Under
     torchrun every rank runs the same variants in the same order (each call is collective), and
@@ -174,10 +168,10 @@ def ab_case(mok, common, torch, dev, T, blocks, per_block, warmup, sync, setting
         torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
         rows = int(most.item())
     bufs, variants, first_of = [], {}, {}
-    for name, mode, env, on in ab_variants(settings, common.parse_settings, common.settings_label, toggle):
+    for name, mode, env, separate in ab_variants(settings, common.parse_settings, common.settings_label):
         with common.with_env(env):
             buf = mok.Buffer(None, **kw, **({"max_recv_tokens": rows + 8} if mode == "static" else {}))
-        setattr(buf._get_backend("cuda"), toggle, on)
+        buf._get_backend("cuda").separate_launches = separate
         bufs.append(buf)
         for _ in range(warmup):
             r = buf.dispatch(x, idx, w)
@@ -189,7 +183,7 @@ def ab_case(mok, common, torch, dev, T, blocks, per_block, warmup, sync, setting
     for n, c in calls.items():
         case[f"host_{n}_dispatch_us"] = median_us(c["host"])
         case[f"latency_{n}_dispatch_us"] = median_us(c["latency"])
-    for name, mode, _, _ in ab_variants(settings, common.parse_settings, common.settings_label, toggle):
+    for name, mode, _, _ in ab_variants(settings, common.parse_settings, common.settings_label):
         if name != first_of[mode]:
             case[f"paired_change_{name}_vs_{first_of[mode]}_us"] = paired_change_us(per_block, first_of[mode], name)
     for b in bufs:
@@ -229,9 +223,6 @@ def main(argv=None):
                     help="instead: one call per dispatch (#51) against separate launches, in this "
                          "process, --blocks alternating blocks of --calls / --blocks calls")
     ap.add_argument("--blocks", type=int, default=20)
-    ap.add_argument("--toggle", default="separate_launches",
-                    choices=("separate_launches", "separate_allocations"),
-                    help="with --ab (no --settings): the backend's diagnostic flag compared off / on")
     ap.add_argument("--settings", default="",
                     help="with --ab: eager Buffers under these environment settings instead "
                          "(';'-separated, each ','-separated VAR=value; empty item = defaults)")
@@ -262,7 +253,7 @@ def main(argv=None):
     cases = []
     for T in (int(v) for v in a.tokens.split(",") if a.ab):
         case = ab_case(mok, common, torch, dev, T, a.blocks, max(1, a.calls // a.blocks), a.warmup, sync,
-                       a.settings, rank, world, a.toggle)
+                       a.settings, rank, world)
         if distributed:
             case = merge_ranks(gather_objects(torch, case, world))
         cases.append(case)

@@ -634,12 +634,10 @@ def test_failed_dispatch_launch_launches_nothing():
     assert run_loopback(_failed_launch_launches_nothing, 1, timeout=300) == [True]
 
 
-def _flag_off_and_on(rank, world_size, flag):
+def _one_call_and_separate_launches(rank, world_size):
     """The same dispatches (eager, static, rows_per_expert, a receive budget that drops rows;
-    random routing with unrouted slots) with the backend's diagnostic ``flag`` off and on:
-    ``separate_launches`` (one library call per dispatch, #51, against a call per step) or
-    ``separate_allocations`` (the arrays carved out of one allocation, item 71, against one
-    each): bitwise the same outputs, and the same combine of them."""
+    random routing with unrouted slots) queued by one library call and by separate launches
+    (``separate_launches``): bitwise the same outputs, and the same combine of them."""
     case = contract_cases(world_size)["mixed"]
     dev = torch.device("cuda", torch.cuda.current_device())
     T, K, E, H = case["T_max"], case["K"], case["E"], case["H"]
@@ -651,9 +649,9 @@ def _flag_off_and_on(rank, world_size, flag):
              ({}, {"recv_budget": T * K // 3})]
     for extra, call in calls:
         outs = []
-        for on in (False, True):
+        for separate in (False, True):
             buf = _buffer(case, torch.bfloat16, "cuda", device="cuda", **extra)
-            setattr(buf._get_backend("cuda"), flag, on)
+            buf._get_backend("cuda").separate_launches = separate
             r = buf.dispatch(x, idx, w, **call)
             y = buf.combine(r.tokens, r.handle)
             buf.check_errors()
@@ -667,6 +665,5 @@ def _flag_off_and_on(rank, world_size, flag):
 
 
 @gpu
-@pytest.mark.parametrize("flag", ["separate_launches", "separate_allocations"])
-def test_dispatch_with_diagnostic_flag_off_and_on_matches_bitwise(flag):
-    assert run_loopback(_flag_off_and_on, 1, flag, timeout=300) == [True]
+def test_one_call_dispatch_matches_separate_launches_bitwise():
+    assert run_loopback(_one_call_and_separate_launches, 1, timeout=300) == [True]

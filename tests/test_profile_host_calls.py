@@ -95,10 +95,6 @@ def test_ab_variants_default_pairs_and_settings():
     got = phc.ab_variants(";MOK_EAGER_FILL_FIRST=1", common.parse_settings, common.settings_label)
     assert got == [("eager[defaults]", "eager", {}, False),
                    ("eager[MOK_EAGER_FILL_FIRST=1]", "eager", {"MOK_EAGER_FILL_FIRST": "1"}, False)]
-    toggled = phc.ab_variants("", common.parse_settings, common.settings_label, "separate_allocations")
-    assert [(v[0], v[3]) for v in toggled] == [
-        ("eager_default", False), ("eager_separate_allocations", True),
-        ("static_default", False), ("static_separate_allocations", True)]
 
 
 def test_with_env_restores_set_and_unset_variables(monkeypatch):

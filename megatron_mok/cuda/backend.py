@@ -74,9 +74,7 @@ def current_stream_ptr(device_index: int) -> int:
 class CudaLayout:
     """Backend-private part of a handle: the device layout arrays (``csrc`` HandleArrays)."""
 
-    # The dispatch's arrays (CudaBackend._handle_arrays): the layout's scratch at its start,
-    # carved by HandleArrays::make from its pointer, then the counts and the rows' sources.
-    scratch: torch.Tensor
+    scratch: torch.Tensor   # uint8, carved by HandleArrays::make
 
 
 def ring_chunk_bytes(chunk_tokens: int, hidden: int, topk: int, elem: int, partial_elem: int):
@@ -111,10 +109,6 @@ class CudaBackend:
     # it reads False on an instance whose __init__ raised part-way.
     destroyed = False
     stopped = False   # mok_stop_rank was launched (_stop_rank): once is enough
-    # Diagnostics (scripts/profile_host_calls.py --ab --toggle separate_allocations): True
-    # allocates a dispatch's scratch, counts and row sources one tensor each, as before NOTES
-    # item 71, instead of carving them out of one allocation (_handle_arrays).
-    separate_allocations = False
     # (origin, reason) of the stop note that broke this backend (the rank whose own error it
     # was, and its words): later calls raise the same MokDevicePeerStopped (_broken_error).
     broken_by: Optional[tuple] = None
@@ -460,6 +454,9 @@ class CudaBackend:
         b = self.buf
         T = x.shape[0]
         stream = self._stream()
+        scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=x.device)
+        # The counts, R (the rows written), then the rows received (a receive budget's flag).
+        tpe = torch.empty(b.num_local_experts + 2, dtype=torch.int64, device=x.device)
         idx = topk_idx.contiguous()
         w = topk_weights.contiguous()
         # A receive budget is a static-shape call whose rows past the cap are dropped, not an
@@ -469,35 +466,29 @@ class CudaBackend:
         static = static_cap is not None
         fixed = bindings.NO_ROWS_PER_EXPERT if rows_per_expert is None else rows_per_expert
         known_R = None if rows_per_expert is None else b.num_local_experts * rows_per_expert
-        fill_first = self.fill_first and not static   # (the speculative dispatch's too)
-        # The rows whose sources are allocated before the layout, with its arrays: all of a
-        # static call's, R of a fixed one's, the bound of a fill-first one's; an eager call's
-        # after its host read of R.
-        early_rows = (static_cap if static else known_R if known_R is not None
-                      else self.rows_bound if fill_first else None)
-        scratch, tpe, src_early = self._handle_arrays(x.device, early_rows)
         if known_R is not None and not static:
-            return self._dispatch_fixed(x, T, idx, w, scratch, tpe, src_early, stream, fixed, known_R)
+            return self._dispatch_fixed(x, T, idx, w, scratch, tpe, stream, fixed, known_R)
         layout_cap = static_cap if static else (1 << 62)
         if self.speculative and not static:
-            return self._dispatch_speculative(x, T, idx, w, scratch, tpe, src_early, stream)
+            return self._dispatch_speculative(x, T, idx, w, scratch, tpe, stream)
         ce_side = self.ce_overlap and not self.speculative
         if static and not ce_side and not self.separate_launches:
-            return self._dispatch_static(x, T, idx, w, scratch, tpe, src_early, stream, static_cap,
-                                         drop, fixed, known_R)
+            return self._dispatch_static(x, T, idx, w, scratch, tpe, stream, static_cap, drop,
+                                         fixed, known_R)
         main = torch.cuda.current_stream(self.device)
         if static:
             # (A static dispatch staged beside the layout, MOK_DISPATCH_CE_OVERLAP=1: the transfer
             # waits for the side stream, so its launches stay separate.) Every output's size is
             # known before the layout: allocate now (NOTES (GG)).
             tokens = self._rows_like(x, static_cap)
-            probs_all, src_all = self._probs(static_cap, x.device), src_early
+            probs_all, src_all = self._row_outputs(static_cap, x.device)
         if ce_side:
             self._stage_copy_beside(x, T, main)
         self._layout(stream, scratch, idx, w, T, tpe, layout_cap, -1, not static, fixed, x, drop)
         staged = None
+        fill_first = self.fill_first and not static
         if fill_first:
-            probs_all, src_all = self._probs(self.rows_bound, x.device), src_early
+            probs_all, src_all = self._row_outputs(self.rows_bound, x.device)
         if static:
             R, cap = known_R, static_cap
         else:
@@ -523,7 +514,7 @@ class CudaBackend:
             probs, src_rank, src_token = probs_all.resize_(R), src_all[0, :R], src_all[1, :R]
         else:
             if not static:
-                probs_all, src_all = self._probs(cap, x.device), self._sources(cap, x.device)
+                probs_all, src_all = self._row_outputs(cap, x.device)
             probs, src_rank, src_token = probs_all, src_all[0], src_all[1]
         if not (static or fill_first or ce_side or self.stage_first or self.separate_launches):
             # The usual eager dispatch: fill and transfer in one library call (its copy-engine
@@ -553,17 +544,16 @@ class CudaBackend:
             self._raise_if_error(self.host_report[4:])
         return tokens, probs, self._handle(T, R, cap, src_rank, src_token, tpe, scratch, drop)
 
-    def _dispatch_static(self, x, T, idx, w, scratch, tpe, src, stream, cap, drop,
+    def _dispatch_static(self, x, T, idx, w, scratch, tpe, stream, cap, drop,
                          fixed=bindings.NO_ROWS_PER_EXPERT, known_R=None):
         """A static-shape dispatch (``max_recv_tokens``): every output is allocated first, then
         layout, fill, copy-engine staging and transfer are queued by ONE library call
         (``mok_dispatch_launch``): nothing but that call's own host time between the launches
         (NOTES #51). Reads nothing on the host; graph-capturable. With ``rows_per_expert``
         (``fixed`` >= 0) R = E_local * N is known here (``known_R``). ``cap``: the rows
-        (``max_recv_tokens``, or the call's receive budget, ``drop``: rows past it dropped);
-        ``src``: the rows' sources, ``[2, cap]`` (allocated with the layout's arrays)."""
+        (``max_recv_tokens``, or the call's receive budget, ``drop``: rows past it dropped)."""
         tokens = self._rows_like(x, cap)
-        probs = self._probs(cap, x.device)
+        probs, src = self._row_outputs(cap, x.device)
         steps = bindings.STEP_LAYOUT | bindings.STEP_FILL | bindings.STEP_TRANSFER
         if self.ce_stage:
             steps |= bindings.STEP_STAGE_COPY
@@ -571,7 +561,7 @@ class CudaBackend:
                      fixed, drop)
         return tokens, probs, self._handle(T, known_R, cap, src[0], src[1], tpe, scratch, drop)
 
-    def _dispatch_fixed(self, x, T, idx, w, scratch, tpe, src, stream, n, R):
+    def _dispatch_fixed(self, x, T, idx, w, scratch, tpe, stream, n, R):
         """``rows_per_expert`` on an eager Buffer: R = E_local * N is known before the layout, so
         the rows are allocated and every step is queued first (the issue's "allocate, launch,
         then read"); the host then reads the layout's report for errors only, while the fill and
@@ -582,7 +572,7 @@ class CudaBackend:
         the next eager dispatch's read, as in static-shape mode."""
         read = not torch.cuda.is_current_stream_capturing()
         tokens = self._rows_like(x, R)
-        probs = self._probs(R, x.device)
+        probs, src = self._row_outputs(R, x.device)
         self._layout(stream, scratch, idx, w, T, tpe, R, -1, read, n, x)
         if read:
             self._layout_read.record(torch.cuda.current_stream(self.device))
@@ -623,7 +613,7 @@ class CudaBackend:
             ptr(tpe), src_rank, src_token, ptr(probs), 1, ptr(x), self._ptr2(x), ptr(out), cap, blocks,
             producers, mode, fixed, self._row_bytes(x), self._two(x), int(drop)))
 
-    def _dispatch_speculative(self, x, T, idx, w, scratch, tpe, src_all, stream):
+    def _dispatch_speculative(self, x, T, idx, w, scratch, tpe, stream):
         """Eager dispatch in the issue's order: allocate, launch, then read R.
 
         The token rows are allocated for a capacity guessed from this rank's recent R (published
@@ -636,7 +626,7 @@ class CudaBackend:
         """
         cap = self._spec_capacity()
         tokens = self._rows_like(x, cap)
-        probs_all = self._probs(self.rows_bound, x.device)
+        probs_all, src_all = self._row_outputs(self.rows_bound, x.device)
         self._layout(stream, scratch, idx, w, T, tpe, 1 << 62, cap, True, bindings.NO_ROWS_PER_EXPERT, x)
         main = torch.cuda.current_stream(self.device)
         self._layout_read.record(main)
@@ -709,36 +699,10 @@ class CudaBackend:
         return x.tensors() if isinstance(x, PairRows) else (x,)
 
     @staticmethod
-    def _probs(rows: int, device):
-        """probs ``[rows]`` float32: an output of its own (autograd forbids in-place updates
-        of a custom Function's outputs that are views, and the eager paths ``resize_`` it)."""
-        return torch.empty(rows, dtype=torch.float32, device=device)
-
-    @staticmethod
-    def _sources(rows: int, device):
-        """(src_rank, src_token) ``[2, rows]`` int64: each row's source, after an eager host read."""
-        return torch.empty(2, rows, dtype=torch.int64, device=device)
-
-    def _handle_arrays(self, device, rows: Optional[int]):
-        """``(scratch, tpe, src)``: a dispatch's arrays carved out of ONE int64 allocation
-        (NOTES item 71: each allocation costs a small call ~3-5 us of host time), each
-        256-byte aligned: the layout's ``scratch`` at its start (the library carves it from the
-        pointer, ``HandleArrays::make``; the tensor handed out as ``scratch`` is the whole
-        block, which the handle keeps alive), ``tpe [E_local + 2]`` (the counts, R (the rows
-        written), then the rows received: a receive budget's flag), and, for ``rows`` not
-        None, the rows' sources ``src [2, rows]`` (else None). Everything in it is written by
-        the kernels before it is read: nothing to zero."""
-        E2 = self.buf.num_local_experts + 2
-        if self.separate_allocations:
-            return (torch.empty(self.scratch_bytes, dtype=torch.uint8, device=device),
-                    torch.empty(E2, dtype=torch.int64, device=device),
-                    None if rows is None else self._sources(rows, device))
-        tpe_at = -(-self.scratch_bytes // 256) * 32          # int64 elements, 256-byte aligned
-        src_at = tpe_at + -(-E2 // 32) * 32
-        block = torch.empty(src_at + (0 if rows is None else 2 * rows), dtype=torch.int64, device=device)
-        # One view op each (a slice then a reshape would be two: ~1-2 us of host time each).
-        src = None if rows is None else block.as_strided((2, rows), (rows, 1), src_at)
-        return block, block.as_strided((E2,), (1,), tpe_at), src
+    def _row_outputs(rows: int, device):
+        """probs [rows] float32 and (src_rank, src_token) [2, rows] int64."""
+        return (torch.empty(rows, dtype=torch.float32, device=device),
+                torch.empty(2, rows, dtype=torch.int64, device=device))
 
     def _fill(self, stream, scratch, probs, src, cap: int, pad: bool) -> None:
         self._check(self.lib.mok_dispatch_fill(
