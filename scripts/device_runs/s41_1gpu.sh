@@ -2,7 +2,7 @@
 # Session 41's one-GPU calls (benchmarks/NOTES.md, item 71).
 #
 #   bash scripts/device_runs/s41_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of flags host sample regress megatron
+#     PARTS: any of flags host layers sample regress megatron
 #
 # flags     the dispatch queued by one library call and by separate launches, bitwise (loopback
 #           W = 1: eager, static, rows_per_expert, a dropping receive budget).
@@ -10,6 +10,9 @@
 #           "ab": profile_host_calls.py --ab --toggle separate_allocations; both removed with
 #           the change, which gained nothing.)
 # host      profile_host_calls.py's absolute host / latency / graph columns (no profiler).
+# layers    item 72: profile_host_layers.py (a static call's host time per layer: Buffer, autograd
+#           Function, backend, library call with and without PDL, input checks), twice (two
+#           processes).
 # sample    the CUDA sample of the regression selections (the mutation audit's).
 # regress   the one-GPU regression selections (common.sh).
 # megatron  the Megatron T_max twins (common.sh; megatron-core 0.19.2 from the carried .whl).
@@ -26,6 +29,12 @@ host)
   timeout 150 python3 scripts/profile_host_calls.py --out $R/host --tokens 128,512 --calls 500 \
     --commit $C > $R/host.log 2>&1
   echo "[host] rc=$?"; grep -E "^T=|probes" $R/host.log | cut -c1-600 ;;
+layers)
+  for i in 1 2; do
+    timeout 150 python3 scripts/profile_host_layers.py --out $R/layers$i --tokens 128,512 --commit $C \
+      > $R/layers$i.log 2>&1
+    echo "[layers $i] rc=$?"; grep -vE "^wrote" $R/layers$i.log | tail -50
+  done ;;
 sample)
   cuda_sample 150 ;;
 regress)

@@ -1,0 +1,157 @@
+"""Where a small call's host time goes, layer by layer, on ONE GPU (world size 1), without a
+profiler (benchmarks/NOTES.md item 72).
+
+    python scripts/profile_host_layers.py --out DIR [--tokens 128,512] [--blocks 40] [--calls 2000]
+
+For a static-shape Buffer (``max_recv_tokens`` = the rows + 8: no host read, so every layer is
+pure host work) it times, in one process and in alternating blocks (``profile_host_calls.py``'s
+``alternating_blocks``: this host's speed drifts), each layer of a dispatch and of a combine
+called on its own, outermost first:
+
+- ``buffer``: ``Buffer.dispatch`` / ``Buffer.combine`` (everything a user's call costs);
+- ``function``: ``DispatchFunction.apply`` / ``CombineFunction.apply`` on the backend (without
+  the Buffer's checks and result object); ``x`` and ``topk_weights`` require gradients, as in
+  training, so each call records its autograd node;
+- ``backend``: ``CudaBackend.dispatch`` / ``combine`` (without autograd);
+- ``library``: the library call alone (``mok_dispatch_launch`` with every step / ``mok_combine``)
+  with its arguments built once: ctypes' conversion plus the launches the library issues;
+- ``library_nopdl``: the same on a Buffer made with ``MOK_PDL=0`` (plain launches);
+- ``checks``: ``validation.check_dispatch_inputs`` / ``check_combine_inputs`` alone.
+
+Each figure is the median host time to return (a stream sync after each call, outside the
+timed part); the difference between two layers is what the outer one adds. The library-only
+calls reuse one set of outputs (each call is a whole dispatch: layout, fill, transfer).
+Writes ``host_layers.json`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def layer_calls(mok, torch, common, phc, dev, T):
+    """name -> call of every layer at T tokens, and the Buffers to destroy afterwards."""
+    from megatron_mok import validation
+    from megatron_mok.autograd.functions import CombineFunction, DispatchFunction
+    from megatron_mok.cuda import bindings
+    from megatron_mok.cuda.backend import DTYPE_CODES
+
+    x, idx, w, kw = phc.call_inputs(common, dev, T)
+    # As in training: the tokens and the router weights require gradients (autograd records
+    # each call's node; the graphs are dropped unused).
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    probe = mok.Buffer(None, **kw)
+    rows = probe.dispatch(x, idx, w).tokens.shape[0]
+    probe.destroy()
+    bufs = {}
+    for name, env in (("pdl", {}), ("nopdl", {"MOK_PDL": "0"})):
+        with common.with_env(env):
+            bufs[name] = mok.Buffer(None, max_recv_tokens=rows + 8, **kw)
+    buf = bufs["pdl"]
+    impl = buf._get_backend("cuda")
+    res = buf.dispatch(x, idx, w)
+    handle, tokens = res.handle, res.tokens
+    calls = {
+        "dispatch_buffer": lambda: buf.dispatch(x, idx, w),
+        "dispatch_function": lambda: DispatchFunction.apply(impl, [], x, w, idx, None, None),
+        "dispatch_backend": lambda: impl.dispatch(x, idx, w),
+        "dispatch_checks": lambda: validation.check_dispatch_inputs(buf, x, idx, w, check_values=False),
+        "combine_buffer": lambda: buf.combine(tokens, handle),
+        "combine_function": lambda: CombineFunction.apply(impl, handle, tokens),
+        "combine_backend": lambda: impl.combine(tokens, handle),
+        "combine_checks": lambda: validation.check_combine_inputs(buf, tokens, handle),
+    }
+    for name, b in bufs.items():
+        be = b._get_backend("cuda")
+        cap = rows + 8
+        scratch = torch.empty(be.scratch_bytes, dtype=torch.uint8, device=dev)
+        tpe = torch.empty(b.num_local_experts + 2, dtype=torch.int64, device=dev)
+        probs = torch.empty(cap, dtype=torch.float32, device=dev)
+        src = torch.empty(2, cap, dtype=torch.int64, device=dev)
+        out = torch.empty(cap, x.shape[1], dtype=x.dtype, device=dev)
+        blocks, producers, _ = be._roles(T)
+        steps = bindings.STEP_LAYOUT | bindings.STEP_FILL | bindings.STEP_TRANSFER
+        if be.ce_stage:
+            steps |= bindings.STEP_STAGE_COPY
+        d_args = (be.ctx, be._stream(), steps, scratch.data_ptr(), idx.data_ptr(), int(idx.dtype == torch.int64),
+                  w.data_ptr(), T, b.num_experts, tpe.data_ptr(), src[0].data_ptr(), src[1].data_ptr(),
+                  probs.data_ptr(), 1, x.data_ptr(), 0, out.data_ptr(), cap, blocks, producers, be.ce_mode,
+                  bindings.NO_ROWS_PER_EXPERT, be._row_bytes(x), 0, 0)
+        r = b.dispatch(x, idx, w)
+        y = torch.empty(T, x.shape[1], dtype=x.dtype, device=dev)
+        roles = be._roles(T)
+        c_args = (be.ctx, be._stream(), r.handle.state.scratch.data_ptr(), r.tokens.data_ptr(), 0, T,
+                  y.data_ptr(), 0, r.handle.num_out_rows, DTYPE_CODES[b.dtype],
+                  DTYPE_CODES[b.combine_partial_dtype], roles[0], roles[2], x.shape[1])
+        suffix = "" if name == "pdl" else "_nopdl"
+        keep = (scratch, tpe, probs, src, out, r, y)
+        calls[f"dispatch_library{suffix}"] = (lambda be=be, a=d_args, keep=keep: be._check(be.lib.mok_dispatch_launch(*a)))
+        calls[f"combine_library{suffix}"] = (lambda be=be, a=c_args, keep=keep: be._check(be.lib.mok_combine(*a)))
+    return calls, list(bufs.values()), rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", default="128,512")
+    ap.add_argument("--blocks", type=int, default=40)
+    ap.add_argument("--calls", type=int, default=2000, help="calls per layer, over all blocks")
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--commit", default=None)
+    a = ap.parse_args(argv)
+    sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
+    sys.path.insert(0, os.path.join(_ROOT, "scripts"))
+    sys.path.insert(0, _ROOT)
+    import common  # noqa: E402  (the no-multicast environment before torch loads)
+    import profile_host_calls as phc  # noqa: E402
+    import torch  # noqa: E402
+
+    import megatron_mok as mok  # noqa: E402
+    if not torch.cuda.is_available():
+        sys.exit("profile_host_layers.py needs a CUDA GPU")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sync = torch.cuda.current_stream(dev).synchronize
+    from megatron_mok.cuda import library
+    probes = phc.process_probes(torch, dev, library.get())
+    print("process probes (us): " + ", ".join(f"{k} {v}" for k, v in probes.items()), flush=True)
+    cases = []
+    for T in (int(v) for v in a.tokens.split(",")):
+        calls, bufs, rows = layer_calls(mok, torch, common, phc, dev, T)
+        for fn in calls.values():
+            for _ in range(a.warmup):
+                fn()
+        sync()
+        per_block = max(1, a.calls // a.blocks)
+        timed, blocks = phc.alternating_blocks(calls, a.blocks, per_block, sync)
+        case = {"tokens": T, "rows": rows, "blocks": a.blocks, "per_block": per_block}
+        for n, c in timed.items():
+            case[f"host_{n}_us"] = phc.median_us(c["host"])
+        # What each layer adds, paired by block (the drift taken out).
+        for op in ("dispatch", "combine"):
+            for outer, inner in (("buffer", "function"), ("function", "backend"), ("backend", "library"),
+                                 ("library", "library_nopdl")):
+                case[f"adds_{op}_{outer}_over_{inner}_us"] = phc.paired_change_us(
+                    blocks, f"{op}_{inner}", f"{op}_{outer}")
+        for b in bufs:
+            b.check_errors()
+            b.destroy()
+        cases.append(case)
+        print(f"T={T} rows={rows}")
+        for k, v in case.items():
+            if k.endswith("_us"):
+                print(f"  {k} {v}")
+        sys.stdout.flush()
+    info = common.env_info(sys.argv, a.commit, 1, "none")
+    info.update(blocks=a.blocks, calls=a.calls, note="world size 1 on one GPU, static-shape Buffers: host time per layer")
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "host_layers.json")
+    common.write_json(path, {"schema": "mok-host-layers/1", "env": info, "probes": probes, "cases": cases})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
