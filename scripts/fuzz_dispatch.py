@@ -147,6 +147,7 @@ import torch  # noqa: E402
 
 import megatron_mok as mok  # noqa: E402
 from megatron_mok import fp8, loopback  # noqa: E402
+from megatron_mok.cuda.backend import DEFAULT_CHUNK_TOKENS, ring_chunk_bytes  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # (hidden, weight): multiples of 8 (the CUDA backend's requirement), mostly small so a case
@@ -158,7 +159,6 @@ ROUTINGS = [("distinct", 35), ("duplicates", 20), ("skewed", 12), ("one_expert",
 NUM_SMS_CHOICES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 84]
 CHUNK_BOUNDARIES = [63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257]
 NOMINAL_SMS = 132            # an H200; used for the draw where no GPU is asked about
-DEFAULT_CHUNK_TOKENS = 64    # megatron_mok.cuda.backend.DEFAULT_CHUNK_TOKENS
 # Features every test run should see both on and off (tests/test_fuzz_dispatch.py).
 MAIN_FEATURES = ("world_1", "fp8", "fp8_byte_scales", "static_shape", "expert_alignment",
                  "rows_per_expert", "small_ring", "call_larger_than_ring", "num_sms_set",
@@ -379,9 +379,7 @@ def _draw_ring(rng: random.Random, cfg: dict, C: int):
     chunks = max(1, rng.choice([1, 2, 3, 4, fit, fit - 1]))
     elem = DTYPES[cfg["dtype"]].itemsize
     pelem = 4 if cfg["partial_fp32"] else elem
-    disp = C * cfg["hidden"] * elem
-    comb = C * cfg["hidden"] * pelem + C * cfg["topk"] * 4
-    return chunks, chunks * max(disp, comb)
+    return chunks, chunks * max(ring_chunk_bytes(C, cfg["hidden"], cfg["topk"], elem, pelem))
 
 
 def _derive_capacities(rng: random.Random, cfg: dict, budget_rng: Optional[random.Random] = None) -> None:
