@@ -95,3 +95,15 @@ stop_chains() {  # stop_chains REPEATS: the 4-process stop twins REPEATS times w
   grep -ho "\[peer [0-9]*\] .*" $R/chains_*.log | sort | uniq -c | sort -rn | cut -c1-200 | head -12
   grep -L "^2 passed" $R/chains_*.log | head
 }
+
+run_parts() {  # run_parts "PARTS" FUZZ_S: each part through the calling script's part() function
+    # (timed; an unknown part: part() exits 2), then the fuzzer for FUZZ_S seconds, then $OUT/r.tgz
+  local p t0
+  for p in $1; do
+    t0=$SECONDS
+    part "$p"
+    echo "[$p] $((SECONDS - t0)) s"
+  done
+  fuzz $2 fuzz
+  (cd "$OUT" && tar czf r.tgz r && rm -rf r)
+}

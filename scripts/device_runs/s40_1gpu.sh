@@ -22,9 +22,8 @@
 # Carry: megatron_mok/_lib; .whl (megatron).
 C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
 . "$(dirname "$0")/common.sh"
-for PART in $PARTS; do
-t0=$SECONDS
-case $PART in
+part() {
+case $1 in
 alloc)
   MOK_TEST_SHARED_GPU=1 run_pytest alloc 180 tests/test_workspace_allocation.py tests/test_layout_agreement.py \
     "tests/test_cuda_backend.py::test_cuda_ranks_with_different_staging_settings_are_refused" ;;
@@ -51,9 +50,7 @@ for key in ('tottime', 'cumulative'):
     pstats.Stats('$R/host.prof', stream=sys.stdout).strip_dirs().sort_stats(key).print_stats(45)
 " > $R/hostprof_stats.txt 2>&1
   head -60 $R/hostprof_stats.txt | cut -c1-160 ;;
-*) echo "unknown part $PART"; exit 2 ;;
+*) echo "unknown part $1"; exit 2 ;;
 esac
-echo "[$PART] $((SECONDS - t0)) s"
-done
-fuzz $FUZZ fuzz
-cd $OUT && tar czf r.tgz r && rm -rf r
+}
+run_parts "$PARTS" $FUZZ

@@ -20,9 +20,8 @@
 # Carry: megatron_mok/_lib; .whl (megatron).
 C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
 . "$(dirname "$0")/common.sh"
-for PART in $PARTS; do
-t0=$SECONDS
-case $PART in
+part() {
+case $1 in
 flags)
   run_pytest flags 200 -m "gpu and not multigpu" tests/test_cuda_loopback.py -k "separate_launches" ;;
 host)
@@ -41,9 +40,7 @@ regress)
   regress_selections ;;
 megatron)
   megatron_t_max_twins ;;
-*) echo "unknown part $PART"; exit 2 ;;
+*) echo "unknown part $1"; exit 2 ;;
 esac
-echo "[$PART] $((SECONDS - t0)) s"
-done
-fuzz $FUZZ fuzz
-cd $OUT && tar czf r.tgz r && rm -rf r
+}
+run_parts "$PARTS" $FUZZ
