@@ -29,6 +29,15 @@ _SERIALS = itertools.count(1)
 _ANY_CUDA = torch.device("cuda")  # Buffer(device="cuda"): resolved at first use (_cuda_device)
 
 
+def records_autograd(*args) -> bool:
+    """Whether a call on ``args`` must go through its autograd Function: grad mode is on and a
+    tensor among them requires grad. Otherwise the backend is called directly: the outputs are
+    the same tensors (a Function's outputs carry no gradient then either), without the
+    Function's own host time (~10 us per dispatch, ~6 per combine on one H200's host;
+    benchmarks/NOTES.md item 73), e.g. in evaluation and inference under ``torch.no_grad()``."""
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
 def _check_num_sms(num_sms) -> None:
     """``num_sms``: ``None`` or an int >= 1 (0 once meant the default, silently)."""
     if num_sms is not None and (not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1):
@@ -283,7 +292,10 @@ class Buffer:
                 validation.check_cached_dispatch_inputs(self, x, handle)
             validation.check_handle_backend(handle, backend.name)
             rows = fp8.dispatch_rows(*x, packed=self._fp8_pack) if pair else x
-            tokens = CachedDispatchFunction.apply(backend, handle, rows)
+            if records_autograd(rows):
+                tokens = CachedDispatchFunction.apply(backend, handle, rows)
+            else:
+                tokens = backend.dispatch_cached(rows, handle)
             return DispatchResult(tokens=self._fp8_rows(tokens, x) if pair else tokens, probs=None,
                                   tokens_per_expert=handle.tokens_per_expert,
                                   src_rank=handle.src_rank, src_token=handle.src_token, handle=handle)
@@ -295,11 +307,14 @@ class Buffer:
                                          check_values=backend.name == "reference", fp8=pair)
         validation.check_rows_per_expert(self, rows_per_expert)
         validation.check_recv_budget(self, recv_budget, rows_per_expert)
-        out_handle = []
         rows = fp8.dispatch_rows(*x, packed=self._fp8_pack) if pair else x
-        tokens, probs = DispatchFunction.apply(backend, out_handle, rows, topk_weights, topk_idx,
-                                               rows_per_expert, recv_budget)
-        h = out_handle[0]
+        if records_autograd(rows, topk_weights):
+            out_handle = []
+            tokens, probs = DispatchFunction.apply(backend, out_handle, rows, topk_weights, topk_idx,
+                                                   rows_per_expert, recv_budget)
+            h = out_handle[0]
+        else:
+            tokens, probs, h = backend.dispatch(rows, topk_idx, topk_weights, rows_per_expert, recv_budget)
         return DispatchResult(tokens=self._fp8_rows(tokens, x) if pair else tokens, probs=probs,
                               tokens_per_expert=h.tokens_per_expert,
                               src_rank=h.src_rank, src_token=h.src_token, handle=h)
@@ -322,7 +337,9 @@ class Buffer:
             validation.check_combine_inputs(self, expert_out, handle)
             backend = self._backend_for(expert_out)
             validation.check_handle_backend(handle, backend.name)
-            return CombineFunction.apply(backend, handle, expert_out)
+            if records_autograd(expert_out):
+                return CombineFunction.apply(backend, handle, expert_out)
+            return backend.combine(expert_out, handle)[0]
         except Exception as exc:
             self._abort_after(exc)
             raise

@@ -16,7 +16,11 @@ called on its own, outermost first:
 - ``library``: the library call alone (``mok_dispatch_launch`` with every step / ``mok_combine``)
   with its arguments built once: ctypes' conversion plus the launches the library issues;
 - ``library_nopdl``: the same on a Buffer made with ``MOK_PDL=0`` (plain launches);
-- ``checks``: ``validation.check_dispatch_inputs`` / ``check_combine_inputs`` alone.
+- ``checks``: ``validation.check_dispatch_inputs`` / ``check_combine_inputs`` alone;
+- ``buffer_nograd`` / ``function_nograd``: ``buffer`` and ``function`` under ``torch.no_grad()``
+  (evaluation, inference): a Buffer call that needs no gradient calls the backend without its
+  Function (item 73), so ``buffer_nograd`` minus ``backend`` is the Buffer's own cost there,
+  and ``function_nograd`` minus ``backend`` what the Function cost such calls before.
 
 Each figure is the median host time to return (a stream sync after each call, outside the
 timed part); the difference between two layers is what the outer one adds. The library-only
@@ -55,6 +59,13 @@ def layer_calls(mok, torch, common, phc, dev, T):
     impl = buf._get_backend("cuda")
     res = buf.dispatch(x, idx, w)
     handle, tokens = res.handle, res.tokens
+
+    def nograd(fn):
+        def call():
+            with torch.no_grad():
+                return fn()
+        return call
+
     calls = {
         "dispatch_buffer": lambda: buf.dispatch(x, idx, w),
         "dispatch_function": lambda: DispatchFunction.apply(impl, [], x, w, idx, None, None),
@@ -64,6 +75,10 @@ def layer_calls(mok, torch, common, phc, dev, T):
         "combine_function": lambda: CombineFunction.apply(impl, handle, tokens),
         "combine_backend": lambda: impl.combine(tokens, handle),
         "combine_checks": lambda: validation.check_combine_inputs(buf, tokens, handle),
+        "dispatch_buffer_nograd": nograd(lambda: buf.dispatch(x, idx, w)),
+        "dispatch_function_nograd": nograd(lambda: DispatchFunction.apply(impl, [], x, w, idx, None, None)),
+        "combine_buffer_nograd": nograd(lambda: buf.combine(tokens, handle)),
+        "combine_function_nograd": nograd(lambda: CombineFunction.apply(impl, handle, tokens)),
     }
     for name, b in bufs.items():
         be = b._get_backend("cuda")
@@ -133,7 +148,8 @@ def main(argv=None):
         # What each layer adds, paired by block (the drift taken out).
         for op in ("dispatch", "combine"):
             for outer, inner in (("buffer", "function"), ("function", "backend"), ("backend", "library"),
-                                 ("library", "library_nopdl")):
+                                 ("library", "library_nopdl"), ("buffer_nograd", "backend"),
+                                 ("function_nograd", "backend"), ("buffer", "buffer_nograd")):
                 case[f"adds_{op}_{outer}_over_{inner}_us"] = phc.paired_change_us(
                     blocks, f"{op}_{inner}", f"{op}_{outer}")
         for b in bufs:

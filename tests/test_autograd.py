@@ -165,3 +165,46 @@ def _partial_requires_grad(rank, world_size):
 @pytest.mark.parametrize("world_size", (1, 2))
 def test_partial_requires_grad(world_size):
     assert run_distributed(_partial_requires_grad, world_size) == [True] * world_size
+
+
+def _calls_without_gradients(rank, world_size):
+    """A dispatch, a cached dispatch and a combine that need no gradient (under ``no_grad``, or
+    with no input requiring one) call the backend without their autograd Functions (item 73:
+    the Functions' host time), and give bitwise what the Functions' path gives."""
+    from unittest import mock
+
+    from megatron_mok import buffer as buffer_mod
+
+    spec = contract_cases(world_size)["mixed"]
+    dtype = torch.bfloat16
+    x0, idx, w0 = spec_inputs(spec, world_size, dtype, 11)[rank]
+    buf = _buffer(spec, dtype, "reference")
+
+    def calls(x, w):
+        res = buf.dispatch(x, idx, w)
+        cached = buf.dispatch(x, handle=res.handle).tokens
+        y = buf.combine(res.tokens, res.handle)
+        return [res.tokens, res.probs, res.tokens_per_expert, res.src_rank, res.src_token, cached, y]
+
+    with_functions = calls(x0.clone().requires_grad_(True), w0.clone().requires_grad_(True))
+    assert with_functions[0].grad_fn is not None and with_functions[-1].grad_fn is not None
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an autograd Function was used by a call that needs no gradient")
+
+    with mock.patch.object(buffer_mod.DispatchFunction, "apply", refuse), \
+            mock.patch.object(buffer_mod.CachedDispatchFunction, "apply", refuse), \
+            mock.patch.object(buffer_mod.CombineFunction, "apply", refuse):
+        with torch.no_grad():
+            outs = [calls(x0.clone().requires_grad_(True), w0.clone().requires_grad_(True))]
+        outs.append(calls(x0, w0))   # grad mode on, nothing requires a gradient
+    for got in outs:
+        for i, (a, b) in enumerate(zip(with_functions, got)):
+            assert not b.requires_grad and b.grad_fn is None
+            assert_bitwise(b, a.detach(), f"output {i} without the Functions")
+    return True
+
+
+@pytest.mark.parametrize("world_size", (1, 2))
+def test_calls_without_gradients_skip_the_functions_bitwise(world_size):
+    assert run_distributed(_calls_without_gradients, world_size) == [True] * world_size

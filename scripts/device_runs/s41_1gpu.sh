@@ -10,9 +10,9 @@
 #           "ab": profile_host_calls.py --ab --toggle separate_allocations; both removed with
 #           the change, which gained nothing.)
 # host      profile_host_calls.py's absolute host / latency / graph columns (no profiler).
-# layers    item 72: profile_host_layers.py (a static call's host time per layer: Buffer, autograd
-#           Function, backend, library call with and without PDL, input checks), twice (two
-#           processes).
+# layers    items 72-73: profile_host_layers.py (a static call's host time per layer: Buffer, autograd
+#           Function, backend, library call with and without PDL, input checks; the Buffer and
+#           the Function under torch.no_grad()), twice (two processes).
 # sample    the CUDA sample of the regression selections (the mutation audit's).
 # regress   the one-GPU regression selections (common.sh).
 # megatron  the Megatron T_max twins (common.sh; megatron-core 0.19.2 from the carried .whl).
@@ -32,7 +32,7 @@ layers)
   for i in 1 2; do
     timeout 150 python3 scripts/profile_host_layers.py --out $R/layers$i --tokens 128,512 --commit $C \
       > $R/layers$i.log 2>&1
-    echo "[layers $i] rc=$?"; grep -vE "^wrote" $R/layers$i.log | tail -50
+    echo "[layers $i] rc=$?"; grep -vE "^wrote" $R/layers$i.log | tail -70
   done ;;
 sample)
   cuda_sample 150 ;;
