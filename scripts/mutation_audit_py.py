@@ -222,6 +222,15 @@ MUTANTS: List[Mutant] = [
     M("buf_backend_made_before_the_device_is_known", BUF,
       "if name == \"cuda\" and is_tensor and name not in self._backends:",
       "if False:", [INPUTS]),
+    # Item 73: calls that need no gradient skip their autograd Function.
+    M("buf_functions_always_skipped", BUF, "    return torch.is_grad_enabled() and any(",
+      "    return False and any(", [f"{AUTOGRAD}::test_partial_requires_grad"]),
+    M("buf_functions_never_skipped", BUF, "    return torch.is_grad_enabled() and any(",
+      "    return True or any(", [f"{AUTOGRAD}::test_calls_without_gradients_skip_the_functions_bitwise"]),
+    M("buf_grad_mode_ignored", BUF, "    return torch.is_grad_enabled() and any(",
+      "    return any(", [f"{AUTOGRAD}::test_calls_without_gradients_skip_the_functions_bitwise"]),
+    M("buf_weights_grad_ignored", BUF, "        if records_autograd(rows, topk_weights):",
+      "        if records_autograd(rows):", [f"{AUTOGRAD}::test_partial_requires_grad"]),
     # ------------------------------------------------------------------- CUDA backend (host)
     M("cuda_other_gpu_accepted", CBE, "if t.device != self.device:", "if False:", [INPUTS]),
     M("cuda_misaligned_rows_passed", "megatron_mok/rows.py", "if t.numel() and t.data_ptr() % ROW_ALIGN:",
