@@ -49,19 +49,13 @@ def main(argv=None):
     ap.add_argument("--profile-calls", type=int, default=300)
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
-    sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
     sys.path.insert(0, os.path.join(_ROOT, "scripts"))
-    sys.path.insert(0, _ROOT)
-    import common  # noqa: E402  (the no-multicast environment before torch loads)
-    import torch  # noqa: E402
+    from profile_host_calls import alternating_blocks, call_inputs, median_us, one_gpu_setup  # noqa: E402
+    common, torch, dev = one_gpu_setup("profile_fp8_host.py")
 
     import megatron_mok as mok  # noqa: E402
     from megatron_mok import fp8, validation  # noqa: E402
     from megatron_mok.autograd.functions import DispatchFunction  # noqa: E402
-    from profile_host_calls import alternating_blocks, call_inputs, median_us  # noqa: E402
-    if not torch.cuda.is_available():
-        sys.exit("profile_fp8_host.py needs a CUDA GPU")
-    dev = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.current_stream(dev)
     out = {"env": common.env_info(sys.argv, a.commit, 1, "none"),
            "blocks": a.blocks, "per_block": a.per_block, "cases": []}

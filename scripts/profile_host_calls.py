@@ -50,6 +50,21 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H, E, K = 7168, 256, 8
 
 
+def one_gpu_setup(tool: str):
+    """``(common, torch, device)`` for a one-GPU host-time tool (this one, ``profile_host_layers.py``,
+    ``profile_fp8_host.py``): ``benchmarks/``, ``scripts/`` and the checkout on ``sys.path``,
+    ``benchmarks/common.py`` imported before torch (it sets the no-multicast environment), and
+    an exit naming ``tool`` where no CUDA GPU is."""
+    for p in (os.path.join(_ROOT, "benchmarks"), os.path.join(_ROOT, "scripts"), _ROOT):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import common
+    import torch
+    if not torch.cuda.is_available():
+        sys.exit(f"{tool} needs a CUDA GPU")
+    return common, torch, torch.device("cuda", torch.cuda.current_device())
+
+
 def median_us(samples) -> float:
     """Median of ``samples`` (seconds) in microseconds, 2 decimals."""
     return round(statistics.median(samples) * 1e6, 2)

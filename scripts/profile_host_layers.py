@@ -118,17 +118,11 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
-    sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
     sys.path.insert(0, os.path.join(_ROOT, "scripts"))
-    sys.path.insert(0, _ROOT)
-    import common  # noqa: E402  (the no-multicast environment before torch loads)
-    import profile_host_calls as phc  # noqa: E402
-    import torch  # noqa: E402
+    import profile_host_calls as phc  # noqa: E402  (standard library only at import)
+    common, torch, dev = phc.one_gpu_setup("profile_host_layers.py")
 
     import megatron_mok as mok  # noqa: E402
-    if not torch.cuda.is_available():
-        sys.exit("profile_host_layers.py needs a CUDA GPU")
-    dev = torch.device("cuda", torch.cuda.current_device())
     sync = torch.cuda.current_stream(dev).synchronize
     from megatron_mok.cuda import library
     probes = phc.process_probes(torch, dev, library.get())
