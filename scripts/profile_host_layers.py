@@ -25,6 +25,9 @@ called on its own, outermost first:
 Each figure is the median host time to return (a stream sync after each call, outside the
 timed part); the difference between two layers is what the outer one adds. The library-only
 calls reuse one set of outputs (each call is a whole dispatch: layout, fill, transfer).
+``--profile N``: also N calls each of ``Buffer.dispatch`` and ``Buffer.combine`` (with
+gradients) under cProfile per token count, functions by own time into
+``profile_<T>.txt`` (cProfile inflates Python-heavy parts: read the ranking, not the times).
 Writes ``host_layers.json`` in ``--out``.
 """
 
@@ -109,6 +112,30 @@ def layer_calls(mok, torch, common, phc, dev, T):
     return calls, list(bufs.values()), rows
 
 
+def profile_calls(calls, n, sync, path):
+    """``n`` calls of ``dispatch_buffer`` then of ``combine_buffer`` under cProfile (a stream sync
+    after each, as in the timed blocks), functions by own time, then cumulative, into ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for name in ("dispatch_buffer", "combine_buffer"):
+        fn = calls[name]
+        for _ in range(n):
+            prof.enable()
+            fn()
+            prof.disable()
+            sync()
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        text.write(f"==== by {key}\n")
+        pstats.Stats(prof, stream=text).strip_dirs().sort_stats(key).print_stats(40)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -117,6 +144,8 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=2000, help="calls per layer, over all blocks")
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also N Buffer calls of each op under cProfile per token count")
     a = ap.parse_args(argv)
     sys.path.insert(0, os.path.join(_ROOT, "scripts"))
     import profile_host_calls as phc  # noqa: E402  (standard library only at import)
@@ -146,6 +175,8 @@ def main(argv=None):
                                  ("function_nograd", "backend"), ("buffer", "buffer_nograd")):
                 case[f"adds_{op}_{outer}_over_{inner}_us"] = phc.paired_change_us(
                     blocks, f"{op}_{inner}", f"{op}_{outer}")
+        if a.profile:
+            profile_calls(calls, a.profile, sync, os.path.join(a.out, f"profile_{T}.txt"))
         for b in bufs:
             b.check_errors()
             b.destroy()

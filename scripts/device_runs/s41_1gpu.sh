@@ -2,7 +2,7 @@
 # Session 41's one-GPU calls (benchmarks/NOTES.md, item 71).
 #
 #   bash scripts/device_runs/s41_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of flags host layers fp8host sample regress megatron
+#     PARTS: any of flags host layers layerprof fp8host sample regress megatron
 #
 # flags     the dispatch queued by one library call and by separate launches, bitwise (loopback
 #           W = 1: eager, static, rows_per_expert, a dropping receive budget).
@@ -13,6 +13,7 @@
 # layers    items 72-73: profile_host_layers.py (a static call's host time per layer: Buffer, autograd
 #           Function, backend, library call with and without PDL, input checks; the Buffer and
 #           the Function under torch.no_grad()), twice (two processes).
+# layerprof the Buffer layer's host time by function: profile_host_layers.py --profile at 128 tokens.
 # fp8host   profile_fp8_host.py, a short run (its preamble moved to profile_host_calls.one_gpu_setup).
 # sample    the CUDA sample of the regression selections (the mutation audit's).
 # regress   the one-GPU regression selections (common.sh).
@@ -35,6 +36,11 @@ layers)
       > $R/layers$i.log 2>&1
     echo "[layers $i] rc=$?"; grep -vE "^wrote" $R/layers$i.log | tail -70
   done ;;
+layerprof)
+  timeout 200 python3 scripts/profile_host_layers.py --out $R/layerprof --tokens 128 --blocks 10 --calls 500 \
+    --profile 3000 --commit $C > $R/layerprof.log 2>&1
+  echo "[layerprof] rc=$?"; grep -vE "^wrote" $R/layerprof.log | tail -30
+  sed -n '/by tottime/,/by cumulative/p' $R/layerprof/profile_128.txt | cut -c1-150 | head -55 ;;
 fp8host)
   timeout 150 python3 scripts/profile_fp8_host.py --out $R/fp8host --tokens 128 --blocks 4 --per-block 10 \
     --profile-calls 20 --commit $C > $R/fp8host.log 2>&1
