@@ -17,6 +17,10 @@ called on its own, outermost first:
   with its arguments built once: ctypes' conversion plus the launches the library issues;
 - ``library_nopdl``: the same on a Buffer made with ``MOK_PDL=0`` (plain launches);
 - ``checks``: ``validation.check_dispatch_inputs`` / ``check_combine_inputs`` alone;
+- ``buffer_kept``: ``buffer`` with the call's result kept until the sync after the timed part.
+  Every other figure (and ``profile_host_calls.py``'s host columns) includes freeing the call's
+  own outputs, which the timed call drops before the clock stops; ``buffer`` minus
+  ``buffer_kept`` is that free (item 74);
 - ``buffer_nograd`` / ``function_nograd``: ``buffer`` and ``function`` under ``torch.no_grad()``
   (evaluation, inference): a Buffer call that needs no gradient calls the backend without its
   Function (item 73), so ``buffer_nograd`` minus ``backend`` is the Buffer's own cost there,
@@ -38,6 +42,10 @@ import os
 import sys
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# Results of the ``*_kept`` layers, freed by the sync after each call (outside the timed part).
+KEPT: list = []
 
 
 def layer_calls(mok, torch, common, phc, dev, T):
@@ -71,6 +79,8 @@ def layer_calls(mok, torch, common, phc, dev, T):
 
     calls = {
         "dispatch_buffer": lambda: buf.dispatch(x, idx, w),
+        "dispatch_buffer_kept": lambda: KEPT.append(buf.dispatch(x, idx, w)),
+        "combine_buffer_kept": lambda: KEPT.append(buf.combine(tokens, handle)),
         "dispatch_function": lambda: DispatchFunction.apply(impl, [], x, w, idx, None, None),
         "dispatch_backend": lambda: impl.dispatch(x, idx, w),
         "dispatch_checks": lambda: validation.check_dispatch_inputs(buf, x, idx, w, check_values=False),
@@ -152,7 +162,11 @@ def main(argv=None):
     common, torch, dev = phc.one_gpu_setup("profile_host_layers.py")
 
     import megatron_mok as mok  # noqa: E402
-    sync = torch.cuda.current_stream(dev).synchronize
+    stream = torch.cuda.current_stream(dev)
+
+    def sync():
+        stream.synchronize()
+        KEPT.clear()
     from megatron_mok.cuda import library
     probes = phc.process_probes(torch, dev, library.get())
     print("process probes (us): " + ", ".join(f"{k} {v}" for k, v in probes.items()), flush=True)
@@ -172,7 +186,8 @@ def main(argv=None):
         for op in ("dispatch", "combine"):
             for outer, inner in (("buffer", "function"), ("function", "backend"), ("backend", "library"),
                                  ("library", "library_nopdl"), ("buffer_nograd", "backend"),
-                                 ("function_nograd", "backend"), ("buffer", "buffer_nograd")):
+                                 ("function_nograd", "backend"), ("buffer", "buffer_nograd"),
+                                 ("buffer", "buffer_kept")):
                 case[f"adds_{op}_{outer}_over_{inner}_us"] = phc.paired_change_us(
                     blocks, f"{op}_{inner}", f"{op}_{outer}")
         if a.profile:
