@@ -2,7 +2,7 @@
 # Session 41's one-GPU calls (benchmarks/NOTES.md, item 71).
 #
 #   bash scripts/device_runs/s41_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of flags host layers layerprof fp8host sample regress megatron
+#     PARTS: any of flags host layers layerprof tensorops fp8host sample regress megatron
 #
 # flags     the dispatch queued by one library call and by separate launches, bitwise (loopback
 #           W = 1: eager, static, rows_per_expert, a dropping receive budget).
@@ -14,6 +14,7 @@
 #           Function, backend, library call with and without PDL, input checks; the Buffer and
 #           the Function under torch.no_grad()), twice (two processes).
 # layerprof the Buffer layer's host time by function: profile_host_layers.py --profile at 128 tokens.
+# tensorops item 74: probe_tensor_ops.py (attribute reads and views on a CPU and a CUDA tensor).
 # fp8host   profile_fp8_host.py, a short run (its preamble moved to profile_host_calls.one_gpu_setup).
 # sample    the CUDA sample of the regression selections (the mutation audit's).
 # regress   the one-GPU regression selections (common.sh).
@@ -41,6 +42,9 @@ layerprof)
     --profile 3000 --commit $C > $R/layerprof.log 2>&1
   echo "[layerprof] rc=$?"; grep -vE "^wrote" $R/layerprof.log | tail -30
   sed -n '/by tottime/,/by cumulative/p' $R/layerprof/profile_128.txt | cut -c1-150 | head -55 ;;
+tensorops)
+  timeout 120 python3 scripts/probe_tensor_ops.py --out $R/tensor_ops.json > $R/tensorops.log 2>&1
+  echo "[tensorops] rc=$?"; cat $R/tensorops.log ;;
 fp8host)
   timeout 150 python3 scripts/profile_fp8_host.py --out $R/fp8host --tokens 128 --blocks 4 --per-block 10 \
     --profile-calls 20 --commit $C > $R/fp8host.log 2>&1
