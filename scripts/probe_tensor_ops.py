@@ -37,6 +37,8 @@ def ops(torch, t, idx, other):
     """name -> call on tensor ``t`` (bf16 [128, 7168]), ``idx`` (int64 [128, 8]) and ``other`` (a
     tensor on the same device)."""
     dev = t.device
+    cnt = torch.zeros(258, dtype=torch.int64, device=dev)       # counts, R, rows received
+    src = torch.zeros(2, 1024, dtype=torch.int64, device=dev)   # (src_rank, src_token) rows
     return {
         "device": lambda: t.device,
         "device_compare": lambda: t.device != other.device,
@@ -55,6 +57,15 @@ def ops(torch, t, idx, other):
         "slice": lambda: idx[:5],
         "select": lambda: idx[0],
         "empty": lambda: torch.empty(1024, dtype=torch.float32, device=dev),
+        # Ways to take the views a handle holds (item 74): one op for several views, or none.
+        "narrow": lambda: cnt.narrow(0, 0, 256),
+        "as_strided": lambda: cnt.as_strided((256,), (1,), 0),
+        "split_3": lambda: cnt.split((256, 1, 1)),
+        "unbind_2": lambda: src.unbind(0),
+        "select_2": lambda: (src[0], src[1]),
+        "empty_2": lambda: (torch.empty(1024, dtype=torch.int64, device=dev),
+                            torch.empty(1024, dtype=torch.int64, device=dev)),
+        "detach": lambda: t.detach(),
     }
 
 
