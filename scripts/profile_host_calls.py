@@ -14,7 +14,9 @@ rows + 8), it measures, each the median over ``--calls`` calls after warm-up:
 
 - ``host_<mode>_<op>_us``: the time the Python call takes to return (the host's share: its
   launches are queued, not waited for; an eager dispatch includes its one read of R), with
-  a stream sync after each call, outside the timed part;
+  a stream sync after each call, outside the timed part. It includes freeing the call's own
+  outputs, which the timed call drops before the clock stops (~4 us per dispatch, ~1 per
+  combine on one H200's host: ``profile_host_layers.py``'s ``buffer_kept``, NOTES item 74);
 - ``latency_<mode>_<op>_us``: call start to stream synchronised (what a lone call costs);
 - ``loop_<mode>_pair_us``: wall time per dispatch + combine pair over ``--calls`` pairs back
   to back, one sync at the end (the rate a host-bound loop reaches);
