@@ -167,18 +167,20 @@ def test_partial_requires_grad(world_size):
     assert run_distributed(_partial_requires_grad, world_size) == [True] * world_size
 
 
-def _calls_without_gradients(rank, world_size):
+def _calls_without_gradients(rank, world_size, backend="reference"):
     """A dispatch, a cached dispatch and a combine that need no gradient (under ``no_grad``, or
     with no input requiring one) call the backend without their autograd Functions (item 73:
-    the Functions' host time), and give bitwise what the Functions' path gives."""
+    the Functions' host time), and give bitwise what the Functions' path gives. ``backend``
+    "cuda": on the current GPU (``test_cuda_loopback.py`` runs it)."""
     from unittest import mock
 
     from megatron_mok import buffer as buffer_mod
 
     spec = contract_cases(world_size)["mixed"]
     dtype = torch.bfloat16
-    x0, idx, w0 = spec_inputs(spec, world_size, dtype, 11)[rank]
-    buf = _buffer(spec, dtype, "reference")
+    device = "cuda" if backend == "cuda" else "cpu"
+    x0, idx, w0 = spec_inputs(spec, world_size, dtype, 11, device=device)[rank]
+    buf = _buffer(spec, dtype, backend, **({"device": "cuda"} if backend == "cuda" else {}))
 
     def calls(x, w):
         res = buf.dispatch(x, idx, w)

@@ -667,3 +667,12 @@ def _one_call_and_separate_launches(rank, world_size):
 @gpu
 def test_one_call_dispatch_matches_separate_launches_bitwise():
     assert run_loopback(_one_call_and_separate_launches, 1, timeout=300) == [True]
+
+
+@gpu
+def test_cuda_calls_without_gradients_skip_the_functions_bitwise():
+    """Item 73 on the CUDA backend: calls that need no gradient skip their autograd Functions
+    and give bitwise what the Functions' path gives (``test_autograd.py``'s check, on the GPU)."""
+    from test_autograd import _calls_without_gradients
+
+    assert run_loopback(_calls_without_gradients, 1, "cuda", timeout=300) == [True]

@@ -4,7 +4,8 @@
 #   bash scripts/device_runs/s41_1gpu.sh COMMIT "PARTS" [FUZZ_S]
 #     PARTS: any of flags host layers layerprof tensorops fp8host sample regress megatron
 #
-# flags     the dispatch queued by one library call and by separate launches, bitwise (loopback
+# flags     item 73 on the CUDA backend (no-gradient calls bitwise the Functions' path), and the
+#           dispatch queued by one library call and by separate launches, bitwise (loopback
 #           W = 1: eager, static, rows_per_expert, a dropping receive budget).
 #           (At 06f5ac4, run s41-2, also item 71's separate_allocations flag and its A/B part
 #           "ab": profile_host_calls.py --ab --toggle separate_allocations; both removed with
@@ -26,7 +27,7 @@ C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
 part() {
 case $1 in
 flags)
-  run_pytest flags 200 -m "gpu and not multigpu" tests/test_cuda_loopback.py -k "separate_launches" ;;
+  run_pytest flags 200 -m "gpu and not multigpu" tests/test_cuda_loopback.py -k "separate_launches or without_gradients" ;;
 host)
   timeout 150 python3 scripts/profile_host_calls.py --out $R/host --tokens 128,512 --calls 500 \
     --commit $C > $R/host.log 2>&1
