@@ -33,15 +33,15 @@ def per_call_us(fn, calls: int) -> float:
     return round(statistics.median(samples) * 1e6, 3)
 
 
-def ops(torch, t, idx, other):
-    """name -> call on tensor ``t`` (bf16 [128, 7168]), ``idx`` (int64 [128, 8]) and ``other`` (a
-    tensor on the same device)."""
+def ops(torch, t, idx):
+    """name -> call on tensor ``t`` (bf16 [128, 7168]) and ``idx`` (int64 [128, 8], the same
+    device)."""
     dev = t.device
     cnt = torch.zeros(258, dtype=torch.int64, device=dev)       # counts, R, rows received
     src = torch.zeros(2, 1024, dtype=torch.int64, device=dev)   # (src_rank, src_token) rows
     return {
         "device": lambda: t.device,
-        "device_compare": lambda: t.device != other.device,
+        "device_compare": lambda: t.device != idx.device,
         "device_compare_cached": lambda: dev != dev,
         "is_cuda": lambda: t.is_cuda,
         "dtype": lambda: t.dtype,
@@ -83,7 +83,7 @@ def main(argv=None):
     for d in devices:
         t = torch.empty(128, 7168, dtype=torch.bfloat16, device=d)
         idx = torch.zeros(128, 8, dtype=torch.int64, device=d)
-        for name, fn in ops(torch, t, idx, idx).items():
+        for name, fn in ops(torch, t, idx).items():
             table.setdefault(name, {})[d] = per_call_us(fn, a.calls)
     print(f"{'op':24s}" + "".join(f"{d:>10s}" for d in devices) + "   (us per call)")
     for name, row in table.items():

@@ -14,7 +14,8 @@ called on its own, outermost first:
   training, so each call records its autograd node;
 - ``backend``: ``CudaBackend.dispatch`` / ``combine`` (without autograd);
 - ``library``: the library call alone (``mok_dispatch_launch`` with every step / ``mok_combine``)
-  with its arguments built once: ctypes' conversion plus the launches the library issues;
+  with the arguments the backend passed it in one real call, kept (``library_args``): ctypes'
+  conversion plus the launches the library issues;
 - ``library_nopdl``: the same on a Buffer made with ``MOK_PDL=0`` (plain launches);
 - ``checks``: ``validation.check_dispatch_inputs`` / ``check_combine_inputs`` alone;
 - ``buffer_kept``: ``buffer`` with the call's result kept until the sync after the timed part.
@@ -48,12 +49,35 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEPT: list = []
 
 
+def library_args(backend, name: str, call):
+    """``(args, result)``: ``call()`` run once, and the arguments ``backend`` passed to its
+    library function ``name`` in it (the backend's own assembly, not a copy of it). ``result``
+    holds the tensors those pointers address: keep it while the arguments are used."""
+    real, seen = backend.lib, {}
+
+    class Recording:
+        def __getattr__(self, attr):
+            fn = getattr(real, attr)
+            if attr != name:
+                return fn
+
+            def record(*args):
+                seen["args"] = args
+                return fn(*args)
+            return record
+
+    backend.lib = Recording()
+    try:
+        result = call()
+    finally:
+        backend.lib = real
+    return seen["args"], result
+
+
 def layer_calls(mok, torch, common, phc, dev, T):
     """name -> call of every layer at T tokens, and the Buffers to destroy afterwards."""
     from megatron_mok import validation
     from megatron_mok.autograd.functions import CombineFunction, DispatchFunction
-    from megatron_mok.cuda import bindings
-    from megatron_mok.cuda.backend import DTYPE_CODES
 
     x, idx, w, kw = phc.call_inputs(common, dev, T)
     # As in training: the tokens and the router weights require gradients (autograd records
@@ -95,28 +119,10 @@ def layer_calls(mok, torch, common, phc, dev, T):
     }
     for name, b in bufs.items():
         be = b._get_backend("cuda")
-        cap = rows + 8
-        scratch = torch.empty(be.scratch_bytes, dtype=torch.uint8, device=dev)
-        tpe = torch.empty(b.num_local_experts + 2, dtype=torch.int64, device=dev)
-        probs = torch.empty(cap, dtype=torch.float32, device=dev)
-        src = torch.empty(2, cap, dtype=torch.int64, device=dev)
-        out = torch.empty(cap, x.shape[1], dtype=x.dtype, device=dev)
-        blocks, producers, _ = be._roles(T)
-        steps = bindings.STEP_LAYOUT | bindings.STEP_FILL | bindings.STEP_TRANSFER
-        if be.ce_stage:
-            steps |= bindings.STEP_STAGE_COPY
-        d_args = (be.ctx, be._stream(), steps, scratch.data_ptr(), idx.data_ptr(), int(idx.dtype == torch.int64),
-                  w.data_ptr(), T, b.num_experts, tpe.data_ptr(), src[0].data_ptr(), src[1].data_ptr(),
-                  probs.data_ptr(), 1, x.data_ptr(), 0, out.data_ptr(), cap, blocks, producers, be.ce_mode,
-                  bindings.NO_ROWS_PER_EXPERT, be._row_bytes(x), 0, 0)
-        r = b.dispatch(x, idx, w)
-        y = torch.empty(T, x.shape[1], dtype=x.dtype, device=dev)
-        roles = be._roles(T)
-        c_args = (be.ctx, be._stream(), r.handle.state.scratch.data_ptr(), r.tokens.data_ptr(), 0, T,
-                  y.data_ptr(), 0, r.handle.num_out_rows, DTYPE_CODES[b.dtype],
-                  DTYPE_CODES[b.combine_partial_dtype], roles[0], roles[2], x.shape[1])
+        d_args, r = library_args(be, "mok_dispatch_launch", lambda b=b: b.dispatch(x, idx, w))
+        c_args, y = library_args(be, "mok_combine", lambda b=b, r=r: b.combine(r.tokens, r.handle))
         suffix = "" if name == "pdl" else "_nopdl"
-        keep = (scratch, tpe, probs, src, out, r, y)
+        keep = (r, y)
         calls[f"dispatch_library{suffix}"] = (lambda be=be, a=d_args, keep=keep: be._check(be.lib.mok_dispatch_launch(*a)))
         calls[f"combine_library{suffix}"] = (lambda be=be, a=c_args, keep=keep: be._check(be.lib.mok_combine(*a)))
     return calls, list(bufs.values()), rows

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 41's one-GPU calls (benchmarks/NOTES.md, item 71).
+# Session 41's one-GPU calls (benchmarks/NOTES.md, items 71-74).
 #
 #   bash scripts/device_runs/s41_1gpu.sh COMMIT "PARTS" [FUZZ_S]
 #     PARTS: any of flags host layers layerprof tensorops fp8host sample regress megatron
