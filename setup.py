@@ -6,8 +6,14 @@ built from ``csrc/`` by ``make -C csrc`` with nvcc alone. The library has a plai
 version. The build runs when nvcc is found; the package always installs and imports without
 it (``backend="cuda"`` then raises with build instructions).
 
+Beside it, optionally, the C++ host ops (``csrc/host_ops/``, megatron_mok/cuda/host_ops.py): a
+small torch extension that does a static dispatch's and a combine's host side in one C++ call,
+built against the installed torch when torch and a C++ compiler are there (an install without
+build isolation: ``pip install --no-build-isolation -e .``); without it the same runs in Python.
+
 Environment switches:
     MOK_SKIP_CUDA_BUILD=1   do not build the CUDA library
+    MOK_SKIP_HOST_OPS_BUILD=1  do not build the C++ host ops
     MOK_CUDA_ARCH=90a       target (sm_90a for H100/H200; the kernels need sm_90)
     CUDA_HOME / PATH        where nvcc is looked up
 """
@@ -66,9 +72,24 @@ def build_cuda_library() -> None:
     subprocess.run(cmd, check=True)
 
 
+def build_host_ops() -> None:
+    """Builds the C++ host ops for the torch this install runs with, in the source tree
+    (megatron_mok/_lib/host_ops/torch-<version>/). host_ops.py is loaded from its file: the
+    package itself (which imports torch at once) is not imported here. Where torch or a
+    compiler is missing it says so and the Python path is used."""
+    import importlib.util
+
+    path = ROOT / "megatron_mok" / "cuda" / "host_ops.py"
+    spec = importlib.util.spec_from_file_location("_mok_host_ops_build", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.build(strict=False)
+
+
 class BuildPyWithCuda(build_py):
     def run(self):
         build_cuda_library()
+        build_host_ops()
         super().run()
 
 
@@ -80,7 +101,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_mok", "megatron_mok.*"]),
-    package_data={"megatron_mok": ["_lib/*.so"]},
+    package_data={"megatron_mok": ["_lib/*.so", "_lib/host_ops/*/*.so"]},
     install_requires=["torch>=2.6"],
     extras_require={
         "megatron": ["megatron-core>=0.16"],

@@ -22,6 +22,9 @@ called on its own, outermost first:
   Every other figure (and ``profile_host_calls.py``'s host columns) includes freeing the call's
   own outputs, which the timed call drops before the clock stops; ``buffer`` minus
   ``buffer_kept`` is that free (item 74);
+- ``buffer_py`` / ``backend_py``: ``buffer`` and ``backend`` with the C++ host ops off
+  (``host_ops = None``: the Python path; item 75), so ``buffer_py`` minus ``buffer`` is what
+  the op saves a call (without the op built, the two are the same path);
 - ``buffer_nograd`` / ``function_nograd``: ``buffer`` and ``function`` under ``torch.no_grad()``
   (evaluation, inference): a Buffer call that needs no gradient calls the backend without its
   Function (item 73), so ``buffer_nograd`` minus ``backend`` is the Buffer's own cost there,
@@ -66,11 +69,12 @@ def library_args(backend, name: str, call):
                 return fn(*args)
             return record
 
-    backend.lib = Recording()
+    # The C++ host ops call the library by address, past this recorder: off while recording.
+    backend.lib, ops, backend.host_ops = Recording(), backend.host_ops, None
     try:
         result = call()
     finally:
-        backend.lib = real
+        backend.lib, backend.host_ops = real, ops
     return seen["args"], result
 
 
@@ -95,6 +99,15 @@ def layer_calls(mok, torch, common, phc, dev, T):
     res = buf.dispatch(x, idx, w)
     handle, tokens = res.handle, res.tokens
 
+    def python_path(fn):
+        def call():
+            ops, impl.host_ops = impl.host_ops, None
+            try:
+                return fn()
+            finally:
+                impl.host_ops = ops
+        return call
+
     def nograd(fn):
         def call():
             with torch.no_grad():
@@ -112,6 +125,10 @@ def layer_calls(mok, torch, common, phc, dev, T):
         "combine_function": lambda: CombineFunction.apply(impl, handle, tokens),
         "combine_backend": lambda: impl.combine(tokens, handle),
         "combine_checks": lambda: validation.check_combine_inputs(buf, tokens, handle),
+        "dispatch_buffer_py": python_path(lambda: buf.dispatch(x, idx, w)),
+        "dispatch_backend_py": python_path(lambda: impl.dispatch(x, idx, w)),
+        "combine_buffer_py": python_path(lambda: buf.combine(tokens, handle)),
+        "combine_backend_py": python_path(lambda: impl.combine(tokens, handle)),
         "dispatch_buffer_nograd": nograd(lambda: buf.dispatch(x, idx, w)),
         "dispatch_function_nograd": nograd(lambda: DispatchFunction.apply(impl, [], x, w, idx, None, None)),
         "combine_buffer_nograd": nograd(lambda: buf.combine(tokens, handle)),
@@ -125,7 +142,14 @@ def layer_calls(mok, torch, common, phc, dev, T):
         keep = (r, y)
         calls[f"dispatch_library{suffix}"] = (lambda be=be, a=d_args, keep=keep: be._check(be.lib.mok_dispatch_launch(*a)))
         calls[f"combine_library{suffix}"] = (lambda be=be, a=c_args, keep=keep: be._check(be.lib.mok_combine(*a)))
+    # Whether the C++ host ops are in use (else the *_py layers are the same path as the others).
+    calls["_host_ops"] = host_ops_state(impl)
     return calls, list(bufs.values()), rows
+
+
+def host_ops_state(impl) -> str:
+    from megatron_mok.cuda import host_ops
+    return "on" if impl.host_ops is not None else f"off ({host_ops.why_not()})"
 
 
 def profile_calls(calls, n, sync, path):
@@ -179,13 +203,16 @@ def main(argv=None):
     cases = []
     for T in (int(v) for v in a.tokens.split(",")):
         calls, bufs, rows = layer_calls(mok, torch, common, phc, dev, T)
+        ops_state = calls.pop("_host_ops")
+        print(f"T={T}: C++ host ops {ops_state}", flush=True)
         for fn in calls.values():
             for _ in range(a.warmup):
                 fn()
         sync()
         per_block = max(1, a.calls // a.blocks)
         timed, blocks = phc.alternating_blocks(calls, a.blocks, per_block, sync)
-        case = {"tokens": T, "rows": rows, "blocks": a.blocks, "per_block": per_block}
+        case = {"tokens": T, "rows": rows, "blocks": a.blocks, "per_block": per_block,
+                "host_ops": ops_state}
         for n, c in timed.items():
             case[f"host_{n}_us"] = phc.median_us(c["host"])
         # What each layer adds, paired by block (the drift taken out).
@@ -193,7 +220,8 @@ def main(argv=None):
             for outer, inner in (("buffer", "function"), ("function", "backend"), ("backend", "library"),
                                  ("library", "library_nopdl"), ("buffer_nograd", "backend"),
                                  ("function_nograd", "backend"), ("buffer", "buffer_nograd"),
-                                 ("buffer", "buffer_kept")):
+                                 ("buffer", "buffer_kept"), ("buffer_py", "buffer"),
+                                 ("backend_py", "backend")):
                 case[f"adds_{op}_{outer}_over_{inner}_us"] = phc.paired_change_us(
                     blocks, f"{op}_{inner}", f"{op}_{outer}")
         if a.profile:

@@ -669,6 +669,74 @@ def test_one_call_dispatch_matches_separate_launches_bitwise():
     assert run_loopback(_one_call_and_separate_launches, 1, timeout=300) == [True]
 
 
+def _host_ops_vs_python_path(rank, world_size):
+    """Item 75 on the GPU: static dispatches (``max_recv_tokens``, with ``rows_per_expert``, a
+    receive budget that drops rows) and combines queued by the C++ host ops and by the Python
+    path (``host_ops = None``) on the same Buffer give bitwise the same outputs, handles,
+    combines and gradients (training: ``x`` and ``topk_weights`` require gradients), for 0, 1
+    and an odd number of tokens, unrouted slots and every token to one expert."""
+    from megatron_mok.cuda import host_ops
+
+    case = contract_cases(world_size)["mixed"]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    T_max, K, E, H = case["T_max"], case["K"], case["E"], case["H"]
+    W, E_loc = world_size, case["E"] // world_size
+    rows = W * T_max * K
+    g = torch.Generator(device="cpu").manual_seed(31 + rank)
+    configs = [({"max_recv_tokens": rows + 3}, {}), ({"max_recv_tokens": E_loc * rows}, {"rows_per_expert": rows}),
+               ({"max_recv_tokens": rows + 3}, {"recv_budget": rows // 3})]
+    counts = [0 if rank == 1 else T_max, 1, min(7, T_max)]
+    for extra, call in configs:
+        buf = _buffer(case, torch.bfloat16, "cuda", device="cuda", **extra)
+        impl = buf._get_backend("cuda")
+        op = impl.host_ops
+        assert op is not None, f"the C++ host ops are not loaded: {host_ops.why_not()}"
+        for T in counts:
+            for one_expert in (False, True):
+                x0 = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+                idx = torch.randint(-1, E, (T, K), generator=g)
+                if one_expert:
+                    idx[:, 0], idx[:, 1:] = 0, -1
+                idx = idx.to(dev)
+                w0 = torch.rand(T, K, generator=g).to(dev)
+                outs = []
+                for module in (op, None):
+                    impl.host_ops = module
+                    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+                    r = buf.dispatch(x, idx, w, **call)
+                    y = buf.combine(r.tokens * 2, r.handle)
+                    (y.float().square().sum() + (r.probs * 3).sum()).backward()
+                    with torch.no_grad():
+                        y2 = buf.combine(r.tokens, r.handle)
+                    buf.check_errors()
+                    h = r.handle
+                    got = [r.tokens, r.probs, r.src_rank, r.src_token, r.tokens_per_expert, h.num_rows_device,
+                           y, y2, x.grad, w.grad]
+                    if h.rows_received is not None:
+                        got += [h.rows_received, h.over_budget]
+                    outs.append([None if t is None else t.detach().clone() for t in got])
+                impl.host_ops = op
+                for i, (a, b) in enumerate(zip(*outs)):
+                    assert (a is None) == (b is None), i
+                    if a is None:
+                        continue
+                    assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, b.shape)
+                    assert torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
+                                       b.view(torch.uint8) if b.is_floating_point() else b), \
+                        f"output {i} differs (T={T}, one_expert={one_expert}, {extra}, {call})"
+        buf.destroy()
+    return True
+
+
+@gpu
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_cuda_host_ops_are_the_python_path_bitwise(world_size):
+    """The C++ host ops against the Python path on the real library (the CPU twin with a
+    stand-in library: ``tests/test_host_ops.py``). The op must be built for this torch
+    (``python -m megatron_mok.cuda.host_ops``; ``setup.py`` builds it)."""
+    assert run_loopback(_host_ops_vs_python_path, world_size, timeout=300) == [True] * world_size
+
+
 @gpu
 def test_cuda_calls_without_gradients_skip_the_functions_bitwise():
     """Item 73 on the CUDA backend: calls that need no gradient skip their autograd Functions

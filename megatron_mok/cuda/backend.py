@@ -28,7 +28,7 @@ from ..fp8 import PairRows
 from ..handle import DispatchHandle
 from ..rows import aligned_rows
 from ..validation import buffer_layout, layout_error
-from . import bindings, library
+from . import bindings, host_ops, library
 from .launch_policy import env_int, launch_policy
 from .errors import (ABANDONED_ENTRY_BYTES, ABANDONED_OFFSET, REASON_BYTES, WAIT_KIND_COUNT,
                      MokDeviceError, MokDevicePeerStopped, abandoned_waits, describe, reason_bytes,
@@ -112,6 +112,9 @@ class CudaBackend:
     # (origin, reason) of the stop note that broke this backend (the rank whose own error it
     # was, and its words): later calls raise the same MokDevicePeerStopped (_broken_error).
     broken_by: Optional[tuple] = None
+    # The C++ host ops (host_ops.py, NOTES item 75), or None: the Python path. A class default
+    # so that a backend made without __init__ (CPU tests) takes the Python path.
+    host_ops = None
 
     def __init__(self, buf):
         self.buf = buf
@@ -261,6 +264,12 @@ class CudaBackend:
         # Diagnostics (scripts/profile_host_calls.py --ab): True issues a dispatch's launches one
         # library call each, as before NOTES #51, instead of mok_dispatch_launch's one call.
         self.separate_launches = False
+        # The static dispatch's and the forward combine's host side in one C++ call each, when
+        # the extension is built for this torch and this C ABI (else None: the Python path, which
+        # does the same; MOK_HOST_OPS=0 forces it). The library's functions reach it as addresses.
+        self.host_ops = host_ops.get(self.lib.mok_abi_version())
+        self._launch_addr = ctypes.cast(self.lib.mok_dispatch_launch, ctypes.c_void_p).value
+        self._combine_addr = ctypes.cast(self.lib.mok_combine, ctypes.c_void_p).value
         self._ce_fork = torch.cuda.Event()
         self._ce_done = torch.cuda.Event()
 
@@ -454,11 +463,6 @@ class CudaBackend:
         b = self.buf
         T = x.shape[0]
         stream = self._stream()
-        scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=x.device)
-        # The counts, R (the rows written), then the rows received (a receive budget's flag).
-        tpe = torch.empty(b.num_local_experts + 2, dtype=torch.int64, device=x.device)
-        idx = topk_idx.contiguous()
-        w = topk_weights.contiguous()
         # A receive budget is a static-shape call whose rows past the cap are dropped, not an
         # error (docs/CONTRACT.md, "Receive budget").
         drop = recv_budget is not None
@@ -466,15 +470,20 @@ class CudaBackend:
         static = static_cap is not None
         fixed = bindings.NO_ROWS_PER_EXPERT if rows_per_expert is None else rows_per_expert
         known_R = None if rows_per_expert is None else b.num_local_experts * rows_per_expert
+        ce_side = self.ce_overlap and not self.speculative
+        if static and not ce_side and not self.separate_launches:
+            return self._dispatch_static(x, T, topk_idx, topk_weights, stream, static_cap, drop,
+                                         fixed, known_R)
+        scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=x.device)
+        # The counts, R (the rows written), then the rows received (a receive budget's flag).
+        tpe = torch.empty(b.num_local_experts + 2, dtype=torch.int64, device=x.device)
+        idx = topk_idx.contiguous()
+        w = topk_weights.contiguous()
         if known_R is not None and not static:
             return self._dispatch_fixed(x, T, idx, w, scratch, tpe, stream, fixed, known_R)
         layout_cap = static_cap if static else (1 << 62)
         if self.speculative and not static:
             return self._dispatch_speculative(x, T, idx, w, scratch, tpe, stream)
-        ce_side = self.ce_overlap and not self.speculative
-        if static and not ce_side and not self.separate_launches:
-            return self._dispatch_static(x, T, idx, w, scratch, tpe, stream, static_cap, drop,
-                                         fixed, known_R)
         main = torch.cuda.current_stream(self.device)
         if static:
             # (A static dispatch staged beside the layout, MOK_DISPATCH_CE_OVERLAP=1: the transfer
@@ -544,19 +553,34 @@ class CudaBackend:
             self._raise_if_error(self.host_report[4:])
         return tokens, probs, self._handle(T, R, cap, src_rank, src_token, tpe, scratch, drop)
 
-    def _dispatch_static(self, x, T, idx, w, scratch, tpe, stream, cap, drop,
+    def _dispatch_static(self, x, T, topk_idx, topk_weights, stream, cap, drop,
                          fixed=bindings.NO_ROWS_PER_EXPERT, known_R=None):
         """A static-shape dispatch (``max_recv_tokens``): every output is allocated first, then
         layout, fill, copy-engine staging and transfer are queued by ONE library call
         (``mok_dispatch_launch``): nothing but that call's own host time between the launches
         (NOTES #51). Reads nothing on the host; graph-capturable. With ``rows_per_expert``
         (``fixed`` >= 0) R = E_local * N is known here (``known_R``). ``cap``: the rows
-        (``max_recv_tokens``, or the call's receive budget, ``drop``: rows past it dropped)."""
-        tokens = self._rows_like(x, cap)
-        probs, src = self._row_outputs(cap, x.device)
+        (``max_recv_tokens``, or the call's receive budget, ``drop``: rows past it dropped).
+        With the C++ host ops (NOTES item 75) the allocations, the views and the library call
+        are one C++ call, with the same arguments; an FP8 pair (``PairRows``) takes this path."""
         steps = bindings.STEP_LAYOUT | bindings.STEP_FILL | bindings.STEP_TRANSFER
         if self.ce_stage:
             steps |= bindings.STEP_STAGE_COPY
+        ops = self.host_ops
+        if ops is not None and not isinstance(x, PairRows):
+            blocks, producers, _ = self._roles(T)
+            rc, tokens, probs, src_rank, src_token, counts, rows_dev, received, scratch = ops.dispatch_static(
+                self._launch_addr, self.ctx, stream, steps, self.scratch_bytes, x, topk_idx,
+                topk_weights, self.buf.num_experts, self.buf.num_local_experts, cap, blocks, producers,
+                self.ce_mode, fixed, drop)
+            self._check(rc)
+            return tokens, probs, self._handle_of(T, known_R, cap, src_rank, src_token, counts,
+                                                  rows_dev, received, scratch)
+        scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=x.device)
+        tpe = torch.empty(self.buf.num_local_experts + 2, dtype=torch.int64, device=x.device)
+        idx, w = topk_idx.contiguous(), topk_weights.contiguous()
+        tokens = self._rows_like(x, cap)
+        probs, src = self._row_outputs(cap, x.device)
         self._launch(steps, stream, scratch, x, T, idx, w, tpe, probs, src, tokens, cap, self.ce_mode,
                      fixed, drop)
         return tokens, probs, self._handle(T, known_R, cap, src[0], src[1], tpe, scratch, drop)
@@ -656,11 +680,16 @@ class CudaBackend:
         received, on the device. ``budget``: ``cap`` is the call's receive budget, whose
         over-budget flag is computed on the device (one small kernel, no host read)."""
         E = self.buf.num_local_experts
-        received = tpe[E + 1:E + 2] if budget else None
+        return self._handle_of(T, R, cap, src_rank, src_token, tpe[:E], tpe[E:E + 1],
+                               tpe[E + 1:E + 2] if budget else None, scratch)
+
+    def _handle_of(self, T, R, cap, src_rank, src_token, counts, rows_dev, received, scratch):
+        """:meth:`_handle` from the views of ``tpe``: ``counts`` [E_local], ``rows_dev`` (R) [1],
+        ``received`` [1] (None without a receive budget)."""
         return DispatchHandle(
             buffer_id=self.buf.serial, backend=self.name, num_tokens=T, num_rows=R,
             num_out_rows=cap, src_rank=src_rank, src_token=src_token,
-            tokens_per_expert=tpe[:E], num_rows_device=tpe[E:E + 1],
+            tokens_per_expert=counts, num_rows_device=rows_dev,
             state=CudaLayout(scratch=scratch),
             over_budget=None if received is None else received > cap, rows_received=received)
 
@@ -790,6 +819,15 @@ class CudaBackend:
         expert_out = self._rows(expert_out, "expert_out")  # the library does not check its alignment
         b = self.buf
         T = handle.num_tokens
+        ops = self.host_ops
+        if ops is not None and grad_probs is None:
+            # One C++ call allocates y and calls mok_combine with the arguments below (NOTES item 75).
+            blocks, _, producers = self._roles(T)
+            rc, y = ops.combine(self._combine_addr, self.ctx, self._stream(), self._ptr(handle.state.scratch),
+                                expert_out, T, b.dtype, handle.num_out_rows, DTYPE_CODES[b.dtype],
+                                DTYPE_CODES[b.combine_partial_dtype], blocks, producers)
+            self._check(rc)
+            return y, None
         y = torch.empty(T, expert_out.shape[1], dtype=b.dtype, device=expert_out.device)
         grad_w = None
         if grad_probs is not None:

@@ -1,0 +1,120 @@
+// megatron_mok/_host_ops: the host side of a static-shape dispatch and of a forward combine as
+// one C++ call each (benchmarks/NOTES.md item 75). Optional: built by setup.py against the torch
+// it will run with (megatron_mok/cuda/host_ops.py builds and loads it); without it the CUDA
+// backend does the same in Python.
+//
+// Why C++: a 128-token static dispatch's Python between the Buffer and the library call is ~27
+// us of ~1-2 us operations (five torch.empty, four views, the ctypes conversion of 25
+// arguments; NOTES items 72-74). Here each allocation is an at::empty and each view a C++ call.
+//
+// It links no MoK code: the library's functions come in as addresses taken from the loaded
+// C library (ctypes), typed by mok_api.h's own declarations, so the C ABI stays the one
+// interface and a changed signature breaks this build instead of its calls. Nothing here
+// decides anything: roles, steps, modes and every check stay in the Python backend, which
+// passes them in. A library error comes back as its return code (the backend raises with
+// mok_last_error(), as for its own calls); a failed allocation raises torch's error.
+
+#include <torch/extension.h>
+
+#include <cstdint>
+
+#include "mok_api.h"
+
+namespace {
+
+using DispatchLaunchFn = decltype(&mok_dispatch_launch);
+using CombineFn = decltype(&mok_combine);
+
+// The C ABI version this file was compiled against: host_ops.py refuses a build whose version
+// differs from the loaded library's (the addresses would be called with the wrong arguments).
+constexpr int kAbiVersion = MOK_ABI_VERSION;
+
+// torch.__version__ of the build (host_ops.py passes it): the loader refuses a build made for
+// another torch, whose C++ ABI may differ without failing the import.
+#ifndef MOK_TORCH_VERSION
+#error "build with -DMOK_TORCH_VERSION=\"<torch.__version__>\" (megatron_mok/cuda/host_ops.py)"
+#endif
+
+// The backend's _ptr: an empty tensor's address is passed as null.
+void* ptr_or_null(const at::Tensor& t) { return t.numel() ? t.data_ptr() : nullptr; }
+
+// A static-shape dispatch (CudaBackend._dispatch_static's Python path, which stays the
+// reference): allocates every output for `cap` rows on x's device, queues `steps` through
+// mok_dispatch_launch (one library call) and returns
+//   (rc, tokens [cap, H] x.dtype, probs [cap] f32, src_rank [cap] i64, src_token [cap] i64,
+//    tokens_per_expert [E] i64, num_rows_device [1] i64, rows_received [1] i64 or None
+//    (drop_over_cap only), scratch [scratch_bytes] u8)
+// src_rank / src_token are the rows of one [2, cap] tensor and the three count views slices
+// of one [E + 2] tensor, as in Python. x: [T, H] rows, contiguous and 16-byte aligned (the
+// backend's _rows did both); topk_idx int32 or int64, topk_weights float32, both [T, K].
+py::tuple dispatch_static(uintptr_t fn, uintptr_t ctx, uintptr_t stream, int steps,
+                          int64_t scratch_bytes, const at::Tensor& x, const at::Tensor& topk_idx,
+                          const at::Tensor& topk_weights, int num_experts, int num_local_experts,
+                          int64_t cap, int num_blocks, int num_producers, int transfer_mode,
+                          int64_t rows_per_expert, bool drop_over_cap) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(x.dim() == 2, "x must be [T, H]");
+  const auto dev = x.device();
+  const auto on_dev = at::TensorOptions().device(dev);
+  at::Tensor scratch = at::empty({scratch_bytes}, on_dev.dtype(at::kByte));
+  at::Tensor tpe = at::empty({num_local_experts + 2}, on_dev.dtype(at::kLong));
+  at::Tensor tokens = at::empty({cap, x.size(1)}, on_dev.dtype(x.scalar_type()));
+  at::Tensor probs = at::empty({cap}, on_dev.dtype(at::kFloat));
+  at::Tensor src = at::empty({2, cap}, on_dev.dtype(at::kLong));
+  const at::Tensor idx = topk_idx.contiguous();
+  const at::Tensor w = topk_weights.contiguous();
+  int64_t* src_rank = cap ? src.data_ptr<int64_t>() : nullptr;
+  int64_t* src_token = cap ? src_rank + cap : nullptr;
+  const int row_bytes = static_cast<int>(x.size(1) * x.element_size());
+  int rc;
+  {
+    // ctypes drops the GIL around a foreign call; so does this (loopback ranks are threads).
+    py::gil_scoped_release no_gil;
+    rc = reinterpret_cast<DispatchLaunchFn>(fn)(
+        reinterpret_cast<MokContext*>(ctx), reinterpret_cast<void*>(stream), steps,
+        scratch.data_ptr(), ptr_or_null(idx), idx.scalar_type() == at::kLong ? 1 : 0,
+        static_cast<const float*>(ptr_or_null(w)), static_cast<int>(x.size(0)), num_experts,
+        tpe.data_ptr<int64_t>(), src_rank, src_token, static_cast<float*>(ptr_or_null(probs)),
+        /*pad=*/1, ptr_or_null(x), /*x2=*/nullptr, ptr_or_null(tokens), cap, num_blocks,
+        num_producers, transfer_mode, rows_per_expert, row_bytes, /*two_sources=*/0,
+        drop_over_cap ? 1 : 0);
+  }
+  const int64_t E = num_local_experts;
+  py::object received = drop_over_cap ? py::cast(tpe.narrow(0, E + 1, 1)) : py::none();
+  return py::make_tuple(rc, tokens, probs, src.select(0, 0), src.select(0, 1), tpe.narrow(0, 0, E),
+                        tpe.narrow(0, E, 1), received, scratch);
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+// A forward combine without prob gradients (CudaBackend.combine's Python path, grad_probs
+// None): y [T, hidden] of `y_dtype` on expert_out's device, then mok_combine. Returns (rc, y).
+py::tuple combine(uintptr_t fn, uintptr_t ctx, uintptr_t stream, uintptr_t scratch,
+                  const at::Tensor& expert_out, int64_t num_tokens, at::ScalarType y_dtype,
+                  int64_t row_cap, int dtype_code, int partial_code, int num_blocks,
+                  int num_producers) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(expert_out.dim() == 2, "expert_out must be [R, H]");
+  const int64_t hidden = expert_out.size(1);
+  at::Tensor y = at::empty({num_tokens, hidden}, expert_out.options().dtype(y_dtype));
+  int rc;
+  {
+    py::gil_scoped_release no_gil;
+    rc = reinterpret_cast<CombineFn>(fn)(
+        reinterpret_cast<MokContext*>(ctx), reinterpret_cast<void*>(stream),
+        reinterpret_cast<void*>(scratch), ptr_or_null(expert_out), /*grad_probs=*/nullptr,
+        static_cast<int>(num_tokens), ptr_or_null(y), /*grad_w=*/nullptr, row_cap, dtype_code,
+        partial_code, num_blocks, num_producers, static_cast<int>(hidden));
+  }
+  return py::make_tuple(rc, y);
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "megatron_mok host ops: a static dispatch's and a combine's host side in C++";
+  m.attr("abi_version") = kAbiVersion;
+  m.attr("torch_version") = MOK_TORCH_VERSION;
+  m.def("dispatch_static", &dispatch_static);
+  m.def("combine", &combine);
+}

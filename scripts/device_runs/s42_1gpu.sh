@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Session 42's one-GPU calls (benchmarks/NOTES.md, item 75: the C++ host ops).
+#
+#   bash scripts/device_runs/s42_1gpu.sh COMMIT "PARTS" [FUZZ_S]
+#     PARTS: any of hostops layers sample sample_py regress megatron
+#
+# Every call first builds the C++ host ops for this machine's torch (common.sh host_ops_build),
+# so every part below runs with them on (the default once built) unless it says otherwise.
+# hostops   item 75's GPU tests: the op against the Python path bitwise (loopback W = 1, 2), and
+#           the one-call / separate-launches and no-gradient bitwise tests (their static calls
+#           now go through the op).
+# layers    profile_host_layers.py, twice (two processes): every layer with the op, and the
+#           backend and Buffer layers with the op off (``*_py``), paired in blocks.
+# sample    the CUDA sample of the regression selections (the mutation audit's), op on.
+# sample_py the same with MOK_HOST_OPS=0 (the Python path, whose allocations moved).
+# regress   the one-GPU regression selections (common.sh), op on.
+# megatron  the Megatron T_max twins (common.sh; megatron-core 0.19.2 from the carried .whl).
+# Then the fuzzer for FUZZ_S seconds (default 30; 0: none), op on.
+# Carry: megatron_mok/_lib/libmok_cuda.so (not the whole _lib: that would replace the device's
+# host_ops build); .whl (megatron).
+C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-30}
+. "$(dirname "$0")/common.sh"
+host_ops_build
+part() {
+case $1 in
+hostops)
+  run_pytest hostops 300 -m "gpu and not multigpu" tests/test_cuda_loopback.py \
+    -k "host_ops or separate_launches or without_gradients" ;;
+layers)
+  for i in 1 2; do
+    timeout 200 python3 scripts/profile_host_layers.py --out $R/layers$i --tokens 128,512 --commit $C \
+      > $R/layers$i.log 2>&1
+    echo "[layers $i] rc=$?"; grep -vE "^wrote" $R/layers$i.log | grep -E "host ops|probes|_py|buffer_us|backend_us|library_us|^T=" | head -40
+  done ;;
+sample)
+  cuda_sample 150 ;;
+sample_py)
+  MOK_HOST_OPS=0 cuda_sample 150 ;;
+regress)
+  regress_selections ;;
+megatron)
+  megatron_t_max_twins ;;
+*) echo "unknown part $1"; exit 2 ;;
+esac
+}
+run_parts "$PARTS" $FUZZ

@@ -1,0 +1,307 @@
+"""The C++ host ops (``csrc/host_ops/host_ops.cpp``, ``megatron_mok/cuda/host_ops.py``; NOTES
+item 75) against the Python path they replace, on CPU (no GPU, no CUDA library).
+
+A :class:`CudaBackend` made without ``__init__`` gets a stand-in library whose
+``mok_dispatch_launch`` and ``mok_combine`` are ctypes callbacks: the Python path calls them
+through ctypes, the C++ op through their addresses, exactly as it calls the real library's.
+The stand-in records every argument and writes outputs computed from the inputs through the
+pointers it is given (counts, R, each row's source and prob, the rows themselves), so the two
+paths must agree argument for argument (each pointer the data of the output or input it
+names) and bitwise in what they return: shapes, dtypes, strides, which views share a tensor,
+and the bytes. The real library on a GPU: ``tests/test_cuda_loopback.py``
+(``test_cuda_host_ops_are_the_python_path_bitwise``).
+"""
+
+import ctypes
+import os
+import warnings
+
+import pytest
+import torch
+
+from harness import small_buffer
+from megatron_mok.cuda import backend as cuda_backend
+from megatron_mok.cuda import bindings, host_ops
+
+E, H, K, T_MAX = 4, 16, 2, 8
+SCRATCH_BYTES = 96
+
+P, I32, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+# mok_api.h's signatures (a different one would fail the argument comparison below).
+LAUNCH_T = ctypes.CFUNCTYPE(I32, P, P, I32, P, P, I32, P, I32, I32, P, P, P, P, I32, P, P, P, I64,
+                            I32, I32, I32, I64, I32, I32, I32)
+COMBINE_T = ctypes.CFUNCTYPE(I32, P, P, P, P, P, I32, P, P, I64, I32, I32, I32, I32, I32)
+# Argument positions that are pointers (compared by what they point to, not by value).
+LAUNCH_PTRS = {3: "scratch", 4: "idx", 6: "w", 9: "tpe", 10: "src_rank", 11: "src_token",
+               12: "probs", 14: "x", 15: "x2", 16: "out"}
+COMBINE_PTRS = {2: "scratch", 3: "expert_out", 4: "grad_probs", 6: "y", 7: "grad_w"}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """The extension for this torch, built here if missing (a compile error fails the test:
+    CI must not land a broken source); skipped only where no C++ compiler exists."""
+    if not host_ops.module_path().exists():
+        if host_ops.build(verbose=False) is None:
+            pytest.skip("the C++ host ops cannot be built here (no C++ compiler or torch headers)")
+    module = host_ops._import(host_ops.module_path())
+    assert module.abi_version == bindings.ABI_VERSION, "rebuild: python -m megatron_mok.cuda.host_ops"
+    return module
+
+
+def _read(ptr, n, ctype):
+    return list((ctype * n).from_address(ptr)) if ptr and n else []
+
+
+class StandInLibrary:
+    """``mok_dispatch_launch`` / ``mok_combine`` as ctypes callbacks that record their arguments
+    and write outputs that depend on every input they read, so a wrong pointer, size or view
+    shows in the results."""
+
+    def __init__(self, num_local_experts, rc=0):
+        self.E, self.rc, self.calls = num_local_experts, rc, []
+        self.mok_dispatch_launch = LAUNCH_T(self._launch)
+        self.mok_combine = COMBINE_T(self._combine)
+
+    def mok_last_error(self):
+        return b"stand-in library error"
+
+    def _launch(self, ctx, stream, steps, scratch, idx, idx64, w, T, num_experts, tpe, src_rank,
+                src_token, probs, pad, x, x2, out, cap, blocks, producers, mode, fixed, row_bytes,
+                two, drop):
+        self.calls.append(("launch", [ctx, stream, steps, scratch, idx, idx64, w, T, num_experts, tpe,
+                                      src_rank, src_token, probs, pad, x, x2, out, cap, blocks, producers,
+                                      mode, fixed, row_bytes, two, drop]))
+        ids = _read(idx, T * K, ctypes.c_int64 if idx64 else ctypes.c_int32)
+        weights = _read(w, T * K, ctypes.c_float)
+        # (an FP8 pair's rows lie in two tensors: not read here)
+        rows = bytes((ctypes.c_uint8 * (T * row_bytes)).from_address(x)) if x and T and not two else bytes(T * row_bytes)
+        counts = [sum(1 for e in ids if e == j) for j in range(self.E)]
+        R = sum(counts)
+        totals = (ctypes.c_int64 * (self.E + 2)).from_address(tpe)
+        totals[:] = counts + [R, R + steps + 1000 * drop]
+        ctypes.memset(scratch, (steps * 7 + mode) % 251, SCRATCH_BYTES)   # all of it: compared
+        for r in range(cap):
+            (ctypes.c_int64).from_address(src_rank + 8 * r).value = r % 3 - 1
+            (ctypes.c_int64).from_address(src_token + 8 * r).value = ids[r % len(ids)] if ids else -1
+            (ctypes.c_float).from_address(probs + 4 * r).value = weights[r % len(weights)] if weights else 0.0
+            row = rows[(r % T) * row_bytes:(r % T + 1) * row_bytes] if T else bytes([r % 256]) * row_bytes
+            ctypes.memmove(out + r * row_bytes, row, row_bytes)
+        return self.rc
+
+    def _combine(self, ctx, stream, scratch, expert_out, grad_probs, T, y, grad_w, cap, dtype_code,
+                 partial_code, blocks, producers, hidden):
+        self.calls.append(("combine", [ctx, stream, scratch, expert_out, grad_probs, T, y, grad_w, cap,
+                                       dtype_code, partial_code, blocks, producers, hidden]))
+        elem = {0: 2, 1: 2, 2: 4}[dtype_code]
+        mark = (ctypes.c_uint8 * 16).from_address(scratch)[0] if scratch else 0
+        src = bytes((ctypes.c_uint8 * (cap * hidden * elem)).from_address(expert_out)) if expert_out and cap else b""
+        for t in range(T):
+            row = src[(t % cap) * hidden * elem:(t % cap + 1) * hidden * elem] if cap else bytes(hidden * elem)
+            ctypes.memmove(y + t * hidden * elem, bytes((b + mark) % 256 for b in row), hidden * elem)
+        return self.rc
+
+
+def bare_backend(buf, lib, ops_module, ce_stage=False, small=False):
+    """A CudaBackend without ``__init__``: what a static dispatch and a combine read."""
+    b = object.__new__(cuda_backend.CudaBackend)
+    b.buf, b.lib, b.device = buf, lib, torch.device("cpu")
+    b.broken, b.misaligned_copies, b.scratch_bytes, b.ctx = None, 0, SCRATCH_BYTES, 0x5eed
+    b.speculative = b.ce_overlap = b.separate_launches = b.stage_first = b.fill_first = False
+    b.ce_stage = ce_stage
+    b.ce_mode = bindings.TRANSFER_CE_STAGED if ce_stage else bindings.TRANSFER_BOTH
+    b.num_blocks, b.dispatch_producers, b.combine_producers = 24, 4, 11
+    b.small_call_tokens, b.small_roles = (64, (6, 1, 2)) if small else (-1, None)
+    b._stream = lambda: 0xabc0
+    b.host_ops = ops_module
+    b._launch_addr = ctypes.cast(lib.mok_dispatch_launch, ctypes.c_void_p).value
+    b._combine_addr = ctypes.cast(lib.mok_combine, ctypes.c_void_p).value
+    return b
+
+
+def _pointer_targets(args, names, tensors):
+    """Each pointer argument as the name of the tensor whose data it is (``None``: null; "other":
+    none of ``tensors``, e.g. a contiguous copy), so two calls with different allocations compare."""
+    by_ptr = {t.data_ptr(): n for n, t in tensors.items() if t is not None and t.numel()}
+    return {names[i]: (None if not args[i] else by_ptr.get(args[i], "other")) for i in names}
+
+
+def _dispatch_both(ops, *, T, idx_dtype=torch.int64, x_dtype=torch.bfloat16, max_recv=40, budget=None,
+                   rows_per_expert=None, ce_stage=False, small=False, contiguous=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    buf = small_buffer(max_recv_tokens=max_recv)
+    width = H if x_dtype != torch.uint8 else 48     # packed FP8 rows: a plain uint8 tensor
+    x = (torch.randn(T, width, generator=g) * 4).to(x_dtype)
+    idx = torch.randint(-1, E, (T, K), generator=g).to(idx_dtype)
+    w = torch.rand(T, K, generator=g)
+    if not contiguous:    # the same values, column-major: both paths pass a contiguous copy
+        idx, w = idx.t().contiguous().t(), w.t().contiguous().t()
+    out = {}
+    for name, module in (("python", None), ("op", ops)):
+        lib = StandInLibrary(E)
+        be = bare_backend(buf, lib, module, ce_stage=ce_stage, small=small)
+        tokens, probs, h = be.dispatch(x, idx, w, rows_per_expert=rows_per_expert, recv_budget=budget)
+        (kind, args), = lib.calls
+        assert kind == "launch"
+        tensors = {"scratch": h.state.scratch, "tpe": h.tokens_per_expert, "src_rank": h.src_rank,
+                   "src_token": h.src_token, "probs": probs, "x": x, "out": tokens}
+        if idx.is_contiguous():
+            tensors.update(idx=idx, w=w)
+        out[name] = dict(tokens=tokens, probs=probs, h=h, args=args,
+                         targets=_pointer_targets(args, LAUNCH_PTRS, tensors))
+    return out
+
+
+def _same_tensor(a, b, what):
+    assert a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride(), \
+        f"{what}: {tuple(a.shape)} {a.dtype} {a.stride()} vs {tuple(b.shape)} {b.dtype} {b.stride()}"
+    assert a.storage_offset() == b.storage_offset(), what
+    assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
+                       b.view(torch.uint8) if b.dtype == torch.bfloat16 else b), what
+
+
+CASES = [
+    dict(T=0), dict(T=1), dict(T=7), dict(T=8, idx_dtype=torch.int32), dict(T=5, contiguous=False),
+    dict(T=6, budget=3), dict(T=6, budget=0), dict(T=4, rows_per_expert=5, max_recv=20),
+    dict(T=3, ce_stage=True), dict(T=2, small=True), dict(T=5, x_dtype=torch.float32),
+    dict(T=5, x_dtype=torch.uint8), dict(T=8, max_recv=0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()))
+def test_static_dispatch_op_is_the_python_path(ops, case):
+    both = _dispatch_both(ops, **case)
+    py, op = both["python"], both["op"]
+    # Every argument: values equal; pointers to the same named tensor (or both null).
+    for i, (a, b) in enumerate(zip(py["args"], op["args"])):
+        if i not in LAUNCH_PTRS:
+            assert a == b, f"argument {i}: {a} (python) vs {b} (op)"
+    assert py["targets"] == op["targets"]
+    # Only a non-contiguous idx / w is copied (then its values reach the outputs: compared below).
+    copied = {"idx", "w"} if not case.get("contiguous", True) and case["T"] else set()
+    assert {n for n, v in op["targets"].items() if v == "other"} == copied, op["targets"]
+    if case["T"] and not copied:
+        assert op["targets"]["x"] == "x" and op["targets"]["idx"] == "idx" and op["targets"]["w"] == "w"
+    # The outputs, bitwise, with the same views.
+    _same_tensor(py["tokens"], op["tokens"], "tokens")
+    _same_tensor(py["probs"], op["probs"], "probs")
+    hp, ho = py["h"], op["h"]
+    for field in ("src_rank", "src_token", "tokens_per_expert", "num_rows_device"):
+        _same_tensor(getattr(hp, field), getattr(ho, field), field)
+    assert (hp.rows_received is None) == (ho.rows_received is None) == (case.get("budget") is None)
+    if hp.rows_received is not None:
+        _same_tensor(hp.rows_received, ho.rows_received, "rows_received")
+        _same_tensor(hp.over_budget, ho.over_budget, "over_budget")
+    _same_tensor(hp.state.scratch, ho.state.scratch, "scratch")
+    for field in ("num_tokens", "num_rows", "num_out_rows", "backend", "buffer_id"):
+        assert getattr(hp, field) == getattr(ho, field), field
+    # The views share one tensor each, as the Python path's do (the handle keeps them alive).
+    for h in (hp, ho):
+        cap = h.num_out_rows
+        if cap:
+            assert h.src_token.data_ptr() - h.src_rank.data_ptr() == 8 * cap
+        assert h.num_rows_device.data_ptr() - h.tokens_per_expert.data_ptr() == 8 * E
+
+
+def test_combine_op_is_the_python_path(ops):
+    for T, small in ((0, False), (1, False), (7, True), (8, False)):
+        buf = small_buffer(max_recv_tokens=24)
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        idx, w = torch.randint(-1, E, (T, K), generator=g), torch.rand(T, K, generator=g)
+        res = {}
+        for name, module in (("python", None), ("op", ops)):
+            lib = StandInLibrary(E)
+            be = bare_backend(buf, lib, module, small=small)
+            tokens, _, h = be.dispatch(x, idx, w)
+            expert_out = (tokens.float() * 3 - 1).to(torch.bfloat16)
+            y, grad_w = be.combine(expert_out, h)
+            (_, _), (kind, args) = lib.calls
+            assert kind == "combine" and grad_w is None
+            targets = _pointer_targets(args, COMBINE_PTRS, {"scratch": h.state.scratch,
+                                                            "expert_out": expert_out, "y": y})
+            res[name] = (y, args, targets)
+        (yp, ap, tp), (yo, ao, to) = res["python"], res["op"]
+        for i, (a, b) in enumerate(zip(ap, ao)):
+            if i not in COMBINE_PTRS:
+                assert a == b, f"T={T} argument {i}: {a} (python) vs {b} (op)"
+        assert tp == to and to["y"] == ("y" if T else None), (tp, to)
+        _same_tensor(yp, yo, f"y T={T}")
+
+
+def test_library_errors_raise_on_both_paths(ops):
+    """A non-zero return of the library raises the backend's error, with or without the op."""
+    buf = small_buffer(max_recv_tokens=16)
+    x, idx, w = torch.randn(3, H).to(torch.bfloat16), torch.randint(0, E, (3, K)), torch.rand(3, K)
+    for module in (None, ops):
+        ok = bare_backend(buf, StandInLibrary(E), module)
+        _, _, h = ok.dispatch(x, idx, w)
+        be = bare_backend(buf, StandInLibrary(E, rc=1), module)
+        with pytest.raises(RuntimeError, match="stand-in library error"):
+            be.dispatch(x, idx, w)
+        with pytest.raises(RuntimeError, match="stand-in library error"):
+            be.combine(torch.zeros(16, H, dtype=torch.bfloat16), h)
+
+
+def test_prob_gradient_combines_and_fp8_pairs_keep_the_python_path(ops):
+    """The backward's combine (with prob gradients) and an FP8 pair read in place are not the
+    op's calls: the op must not see them."""
+    from megatron_mok.fp8 import PairRows
+
+    class Refusing:
+        abi_version = ops.abi_version
+
+        def __getattr__(self, name):
+            raise AssertionError(f"host op {name} called")
+
+    buf = small_buffer(max_recv_tokens=16)
+    lib = StandInLibrary(E)
+    x, idx, w = torch.randn(3, H).to(torch.bfloat16), torch.randint(0, E, (3, K)), torch.rand(3, K)
+    ok = bare_backend(buf, lib, ops)
+    tokens, probs, h = ok.dispatch(x, idx, w)
+    be = bare_backend(buf, lib, Refusing())
+    y, grad_w = be.combine(tokens, h, grad_probs=torch.ones_like(probs))
+    assert grad_w is not None and y.shape == (3, H)
+    fp8 = torch.zeros(3, 32, dtype=torch.uint8)
+    scales = torch.zeros(3, 4, dtype=torch.float32)
+    pair = PairRows(fp8, scales, 16)
+    be.dispatch(pair, idx, w)
+    assert lib.calls[-1][1][23] == 1     # two_sources: the Python path's call
+
+
+def test_loader_refuses_builds_for_another_torch_or_abi(ops, tmp_path, monkeypatch):
+    built = host_ops.module_path()
+    monkeypatch.setattr(host_ops, "_state", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert host_ops.get(ops.abi_version) is not None and host_ops.why_not() is None
+    monkeypatch.setattr(host_ops, "_state", {})
+    with pytest.warns(RuntimeWarning, match=r"C ABI .* rebuild"):
+        assert host_ops.get(ops.abi_version + 1) is None
+    assert "C ABI" in host_ops.why_not()
+    # A build for another torch lies elsewhere and is never imported: the missing build is
+    # the normal case (no compiler), said by why_not, not warned about.
+    monkeypatch.setattr(host_ops, "_state", {})
+    monkeypatch.setattr(host_ops, "module_path", lambda v=None: tmp_path / "missing.so")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert host_ops.get(ops.abi_version) is None
+    assert "not built" in host_ops.why_not()
+    # The file of another torch's build, found where this torch's should be: refused.
+    monkeypatch.setattr(host_ops, "_state", {})
+    monkeypatch.setattr(host_ops, "module_path", lambda v=None: built)
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    with pytest.warns(RuntimeWarning, match="built for torch"):
+        assert host_ops.get(ops.abi_version) is None
+    monkeypatch.setattr(host_ops, "_state", {})
+    monkeypatch.setenv("MOK_HOST_OPS", "0")
+    assert host_ops.get(ops.abi_version) is None and host_ops.why_not() == "MOK_HOST_OPS=0"
+
+
+def test_build_command_names_this_torch_and_the_c_abi_header():
+    cmd = host_ops.build_command(host_ops.module_path())
+    assert f'-DMOK_TORCH_VERSION="{torch.__version__}"' in cmd
+    assert f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}" in cmd
+    assert any(c.endswith(os.path.join("csrc", "api")) for c in cmd if c.startswith("-I"))
+    assert str(host_ops.SOURCE) in cmd and host_ops.SOURCE.exists()
+    assert host_ops.module_path().parent.name == f"torch-{torch.__version__}"
