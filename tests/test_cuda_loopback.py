@@ -670,10 +670,10 @@ def test_one_call_dispatch_matches_separate_launches_bitwise():
 
 
 def _host_ops_vs_python_path(rank, world_size):
-    """Item 75 on the GPU: static dispatches (``max_recv_tokens``, with ``rows_per_expert``, a
-    receive budget that drops rows) and combines queued by the C++ host ops and by the Python
-    path (``host_ops = None``) on the same Buffer give bitwise the same outputs, handles,
-    combines and gradients (training: ``x`` and ``topk_weights`` require gradients), for 0, 1
+    """Items 75-76 on the GPU: static dispatches (``max_recv_tokens``, with ``rows_per_expert``,
+    a receive budget that drops rows), eager ones (with and without ``rows_per_expert``) and
+    combines queued by the C++ host ops and by the Python path (``host_ops = None``) on the
+    same Buffer give bitwise the same outputs, handles, combines and gradients (training: ``x`` and ``topk_weights`` require gradients), for 0, 1
     and an odd number of tokens, unrouted slots and every token to one expert."""
     from megatron_mok.cuda import host_ops
 
@@ -684,7 +684,8 @@ def _host_ops_vs_python_path(rank, world_size):
     rows = W * T_max * K
     g = torch.Generator(device="cpu").manual_seed(31 + rank)
     configs = [({"max_recv_tokens": rows + 3}, {}), ({"max_recv_tokens": E_loc * rows}, {"rows_per_expert": rows}),
-               ({"max_recv_tokens": rows + 3}, {"recv_budget": rows // 3})]
+               ({"max_recv_tokens": rows + 3}, {"recv_budget": rows // 3}),
+               ({}, {}), ({}, {"rows_per_expert": rows})]     # eager (item 76)
     counts = [0 if rank == 1 else T_max, 1, min(7, T_max)]
     for extra, call in configs:
         buf = _buffer(case, torch.bfloat16, "cuda", device="cuda", **extra)

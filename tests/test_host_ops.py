@@ -15,6 +15,7 @@ and the bytes. The real library on a GPU: ``tests/test_cuda_loopback.py``
 import ctypes
 import os
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,10 +32,12 @@ P, I32, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 LAUNCH_T = ctypes.CFUNCTYPE(I32, P, P, I32, P, P, I32, P, I32, I32, P, P, P, P, I32, P, P, P, I64,
                             I32, I32, I32, I64, I32, I32, I32)
 COMBINE_T = ctypes.CFUNCTYPE(I32, P, P, P, P, P, I32, P, P, I64, I32, I32, I32, I32, I32)
+LAYOUT_T = ctypes.CFUNCTYPE(I32, P, P, P, P, I32, P, I32, I32, P, I64, I64, I32, I64, I32, I32, I32)
 # Argument positions that are pointers (compared by what they point to, not by value).
 LAUNCH_PTRS = {3: "scratch", 4: "idx", 6: "w", 9: "tpe", 10: "src_rank", 11: "src_token",
                12: "probs", 14: "x", 15: "x2", 16: "out"}
 COMBINE_PTRS = {2: "scratch", 3: "expert_out", 4: "grad_probs", 6: "y", 7: "grad_w"}
+LAYOUT_PTRS = {2: "scratch", 3: "idx", 5: "w", 8: "tpe"}
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +61,12 @@ class StandInLibrary:
     and write outputs that depend on every input they read, so a wrong pointer, size or view
     shows in the results."""
 
-    def __init__(self, num_local_experts, rc=0):
+    def __init__(self, num_local_experts, rc=0, report_error=0):
         self.E, self.rc, self.calls = num_local_experts, rc, []
+        self.report_error = report_error     # the error code an eager layout reports
+        self.report = [0] * 12               # the host report (the backend's host_report)
         self.mok_dispatch_launch = LAUNCH_T(self._launch)
+        self.mok_dispatch_layout = LAYOUT_T(self._layout)
         self.mok_combine = COMBINE_T(self._combine)
 
     def mok_last_error(self):
@@ -78,15 +84,34 @@ class StandInLibrary:
         rows = bytes((ctypes.c_uint8 * (T * row_bytes)).from_address(x)) if x and T and not two else bytes(T * row_bytes)
         counts = [sum(1 for e in ids if e == j) for j in range(self.E)]
         R = sum(counts)
-        totals = (ctypes.c_int64 * (self.E + 2)).from_address(tpe)
-        totals[:] = counts + [R, R + steps + 1000 * drop]
-        ctypes.memset(scratch, (steps * 7 + mode) % 251, SCRATCH_BYTES)   # all of it: compared
+        if tpe:   # with the layout step: counts and all of the scratch written (compared)
+            totals = (ctypes.c_int64 * (self.E + 2)).from_address(tpe)
+            totals[:] = counts + [R, R + steps + 1000 * drop]
+            ctypes.memset(scratch, (steps * 7 + mode) % 251, SCRATCH_BYTES)
+        else:     # an eager call's fill and transfer: its layout wrote them; the scratch is read
+            scratch_bytes = (ctypes.c_uint8 * SCRATCH_BYTES).from_address(scratch)
+            scratch_bytes[:] = [(v + steps * 7 + mode) % 251 for v in scratch_bytes]
         for r in range(cap):
             (ctypes.c_int64).from_address(src_rank + 8 * r).value = r % 3 - 1
             (ctypes.c_int64).from_address(src_token + 8 * r).value = ids[r % len(ids)] if ids else -1
             (ctypes.c_float).from_address(probs + 4 * r).value = weights[r % len(weights)] if weights else 0.0
             row = rows[(r % T) * row_bytes:(r % T + 1) * row_bytes] if T else bytes([r % 256]) * row_bytes
             ctypes.memmove(out + r * row_bytes, row, row_bytes)
+        return self.rc
+
+    def _layout(self, ctx, stream, scratch, idx, idx64, w, T, num_experts, tpe, cap, spec_cap, report,
+                fixed, row_bytes, two, drop):
+        self.calls.append(("layout", [ctx, stream, scratch, idx, idx64, w, T, num_experts, tpe, cap,
+                                      spec_cap, report, fixed, row_bytes, two, drop]))
+        ids = _read(idx, T * K, ctypes.c_int64 if idx64 else ctypes.c_int32)
+        weights = _read(w, T * K, ctypes.c_float)
+        counts = [sum(1 for e in ids if e == j) for j in range(self.E)]
+        R = self.E * fixed if fixed >= 0 else sum(counts)
+        totals = (ctypes.c_int64 * (self.E + 2)).from_address(tpe)
+        totals[:] = counts + [R, int(sum(weights) * 1000) % 997]
+        ctypes.memset(scratch, (T * 5 + R) % 251, SCRATCH_BYTES)
+        if report:
+            self.report[0], self.report[4] = R, self.report_error
         return self.rc
 
     def _combine(self, ctx, stream, scratch, expert_out, grad_probs, T, y, grad_w, cap, dtype_code,
@@ -113,6 +138,10 @@ def bare_backend(buf, lib, ops_module, ce_stage=False, small=False):
     b.num_blocks, b.dispatch_producers, b.combine_producers = 24, 4, 11
     b.small_call_tokens, b.small_roles = (64, (6, 1, 2)) if small else (-1, None)
     b._stream = lambda: 0xabc0
+    b.host_report, b.timeout_s = lib.report, 60.0
+    b._stop_rank = lambda *a, **k: None
+    b._layout_read = SimpleNamespace(record=lambda stream: None, synchronize=lambda: None)
+    b._layout_addr = ctypes.cast(lib.mok_dispatch_layout, ctypes.c_void_p).value
     b.host_ops = ops_module
     b._launch_addr = ctypes.cast(lib.mok_dispatch_launch, ctypes.c_void_p).value
     b._combine_addr = ctypes.cast(lib.mok_combine, ctypes.c_void_p).value
@@ -201,6 +230,106 @@ def test_static_dispatch_op_is_the_python_path(ops, case):
         if cap:
             assert h.src_token.data_ptr() - h.src_rank.data_ptr() == 8 * cap
         assert h.num_rows_device.data_ptr() - h.tokens_per_expert.data_ptr() == 8 * E
+
+
+EAGER_CASES = [
+    dict(T=0), dict(T=1), dict(T=7), dict(T=8, idx_dtype=torch.int32), dict(T=5, contiguous=False),
+    dict(T=3, ce_stage=True), dict(T=2, small=True), dict(T=5, x_dtype=torch.uint8),
+    dict(T=4, rows_per_expert=5), dict(T=4, rows_per_expert=0), dict(T=6, rows_per_expert=3, ce_stage=True),
+]
+
+
+@pytest.fixture
+def no_cuda_streams(monkeypatch):
+    """The eager path asks torch for the current stream and whether it is captured: on CPU
+    these stand-ins (the stream pointer itself comes from the bare backend's ``_stream``)."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current stream")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+def _eager_both(ops, *, T, idx_dtype=torch.int64, x_dtype=torch.bfloat16, rows_per_expert=None,
+                ce_stage=False, small=False, contiguous=True, report_error=0, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    buf = small_buffer()          # eager: no max_recv_tokens
+    width = H if x_dtype != torch.uint8 else 48
+    x = (torch.randn(T, width, generator=g) * 4).to(x_dtype)
+    idx = torch.randint(-1, E, (T, K), generator=g).to(idx_dtype)
+    w = torch.rand(T, K, generator=g)
+    if not contiguous:
+        idx, w = idx.t().contiguous().t(), w.t().contiguous().t()
+    out = {}
+    for name, module in (("python", None), ("op", ops)):
+        lib = StandInLibrary(E, report_error=report_error)
+        be = bare_backend(buf, lib, module, ce_stage=ce_stage, small=small)
+        try:
+            res = be.dispatch(x, idx, w, rows_per_expert=rows_per_expert)
+        except Exception as e:  # compared below: both paths must raise alike, after the same calls
+            res = e
+        out[name] = dict(res=res, calls=lib.calls, backend=be, inputs=dict(x=x, idx=idx, w=w))
+    return out
+
+
+def _named_calls(calls, tensors):
+    """Each recorded call as (kind, values with its pointers named)."""
+    ptrs = {"launch": LAUNCH_PTRS, "layout": LAYOUT_PTRS, "combine": COMBINE_PTRS}
+    named = []
+    for kind, args in calls:
+        targets = _pointer_targets(args, ptrs[kind], tensors)
+        named.append((kind, [targets[ptrs[kind][i]] if i in ptrs[kind] else a for i, a in enumerate(args)]))
+    return named
+
+
+@pytest.mark.parametrize("case", EAGER_CASES, ids=lambda c: "-".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()))
+def test_eager_dispatch_ops_are_the_python_path(ops, no_cuda_streams, case):
+    """Item 76: the eager dispatch (layout, the host read of R, fill and transfer) and the eager
+    ``rows_per_expert`` dispatch through ``dispatch_layout`` + ``dispatch_rows``: the same
+    library calls in the same order with the same arguments, and bitwise the same outputs."""
+    both = _eager_both(ops, **case)
+    py, op = both["python"], both["op"]
+    named = {}
+    for name, r in both.items():
+        tokens, probs, h = r["res"]
+        named[name] = _named_calls(r["calls"], {
+            "scratch": h.state.scratch, "tpe": h.tokens_per_expert, "src_rank": h.src_rank,
+            "src_token": h.src_token, "probs": probs, "out": tokens, **r["inputs"]})
+    kinds = [k for k, _ in named["python"]]
+    assert kinds == ["layout", "launch"], kinds
+    assert named["python"] == named["op"]
+    layout, launch = named["op"][0][1], named["op"][1][1]
+    copied = not case.get("contiguous", True)
+    if case["T"]:
+        assert layout[3] == ("other" if copied else "idx") and launch[14] == "x"
+    assert launch[4] is None and launch[6] is None and launch[9] is None   # no routing, no counts
+    (tp, pp, hp), (to, po, ho) = py["res"], op["res"]
+    _same_tensor(tp, to, "tokens")
+    _same_tensor(pp, po, "probs")
+    for field in ("src_rank", "src_token", "tokens_per_expert", "num_rows_device"):
+        _same_tensor(getattr(hp, field), getattr(ho, field), field)
+    _same_tensor(hp.state.scratch, ho.state.scratch, "scratch")
+    assert hp.rows_received is None and ho.rows_received is None
+    for field in ("num_tokens", "num_rows", "num_out_rows"):
+        assert getattr(hp, field) == getattr(ho, field), field
+    R = hp.num_rows
+    assert ho.num_out_rows == R and to.shape[0] == R
+    if R:
+        assert ho.src_token.data_ptr() - ho.src_rank.data_ptr() == 8 * R
+    assert ho.num_rows_device.data_ptr() - ho.tokens_per_expert.data_ptr() == 8 * E
+
+
+@pytest.mark.parametrize("code", ["bad_expert", "protocol"])
+def test_eager_dispatch_errors_are_raised_alike(ops, no_cuda_streams, code):
+    """A data error (a bad expert id: only this rank knows, so its transfer is still launched,
+    then it raises) and a protocol error (nothing more launched) in the eager report: the op's
+    path raises the same error after the same library calls as the Python path."""
+    from megatron_mok.cuda.backend import BAD_EXPERT
+
+    error = BAD_EXPERT if code == "bad_expert" else 5   # kConfigMismatch: a protocol error
+    both = _eager_both(ops, T=5, report_error=error)
+    kinds = {name: [k for k, _ in r["calls"]] for name, r in both.items()}
+    want = ["layout", "launch"] if code == "bad_expert" else ["layout"]
+    assert kinds["python"] == kinds["op"] == want, kinds
+    py, op = both["python"]["res"], both["op"]["res"]
+    assert isinstance(py, RuntimeError) and type(op) is type(py) and str(op) == str(py), (py, op)
 
 
 def test_combine_op_is_the_python_path(ops):

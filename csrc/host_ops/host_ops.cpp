@@ -1,5 +1,6 @@
 // megatron_mok/_host_ops: the host side of a static-shape dispatch and of a forward combine as
-// one C++ call each (benchmarks/NOTES.md item 75). Optional: built by setup.py against the torch
+// one C++ call each, and an eager dispatch's as two (before and after its host read of R)
+// (benchmarks/NOTES.md items 75, 76). Optional: built by setup.py against the torch
 // it will run with (megatron_mok/cuda/host_ops.py builds and loads it); without it the CUDA
 // backend does the same in Python.
 //
@@ -23,6 +24,7 @@
 namespace {
 
 using DispatchLaunchFn = decltype(&mok_dispatch_launch);
+using LayoutFn = decltype(&mok_dispatch_layout);
 using CombineFn = decltype(&mok_combine);
 
 // The C ABI version this file was compiled against: host_ops.py refuses a build whose version
@@ -86,6 +88,73 @@ py::tuple dispatch_static(uintptr_t fn, uintptr_t ctx, uintptr_t stream, int ste
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
+// An eager dispatch's first half (CudaBackend._dispatch_eager_ops; the Python path is
+// CudaBackend._layout): scratch [scratch_bytes] u8 and the counts [E + 2] i64 allocated on x's
+// device, mok_dispatch_layout queued. Returns (rc, scratch, tokens_per_expert [E],
+// num_rows_device [1], rows_received [1] or None (drop_over_cap only)), the views the handle
+// keeps. The host then reads R (Python), and dispatch_rows queues the rest.
+py::tuple dispatch_layout(uintptr_t fn, uintptr_t ctx, uintptr_t stream, int64_t scratch_bytes,
+                          const at::Tensor& x, const at::Tensor& topk_idx,
+                          const at::Tensor& topk_weights, int num_experts, int num_local_experts,
+                          int64_t cap, int64_t spec_cap, bool write_report, int64_t rows_per_expert,
+                          bool drop_over_cap) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(x.dim() == 2, "x must be [T, H]");
+  const auto on_dev = at::TensorOptions().device(x.device());
+  at::Tensor scratch = at::empty({scratch_bytes}, on_dev.dtype(at::kByte));
+  at::Tensor tpe = at::empty({num_local_experts + 2}, on_dev.dtype(at::kLong));
+  const at::Tensor idx = topk_idx.contiguous();
+  const at::Tensor w = topk_weights.contiguous();
+  const int row_bytes = static_cast<int>(x.size(1) * x.element_size());
+  int rc;
+  {
+    py::gil_scoped_release no_gil;
+    rc = reinterpret_cast<LayoutFn>(fn)(
+        reinterpret_cast<MokContext*>(ctx), reinterpret_cast<void*>(stream), scratch.data_ptr(),
+        ptr_or_null(idx), idx.scalar_type() == at::kLong ? 1 : 0,
+        static_cast<const float*>(ptr_or_null(w)), static_cast<int>(x.size(0)), num_experts,
+        tpe.data_ptr<int64_t>(), cap, spec_cap, write_report ? 1 : 0, rows_per_expert, row_bytes,
+        /*two_sources=*/0, drop_over_cap ? 1 : 0);
+  }
+  const int64_t E = num_local_experts;
+  py::object received = drop_over_cap ? py::cast(tpe.narrow(0, E + 1, 1)) : py::none();
+  return py::make_tuple(rc, scratch, tpe.narrow(0, 0, E), tpe.narrow(0, E, 1), received);
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+// An eager dispatch's second half (after the host knows the rows, `cap`): token rows
+// [cap, H] x.dtype, probs [cap] f32 and sources (two [cap] i64 rows of one [2, cap] tensor)
+// allocated, then `steps` (fill and transfer) queued by mok_dispatch_launch on the layout's
+// `scratch`, without routing or counts (the layout has them). Returns (rc, tokens, probs,
+// src_rank, src_token). CudaBackend._launch with idx, w and tpe None is the Python path.
+py::tuple dispatch_rows(uintptr_t fn, uintptr_t ctx, uintptr_t stream, int steps,
+                        const at::Tensor& scratch, const at::Tensor& x, int num_experts, int64_t cap,
+                        int num_blocks, int num_producers, int transfer_mode,
+                        int64_t rows_per_expert, bool drop_over_cap) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(x.dim() == 2, "x must be [T, H]");
+  const auto on_dev = at::TensorOptions().device(x.device());
+  at::Tensor tokens = at::empty({cap, x.size(1)}, on_dev.dtype(x.scalar_type()));
+  at::Tensor probs = at::empty({cap}, on_dev.dtype(at::kFloat));
+  at::Tensor src = at::empty({2, cap}, on_dev.dtype(at::kLong));
+  int64_t* src_rank = cap ? src.data_ptr<int64_t>() : nullptr;
+  int64_t* src_token = cap ? src_rank + cap : nullptr;
+  const int row_bytes = static_cast<int>(x.size(1) * x.element_size());
+  int rc;
+  {
+    py::gil_scoped_release no_gil;
+    rc = reinterpret_cast<DispatchLaunchFn>(fn)(
+        reinterpret_cast<MokContext*>(ctx), reinterpret_cast<void*>(stream), steps,
+        ptr_or_null(scratch), /*topk_idx=*/nullptr, /*idx_is_64=*/0, /*topk_weights=*/nullptr,
+        static_cast<int>(x.size(0)), num_experts, /*tokens_per_expert=*/nullptr, src_rank,
+        src_token, static_cast<float*>(ptr_or_null(probs)), /*pad=*/1, ptr_or_null(x),
+        /*x2=*/nullptr, ptr_or_null(tokens), cap, num_blocks, num_producers, transfer_mode,
+        rows_per_expert, row_bytes, /*two_sources=*/0, drop_over_cap ? 1 : 0);
+  }
+  return py::make_tuple(rc, tokens, probs, src.select(0, 0), src.select(0, 1));
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
 // A forward combine without prob gradients (CudaBackend.combine's Python path, grad_probs
 // None): y [T, hidden] of `y_dtype` on expert_out's device, then mok_combine. Returns (rc, y).
 py::tuple combine(uintptr_t fn, uintptr_t ctx, uintptr_t stream, uintptr_t scratch,
@@ -116,5 +185,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("abi_version") = kAbiVersion;
   m.attr("torch_version") = MOK_TORCH_VERSION;
   m.def("dispatch_static", &dispatch_static);
+  m.def("dispatch_layout", &dispatch_layout);
+  m.def("dispatch_rows", &dispatch_rows);
   m.def("combine", &combine);
 }

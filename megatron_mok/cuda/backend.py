@@ -269,6 +269,7 @@ class CudaBackend:
         # does the same; MOK_HOST_OPS=0 forces it). The library's functions reach it as addresses.
         self.host_ops = host_ops.get(self.lib.mok_abi_version())
         self._launch_addr = ctypes.cast(self.lib.mok_dispatch_launch, ctypes.c_void_p).value
+        self._layout_addr = ctypes.cast(self.lib.mok_dispatch_layout, ctypes.c_void_p).value
         self._combine_addr = ctypes.cast(self.lib.mok_combine, ctypes.c_void_p).value
         self._ce_fork = torch.cuda.Event()
         self._ce_done = torch.cuda.Event()
@@ -474,6 +475,13 @@ class CudaBackend:
         if static and not ce_side and not self.separate_launches:
             return self._dispatch_static(x, T, topk_idx, topk_weights, stream, static_cap, drop,
                                          fixed, known_R)
+        ops = self.host_ops
+        if ops is not None and not isinstance(x, PairRows) and not self.separate_launches:
+            # The eager dispatch's host side in two C++ calls around the read of R (NOTES item 76).
+            if known_R is not None:
+                return self._dispatch_fixed_ops(ops, x, T, topk_idx, topk_weights, stream, fixed, known_R)
+            if not (self.speculative or ce_side or self.fill_first or self.stage_first):
+                return self._dispatch_eager_ops(ops, x, T, topk_idx, topk_weights, stream)
         scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=x.device)
         # The counts, R (the rows written), then the rows received (a receive budget's flag).
         tpe = torch.empty(b.num_local_experts + 2, dtype=torch.int64, device=x.device)
@@ -608,6 +616,59 @@ class CudaBackend:
             self._layout_read.synchronize()
             self._raise_if_error(self.host_report[4:])
         return tokens, probs, self._handle(T, R, R, src[0], src[1], tpe, scratch)
+
+    def _dispatch_eager_ops(self, ops, x, T, topk_idx, topk_weights, stream):
+        """The usual eager dispatch (no stage-first, fill-first, speculative or side-stream
+        schedule) with the C++ host ops: ``dispatch_layout`` queues the layout (scratch and
+        counts allocated in C++), the host reads R as the Python path below does (with the
+        copy-engine staging queued meanwhile), then ``dispatch_rows`` allocates the R rows and
+        queues fill and transfer. The same library calls, arguments and read as that path."""
+        b = self.buf
+        rc, scratch, counts, rows_dev, _ = ops.dispatch_layout(
+            self._layout_addr, self.ctx, stream, self.scratch_bytes, x, topk_idx, topk_weights,
+            b.num_experts, b.num_local_experts, 1 << 62, -1, True, bindings.NO_ROWS_PER_EXPERT, False)
+        self._check(rc)
+        self._layout_read.record(torch.cuda.current_stream(self.device))
+        if self.ce_stage:   # after the read's event: copies during the read
+            self._stage_copy(x, T, stream)
+        self._layout_read.synchronize()
+        report = self.host_report
+        if report[4] not in DATA_ERRORS:  # protocol errors: nothing more to launch
+            self._raise_if_error(report[4:])
+        R = report[0]
+        blocks, producers, _ = self._roles(T)
+        rc, tokens, probs, src_rank, src_token = ops.dispatch_rows(
+            self._launch_addr, self.ctx, stream, bindings.STEP_FILL | bindings.STEP_TRANSFER, scratch, x,
+            b.num_experts, R, blocks, producers, self.ce_mode, bindings.NO_ROWS_PER_EXPERT, False)
+        self._check(rc)
+        if report[4] in DATA_ERRORS:   # launched like the peers' (they wait for it), then raise
+            self._raise_if_error(report[4:])
+        return tokens, probs, self._handle_of(T, R, R, src_rank, src_token, counts, rows_dev, None, scratch)
+
+    def _dispatch_fixed_ops(self, ops, x, T, topk_idx, topk_weights, stream, n, R):
+        """:meth:`_dispatch_fixed` (``rows_per_expert`` on an eager Buffer) with the C++ host ops:
+        layout, then rows and launch, then the read of the layout's errors only (none under
+        CUDA-graph capture), as there."""
+        b = self.buf
+        read = not torch.cuda.is_current_stream_capturing()
+        rc, scratch, counts, rows_dev, _ = ops.dispatch_layout(
+            self._layout_addr, self.ctx, stream, self.scratch_bytes, x, topk_idx, topk_weights,
+            b.num_experts, b.num_local_experts, R, -1, read, n, False)
+        self._check(rc)
+        if read:
+            self._layout_read.record(torch.cuda.current_stream(self.device))
+        steps = bindings.STEP_FILL | bindings.STEP_TRANSFER
+        if self.ce_stage:
+            steps |= bindings.STEP_STAGE_COPY
+        blocks, producers, _ = self._roles(T)
+        rc, tokens, probs, src_rank, src_token = ops.dispatch_rows(
+            self._launch_addr, self.ctx, stream, steps, scratch, x, b.num_experts, R, blocks, producers,
+            self.ce_mode, bindings.NO_ROWS_PER_EXPERT, False)
+        self._check(rc)
+        if read:
+            self._layout_read.synchronize()
+            self._raise_if_error(self.host_report[4:])
+        return tokens, probs, self._handle_of(T, R, R, src_rank, src_token, counts, rows_dev, None, scratch)
 
     def _layout(self, stream, scratch, idx, w, T, tpe, cap, spec_cap, report, fixed, x,
                 drop=False) -> None:

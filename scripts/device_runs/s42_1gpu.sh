@@ -2,7 +2,7 @@
 # Session 42's one-GPU calls (benchmarks/NOTES.md, item 75: the C++ host ops).
 #
 #   bash scripts/device_runs/s42_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of hostops layers sample sample_py regress megatron
+#     PARTS: any of hostops layers eager sample sample_py regress megatron
 #
 # Every call first builds the C++ host ops for this machine's torch (common.sh host_ops_build),
 # so every part below runs with them on (the default once built) unless it says otherwise.
@@ -11,6 +11,8 @@
 #           now go through the op).
 # layers    profile_host_layers.py, twice (two processes): every layer with the op, and the
 #           backend and Buffer layers with the op off (``*_py``), paired in blocks.
+# eager     item 76: profile_host_calls.py --ab, eager Buffers with the op off and on
+#           (MOK_HOST_OPS=0 / 1) in one process, alternating blocks, twice (two processes).
 # sample    the CUDA sample of the regression selections (the mutation audit's), op on.
 # sample_py the same with MOK_HOST_OPS=0 (the Python path, whose allocations moved).
 # regress   the one-GPU regression selections (common.sh), op on.
@@ -31,6 +33,12 @@ layers)
     timeout 200 python3 scripts/profile_host_layers.py --out $R/layers$i --tokens 128,512 --commit $C \
       > $R/layers$i.log 2>&1
     echo "[layers $i] rc=$?"; grep -vE "^wrote" $R/layers$i.log | grep -E "host ops|probes|_py|buffer_us|backend_us|library_us|^T=" | head -40
+  done ;;
+eager)
+  for i in 1 2; do
+    timeout 150 python3 scripts/profile_host_calls.py --out $R/eager$i --ab \
+      --settings "MOK_HOST_OPS=0;MOK_HOST_OPS=1" --tokens 128,512 --commit $C > $R/eager$i.log 2>&1
+    echo "[eager $i] rc=$?"; grep -E "^T=|probes" $R/eager$i.log | cut -c1-600
   done ;;
 sample)
   cuda_sample 150 ;;
