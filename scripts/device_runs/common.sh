@@ -96,11 +96,11 @@ stop_chains() {  # stop_chains REPEATS: the 4-process stop twins REPEATS times w
   grep -L "^2 passed" $R/chains_*.log | head
 }
 
-host_ops_build() {  # the C++ host ops (NOTES item 75) for this machine's torch, unless built:
+host_ops_build() {  # the C++ host ops (NOTES item 75) for this machine's torch, unless built after its source:
     # the build is keyed by torch version, so a build carried from the CPU machine is not it
   local path
   path=$(python3 -c "from megatron_mok.cuda import host_ops; print(host_ops.module_path())")
-  if [ -f "$path" ]; then echo "[host_ops] present: $path"; return 0; fi
+  if [ "$path" -nt csrc/host_ops/host_ops.cpp ]; then echo "[host_ops] present: $path"; return 0; fi
   local t0=$SECONDS
   python3 -m megatron_mok.cuda.host_ops > $R/host_ops_build.log 2>&1
   echo "[host_ops build] rc=$? $((SECONDS - t0)) s"; grep -E "error|built" $R/host_ops_build.log | head -20
