@@ -332,6 +332,44 @@ def test_eager_dispatch_errors_are_raised_alike(ops, no_cuda_streams, code):
     assert isinstance(py, RuntimeError) and type(op) is type(py) and str(op) == str(py), (py, op)
 
 
+class RecordingOps:
+    """The real ops, each call's name recorded."""
+
+    def __init__(self, ops):
+        self.ops, self.called, self.abi_version = ops, [], ops.abi_version
+
+    def __getattr__(self, name):
+        fn = getattr(self.ops, name)
+
+        def call(*args):
+            self.called.append(name)
+            return fn(*args)
+        return call
+
+
+@pytest.mark.parametrize("rows_per_expert", [None, 6])
+def test_static_calls_on_the_side_stream_schedule_keep_the_python_path(ops, no_cuda_streams, monkeypatch,
+                                                                       rows_per_expert):
+    """A static call that is not ``_dispatch_static``'s (``MOK_DISPATCH_CE_OVERLAP=1``'s side-stream
+    staging) takes the Python path, never the eager ops: its rows are ``max_recv_tokens``, not R
+    (the fuzzer found the first version sending a static ``rows_per_expert`` call there, s42-2)."""
+    buf = small_buffer(max_recv_tokens=40)
+    lib = StandInLibrary(E)
+    lib.mok_dispatch_fill = lambda *a: 0
+    lib.mok_dispatch_transfer = lambda *a: 0
+    rec = RecordingOps(ops)
+    be = bare_backend(buf, lib, rec)
+    be.ce_overlap, be.buf = True, buf
+    be._stage_copy_beside = lambda x, T, main: None
+    be._ce_done = "copy done"
+    x, idx, w = torch.randn(5, H).to(torch.bfloat16), torch.randint(-1, E, (5, K)), torch.rand(5, K)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_event=lambda e: None))
+    tokens, probs, h = be.dispatch(x, idx, w, rows_per_expert=rows_per_expert)
+    assert rec.called == [] and [k for k, _ in lib.calls] == ["layout"]
+    assert tokens.shape[0] == probs.shape[0] == h.num_out_rows == 40
+    assert h.num_rows == (None if rows_per_expert is None else E * rows_per_expert)
+
+
 def test_combine_op_is_the_python_path(ops):
     for T, small in ((0, False), (1, False), (7, True), (8, False)):
         buf = small_buffer(max_recv_tokens=24)

@@ -476,8 +476,9 @@ class CudaBackend:
             return self._dispatch_static(x, T, topk_idx, topk_weights, stream, static_cap, drop,
                                          fixed, known_R)
         ops = self.host_ops
-        if ops is not None and not isinstance(x, PairRows) and not self.separate_launches:
+        if ops is not None and not static and not isinstance(x, PairRows) and not self.separate_launches:
             # The eager dispatch's host side in two C++ calls around the read of R (NOTES item 76).
+            # (A static call reaches here only on the side-stream schedule: the Python path's.)
             if known_R is not None:
                 return self._dispatch_fixed_ops(ops, x, T, topk_idx, topk_weights, stream, fixed, known_R)
             if not (self.speculative or ce_side or self.fill_first or self.stage_first):
