@@ -2,7 +2,7 @@
 # Session 42's one-GPU calls (benchmarks/NOTES.md, item 75: the C++ host ops).
 #
 #   bash scripts/device_runs/s42_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of hostops layers eager sample sample_py regress megatron
+#     PARTS: any of hostops layers eager replay sample sample_py regress megatron
 #
 # Every call first builds the C++ host ops for this machine's torch (common.sh host_ops_build),
 # so every part below runs with them on (the default once built) unless it says otherwise.
@@ -13,6 +13,8 @@
 #           backend and Buffer layers with the op off (``*_py``), paired in blocks.
 # eager     item 76: profile_host_calls.py --ab, eager Buffers with the op off and on
 #           (MOK_HOST_OPS=0 / 1) in one process, alternating blocks, twice (two processes).
+# replay    s42-2's fuzzer failure (case seed 144314762776580: a static rows_per_expert call on
+#           the side-stream schedule sent to the eager ops), op on and off, after its fix.
 # sample    the CUDA sample of the regression selections (the mutation audit's), op on.
 # sample_py the same with MOK_HOST_OPS=0 (the Python path, whose allocations moved).
 # regress   the one-GPU regression selections (common.sh), op on.
@@ -39,6 +41,12 @@ eager)
     timeout 150 python3 scripts/profile_host_calls.py --out $R/eager$i --ab \
       --settings "MOK_HOST_OPS=0;MOK_HOST_OPS=1" --tokens 128,512 --commit $C > $R/eager$i.log 2>&1
     echo "[eager $i] rc=$?"; grep -E "^T=|probes" $R/eager$i.log | cut -c1-600
+  done ;;
+replay)
+  for v in 1 0; do
+    MOK_HOST_OPS=$v timeout 120 python3 scripts/fuzz_dispatch.py --device cuda --replay 144314762776580 \
+      --out $R/replay$v > $R/replay$v.log 2>&1
+    echo "[replay MOK_HOST_OPS=$v] rc=$?"; tail -2 $R/replay$v.log | cut -c1-400
   done ;;
 sample)
   cuda_sample 150 ;;
