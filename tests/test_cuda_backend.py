@@ -12,6 +12,7 @@ TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 before any process
 
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -192,7 +193,6 @@ def _describe_wrong_rows(a, b, chunk_tokens=64) -> str:
 def test_describe_wrong_rows_names_sources_chunks_and_unwritten_rows():
     # CPU: the message a ring-wrap mismatch carries (a rare W=8 loopback failure, session 5,
     # left only "first at (20, 0)"; this says which peer's chunks and what the rows hold).
-    from types import SimpleNamespace
     want = torch.randn(6, 8).to(torch.bfloat16)
     got = want.clone()
     got[1] = 0            # never written
@@ -734,14 +734,22 @@ def _lagging_reader(rank, world_size, timeout_s, lag_s):
             return {"error": None}
         except RuntimeError as e:
             return {"error": str(e)[:1500]}
-    launch = be._launch
-    def stalled(steps, *args, **kwargs):
-        if steps & bindings.STEP_TRANSFER and not stalled.done:
-            stalled.done = True
-            time.sleep(lag_s)                       # the host stall: its rows are not published
-        return launch(steps, *args, **kwargs)
-    stalled.done = False
-    be._launch = stalled
+    def stall_before(launch, steps_at):
+        def stalled(*args, **kwargs):
+            if args[steps_at] & bindings.STEP_TRANSFER and not stalled.done:
+                stalled.done = True
+                time.sleep(lag_s)                   # the host stall: its rows are not published
+            return launch(*args, **kwargs)
+        stalled.done = False
+        return stalled
+    if be.host_ops is not None:
+        # The eager call's fill and transfer go through the C++ host ops (NOTES item 76): stall
+        # there (dispatch_rows(fn, ctx, stream, steps, ...)).
+        ops = be.host_ops
+        be.host_ops = SimpleNamespace(dispatch_layout=ops.dispatch_layout, combine=ops.combine,
+                                      dispatch_rows=stall_before(ops.dispatch_rows, 3))
+    else:
+        be._launch = stall_before(be._launch, 0)
     try:
         res = buf.dispatch(*calls[0][1])
         sync_device()
