@@ -2,7 +2,7 @@
 # Session 42's one-GPU calls (benchmarks/NOTES.md, item 75: the C++ host ops).
 #
 #   bash scripts/device_runs/s42_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of hostops layers eager replay sample sample_py regress megatron
+#     PARTS: any of hostops layers eager replay lagging sample sample_py regress megatron mdispatcher
 #
 # Every call first builds the C++ host ops for this machine's torch (common.sh host_ops_build),
 # so every part below runs with them on (the default once built) unless it says otherwise.
@@ -18,6 +18,10 @@
 # sample    the CUDA sample of the regression selections (the mutation audit's), op on.
 # sample_py the same with MOK_HOST_OPS=0 (the Python path, whose allocations moved).
 # regress   the one-GPU regression selections (common.sh), op on.
+# lagging   the lagging-reader test (its stall now hooks the op's dispatch_rows) three times, and
+#           the error-path selection.
+# mdispatcher tests/megatron/test_megatron_dispatcher.py's GPU tests on 0.19.2 (the dispatcher's
+#           eager calls now go through the op).
 # megatron  the Megatron T_max twins (common.sh; megatron-core 0.19.2 from the carried .whl).
 # Then the fuzzer for FUZZ_S seconds (default 30; 0: none), op on.
 # Carry: megatron_mok/_lib/libmok_cuda.so (not the whole _lib: that would replace the device's
@@ -56,6 +60,17 @@ regress)
   regress_selections ;;
 megatron)
   megatron_t_max_twins ;;
+lagging)
+  for i in 1 2 3; do
+    run_pytest lagging$i 120 -m "gpu and not multigpu" tests/test_cuda_loopback.py -k lagging_reader
+  done
+  run_pytest errors 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \
+    -k "missing_peer or overflow or bad_expert or lagging or past_its_waits or hang or timeout" ;;
+mdispatcher)
+  [ -d /tmp/site/megatron ] || install_wheels .whl /tmp/site
+  PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
+    run_pytest mdispatcher ${MDISPATCHER_LIMIT_S:-240} -m "gpu or multigpu" --durations=8 \
+    tests/megatron/test_megatron_dispatcher.py ;;
 *) echo "unknown part $1"; exit 2 ;;
 esac
 }
