@@ -26,6 +26,7 @@ import torch
 from ..comm import all_gather_exact, timeout_seconds
 from ..fp8 import PairRows
 from ..handle import DispatchHandle
+from ..loopback import is_loopback
 from ..rows import aligned_rows
 from ..validation import buffer_layout, layout_error
 from . import bindings, host_ops, library
@@ -174,12 +175,26 @@ class CudaBackend:
         with torch.cuda.device(dev):
             self._check(self.lib.mok_set_host_report(self.ctx, self._host_report_t.data_ptr()))
         self.host_report = (ctypes.c_int32 * 12).from_address(self._host_report_t.data_ptr())
+        # The side stream, also made before the workspace, for the same reason: a loopback
+        # rank's stream creation (cudaStreamCreateWithFlags) waited, in s42-4, until peers that
+        # had passed the workspace's rendezvous and queued their dispatch kernels (which wait for
+        # this rank) timed out, 20 s later.
+        self._own_side = None
+        if is_loopback(buf.group):       # never the stream of another rank (loopback.OwnStream)
+            from ..loopback import OwnStream
+            self._own_side = OwnStream(dev)
+            self.side_stream = self._own_side.stream
+        else:
+            self.side_stream = torch.cuda.Stream(device=dev)
         try:
             with torch.cuda.device(dev):
                 self.mem = PeerMemory(nbytes, buf.group, buf.rank, buf.world_size, dev, self.timeout_s)
         except BaseException:
             self.lib.mok_destroy(self.ctx)   # no workspace was made: the context is all to free
             self.ctx = None
+            if self._own_side is not None:
+                self._own_side.close()
+                self._own_side = None
             raise
         ptrs = (ctypes.c_uint64 * buf.world_size)(*self.mem.peer_ptrs)
         self._check(self.lib.mok_set_peers(self.ctx, ptrs, buf.world_size, float(self.timeout_s)))
@@ -246,13 +261,6 @@ class CudaBackend:
         self.spec_fallbacks = 0  # calls whose guess was short on some rank (all redid the transfer)
         # The transfer mode's copy-engine flag, for every transfer of this Buffer.
         self.ce_mode = bindings.TRANSFER_CE_STAGED if self.ce_stage else bindings.TRANSFER_BOTH
-        self._own_side = None
-        if self.mem.loopback:       # never the stream of another rank (loopback.OwnStream)
-            from ..loopback import OwnStream
-            self._own_side = OwnStream(dev)
-            self.side_stream = self._own_side.stream
-        else:
-            self.side_stream = torch.cuda.Stream(device=dev)
         self._side_raw = ctypes.c_void_p(self.side_stream.cuda_stream)
         self._layout_read = torch.cuda.Event()
         self._layout_done = torch.cuda.Event()

@@ -2,7 +2,7 @@
 # Session 42's one-GPU calls (benchmarks/NOTES.md, item 75: the C++ host ops).
 #
 #   bash scripts/device_runs/s42_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of hostops layers eager replay lagging sample sample_py regress megatron mdispatcher
+#     PARTS: any of hostops layers eager replay lagging overflow sample sample_py regress megatron mdispatcher
 #
 # Every call first builds the C++ host ops for this machine's torch (common.sh host_ops_build),
 # so every part below runs with them on (the default once built) unless it says otherwise.
@@ -20,6 +20,8 @@
 # regress   the one-GPU regression selections (common.sh), op on.
 # lagging   the lagging-reader test (its stall now hooks the op's dispatch_rows) three times, and
 #           the error-path selection.
+# overflow  the loopback static-overflow tests (s42-4: a rank's side-stream creation waited for
+#           its peers' kernels to time out; the stream is now made before the workspace) three times.
 # mdispatcher tests/megatron/test_megatron_dispatcher.py's GPU tests on 0.19.2 (the dispatcher's
 #           eager calls now go through the op).
 # megatron  the Megatron T_max twins (common.sh; megatron-core 0.19.2 from the carried .whl).
@@ -66,6 +68,10 @@ lagging)
   done
   run_pytest errors 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \
     -k "missing_peer or overflow or bad_expert or lagging or past_its_waits or hang or timeout" ;;
+overflow)
+  for i in 1 2 3; do
+    run_pytest overflow$i 150 -m "gpu and not multigpu" tests/test_cuda_loopback.py -k "static_overflow"
+  done ;;
 mdispatcher)
   [ -d /tmp/site/megatron ] || install_wheels .whl /tmp/site
   PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
