@@ -90,6 +90,7 @@ SAFETY = "tests/test_handle_safety.py"
 STOP = "tests/test_stop_rank.py"
 REFSTOP = "tests/test_reference_stop.py"
 INPUTS = "tests/test_input_checks.py"
+HOSTOPS = "tests/test_host_ops.py"
 BUDGET = "tests/test_recv_budget.py"
 REF_ALL = [CONTRACT, AUTOGRAD, CACHED, STATIC, ALIGN, RPE, DETERM]
 
@@ -235,6 +236,27 @@ MUTANTS: List[Mutant] = [
     M("cuda_other_gpu_accepted", CBE, "if t.device != self.device:", "if False:", [INPUTS]),
     M("cuda_misaligned_rows_passed", "megatron_mok/rows.py", "if t.numel() and t.data_ptr() % ROW_ALIGN:",
       "if False:", [INPUTS]),
+    # The C++ host ops' routing in the backend (NOTES items 75-76): which calls take them, and
+    # the arguments the backend hands them.
+    M("cbe_host_ops_take_fp8_pairs", CBE, "        if ops is not None and not isinstance(x, PairRows):\n",
+      "        if ops is not None:\n",
+      [f"{HOSTOPS}::test_prob_gradient_combines_and_fp8_pairs_keep_the_python_path"]),
+    M("cbe_host_ops_take_static_side_stream", CBE,
+      "if ops is not None and not static and not isinstance(x, PairRows)",
+      "if ops is not None and not isinstance(x, PairRows)",
+      [f"{HOSTOPS}::test_static_calls_on_the_side_stream_schedule_keep_the_python_path"]),
+    M("cbe_host_ops_take_prob_grads", CBE, "if ops is not None and grad_probs is None:", "if ops is not None:",
+      [f"{HOSTOPS}::test_prob_gradient_combines_and_fp8_pairs_keep_the_python_path"]),
+    M("cbe_host_ops_data_error_before_launch", CBE,
+      "\n        if report[4] not in DATA_ERRORS:  # protocol errors", "\n        if True:  # protocol errors",
+      [f"{HOSTOPS}::test_eager_dispatch_errors_are_raised_alike"]),
+    M("cbe_host_ops_fixed_rows_dropped", CBE, "b.num_experts, b.num_local_experts, R, -1, read, n, False)",
+      "b.num_experts, b.num_local_experts, R, -1, read, bindings.NO_ROWS_PER_EXPERT, False)",
+      [f"{HOSTOPS}::test_eager_dispatch_ops_are_the_python_path"]),
+    M("cbe_host_ops_combine_roles", CBE,
+      "            blocks, _, producers = self._roles(T)\n            rc, y = ops.combine(",
+      "            blocks, producers, _ = self._roles(T)\n            rc, y = ops.combine(",
+      [f"{HOSTOPS}::test_combine_op_is_the_python_path"]),
     # ------------------------------------------------------------------------ autograd
     M("ag_want_w_of_x", AG, "want_w = ctx.needs_input_grad[3]",
       "want_w = ctx.needs_input_grad[2]", [AUTOGRAD]),
