@@ -83,7 +83,7 @@ def build_host_ops() -> None:
     spec = importlib.util.spec_from_file_location("_mok_host_ops_build", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.build(strict=False)
+    module.build(strict=False, force=False)
 
 
 class BuildPyWithCuda(build_py):

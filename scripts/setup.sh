@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv in the repository root (if missing) and installs what megatron_mok, its tests
 # and its benchmarks need; then installs the project itself in editable mode, which builds
-# the CUDA library when nvcc is found (see setup.py; MOK_SKIP_CUDA_BUILD=1 skips it).
+# the CUDA library when nvcc is found (see setup.py; MOK_SKIP_CUDA_BUILD=1 skips it) and the
+# optional C++ host ops when a C++ compiler is found (MOK_SKIP_HOST_OPS_BUILD=1 skips them).
 # Safe to run again: it only installs what is missing.
 #
 # Knobs (environment):
@@ -107,8 +108,9 @@ fi
 
 "$PY" - <<'PYEOF'
 import torch, megatron_mok
-from megatron_mok.cuda import library
+from megatron_mok.cuda import host_ops, library
 print(f"[setup] ok: python {__import__('sys').version.split()[0]}, torch {torch.__version__} "
       f"(cuda available: {torch.cuda.is_available()}), megatron_mok {megatron_mok.__version__}, "
-      f"CUDA library built: {library.is_available()}")
+      f"CUDA library built: {library.is_available()}, "
+      f"C++ host ops built: {host_ops.module_path().exists()}")
 PYEOF

@@ -472,3 +472,21 @@ def test_build_command_names_this_torch_and_the_c_abi_header():
     assert any(c.endswith(os.path.join("csrc", "api")) for c in cmd if c.startswith("-I"))
     assert str(host_ops.SOURCE) in cmd and host_ops.SOURCE.exists()
     assert host_ops.module_path().parent.name == f"torch-{torch.__version__}"
+
+
+def test_a_build_is_kept_only_while_newer_than_its_source_and_the_abi_header(tmp_path, monkeypatch):
+    """``setup.py`` (run by every ``scripts/setup.sh``) rebuilds only a stale build: one older
+    than the C++ source or than ``mok_api.h`` (whose C ABI version it compiles in)."""
+    src, hdr, so = tmp_path / "host_ops.cpp", tmp_path / "mok_api.h", tmp_path / "ops.so"
+    for i, f in enumerate((src, hdr, so)):
+        f.write_text("x")
+        os.utime(f, (1000 + i, 1000 + i))
+    monkeypatch.setattr(host_ops, "SOURCE", src)
+    monkeypatch.setattr(host_ops, "HEADER", hdr)
+    assert host_ops.up_to_date(so)
+    os.utime(hdr, (5000, 5000))
+    assert not host_ops.up_to_date(so)
+    os.utime(hdr, (1001, 1001))
+    os.utime(src, (5000, 5000))
+    assert not host_ops.up_to_date(so)
+    assert not host_ops.up_to_date(tmp_path / "missing.so")

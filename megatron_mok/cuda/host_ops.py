@@ -36,6 +36,7 @@ from typing import Optional
 MODULE = "_mok_host_ops"
 _ROOT = Path(__file__).resolve().parent.parent.parent          # the checkout (csrc/ beside it)
 SOURCE = _ROOT / "csrc" / "host_ops" / "host_ops.cpp"
+HEADER = _ROOT / "csrc" / "api" / "mok_api.h"       # the C ABI it calls (its version is compiled in)
 _lock = threading.Lock()
 _state: dict = {}          # "module": the loaded module or None; "why": why not
 
@@ -84,12 +85,19 @@ def build_command(out: Path, compiler: Optional[str] = None) -> list:
             "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
 
 
-def build(verbose: bool = True, strict: bool = True) -> Optional[Path]:
+def up_to_date(path: Path) -> bool:
+    """The build at ``path`` is newer than its source and the C ABI header."""
+    return path.exists() and all(path.stat().st_mtime >= src.stat().st_mtime for src in (SOURCE, HEADER))
+
+
+def build(verbose: bool = True, strict: bool = True, force: bool = True) -> Optional[Path]:
     """Builds the extension for the running torch (~30-60 s); returns its path, or None where it
     cannot be built here (no torch headers, no compiler, no source: a source-less install),
     with the reason printed. A compile error raises ``CalledProcessError``, or with
     ``strict=False`` (``setup.py``: an install must not fail for an optional part) is printed
-    and gives None; ``tests/test_host_ops.py`` builds with ``strict`` on, so CI catches it."""
+    and gives None; ``tests/test_host_ops.py`` builds with ``strict`` on, so CI catches it.
+    ``force=False`` (``setup.py``: ``scripts/setup.sh`` runs again and again) keeps a build that
+    is newer than its source and the C ABI header."""
     def say(msg):
         if verbose:
             print(f"[megatron_mok] {msg}", flush=True)
@@ -107,6 +115,9 @@ def build(verbose: bool = True, strict: bool = True) -> Optional[Path]:
         say(f"torch is not importable ({e}): the C++ host ops are not built")
         return None
     out = module_path()
+    if not force and up_to_date(out):
+        say(f"the C++ host ops are up to date ({out})")
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = build_command(out)
     if not (Path(cmd[0]).exists() or _which(cmd[0])):
