@@ -40,6 +40,7 @@
 set -uo pipefail
 C=${1:?commit}; AB=${2:-1}
 . "$(dirname "$0")/common.sh"
+host_ops_build   # the C++ host ops for this machine's torch (NOTES items 75-76; ~30 s)
 nvidia-smi topo -m > $R/topo.txt 2>&1
 python3 -c "import deep_ep" 2>/dev/null && echo "deep_ep importable" || echo "deep_ep NOT importable: the suite runs without it"
 step() {  # step NAME LIMIT_S CMD...

@@ -16,6 +16,7 @@ set -uo pipefail
 C=${1:?commit}; SELECT=${2:?select}; SHARD=${3:-0}; NSHARDS=${4:-1}; LIMIT=${5:-540}
 WORLD=${WORLD:-2}   # the world size whose test ids are selected (4: the 4-rank ids)
 . "$(dirname "$0")/common.sh"
+host_ops_build   # the C++ host ops for this machine's torch (NOTES items 75-76; ~30 s)
 case "$SELECT" in
   core) K="not alternative_schedules" ;;
   schedules) K="alternative_schedules_match_reference" ;;
