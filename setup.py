@@ -7,9 +7,11 @@ version. The build runs when nvcc is found; the package always installs and impo
 it (``backend="cuda"`` then raises with build instructions).
 
 Beside it, optionally, the C++ host ops (``csrc/host_ops/``, megatron_mok/cuda/host_ops.py): a
-small torch extension that does a static dispatch's and a combine's host side in one C++ call,
-built against the installed torch when torch and a C++ compiler are there (an install without
-build isolation: ``pip install --no-build-isolation -e .``); without it the same runs in Python.
+small torch extension that does a dispatch's and a combine's host side in C++, built against the
+installed torch when torch and a C++ compiler are there at build time (a build without
+isolation; an editable install of this setup.py project is built in isolation by pip, so
+``scripts/setup.sh`` builds them after it: ``python -m megatron_mok.cuda.host_ops``); without it
+the same runs in Python.
 
 Environment switches:
     MOK_SKIP_CUDA_BUILD=1   do not build the CUDA library

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv in the repository root (if missing) and installs what megatron_mok, its tests
 # and its benchmarks need; then installs the project itself in editable mode, which builds
-# the CUDA library when nvcc is found (see setup.py; MOK_SKIP_CUDA_BUILD=1 skips it) and the
+# the CUDA library when nvcc is found (see setup.py; MOK_SKIP_CUDA_BUILD=1 skips it); then the
 # optional C++ host ops when a C++ compiler is found (MOK_SKIP_HOST_OPS_BUILD=1 skips them).
 # Safe to run again: it only installs what is missing.
 #
@@ -104,6 +104,14 @@ if [ -f setup.py ] || [ -f pyproject.toml ]; then
     fi
 else
     echo "[setup] no setup.py yet: megatron_mok is used from the checkout (run from the repo root)"
+fi
+
+# The optional C++ host ops, against this venv's torch (setup.py cannot: pip builds an editable
+# install of a setup.py project in an isolated environment without torch). Optional: a failed
+# build leaves the Python path (tests/test_host_ops.py builds them strictly, so CI sees it).
+if [ -f megatron_mok/cuda/host_ops.py ] && [ "${MOK_SKIP_HOST_OPS_BUILD:-0}" != "1" ]; then
+    "$PY" -m megatron_mok.cuda.host_ops --if-stale \
+        || echo "[setup] the C++ host ops did not build: the CUDA backend uses its Python path"
 fi
 
 "$PY" - <<'PYEOF'

@@ -7,8 +7,9 @@ the library's ``mok_dispatch_launch`` / ``mok_combine`` through the addresses ct
 which saves the Python path's tensor and ctypes overhead (~1-2 us an operation). They decide
 nothing: the backend passes every argument, and keeps the Python path, which is used when:
 
-- the extension is not built (``setup.py`` builds it when torch's headers and a C++ compiler
-  are there; ``python -m megatron_mok.cuda.host_ops`` builds it by hand), or was built for
+- the extension is not built (``scripts/setup.sh`` builds it after installing the package, and
+  ``setup.py`` when torch is importable at build time, i.e. without build isolation; both need
+  a C++ compiler; ``python -m megatron_mok.cuda.host_ops`` builds it by hand), or was built for
   another torch (its C++ ABI) or another C ABI of the library: then a warning says so once;
 - ``MOK_HOST_OPS=0`` is set (read when a backend is created);
 - the call is not one of the two (eager, cached, speculative and FP8-pair dispatches, the
@@ -193,12 +194,14 @@ def why_not() -> Optional[str]:
 
 
 def main(argv=None) -> int:
-    """``python -m megatron_mok.cuda.host_ops [--print-command]``: build for the running torch."""
+    """``python -m megatron_mok.cuda.host_ops [--if-stale] [--print-command]``: build for the
+    running torch (``--if-stale``: only where no build newer than the sources exists;
+    ``scripts/setup.sh`` runs that)."""
     argv = sys.argv[1:] if argv is None else argv
     if "--print-command" in argv:
         print(" ".join(shlex.quote(c) for c in build_command(module_path())))
         return 0
-    path = build()
+    path = build(force="--if-stale" not in argv)
     if path is None:
         return 1
     print(f"[megatron_mok] built {path}")
