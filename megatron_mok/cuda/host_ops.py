@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     path = build(force="--if-stale" not in argv)
     if path is None:
         return 1
-    print(f"[megatron_mok] built {path}")
+    print(f"[megatron_mok] C++ host ops ready: {path}")
     return 0
 
 
