@@ -26,7 +26,7 @@ import torch
 from ..comm import all_gather_exact, timeout_seconds
 from ..fp8 import PairRows
 from ..handle import DispatchHandle
-from ..loopback import is_loopback
+from ..loopback import OwnStream, is_loopback
 from ..rows import aligned_rows
 from ..validation import buffer_layout, layout_error
 from . import bindings, host_ops, library
@@ -181,7 +181,6 @@ class CudaBackend:
         # this rank) timed out, 20 s later.
         self._own_side = None
         if is_loopback(buf.group):       # never the stream of another rank (loopback.OwnStream)
-            from ..loopback import OwnStream
             self._own_side = OwnStream(dev)
             self.side_stream = self._own_side.stream
         else:
@@ -272,9 +271,10 @@ class CudaBackend:
         # Diagnostics (scripts/profile_host_calls.py --ab): True issues a dispatch's launches one
         # library call each, as before NOTES #51, instead of mok_dispatch_launch's one call.
         self.separate_launches = False
-        # The static dispatch's and the forward combine's host side in one C++ call each, when
-        # the extension is built for this torch and this C ABI (else None: the Python path, which
-        # does the same; MOK_HOST_OPS=0 forces it). The library's functions reach it as addresses.
+        # A static dispatch's and a forward combine's host side in one C++ call each, an eager
+        # dispatch's in two (NOTES items 75-76), when the extension is built for this torch and
+        # this C ABI (else None: the Python path, which does the same; MOK_HOST_OPS=0 forces it).
+        # The library's functions reach it as addresses.
         self.host_ops = host_ops.get(self.lib.mok_abi_version())
         self._launch_addr = ctypes.cast(self.lib.mok_dispatch_launch, ctypes.c_void_p).value
         self._layout_addr = ctypes.cast(self.lib.mok_dispatch_layout, ctypes.c_void_p).value
@@ -579,7 +579,7 @@ class CudaBackend:
         (``fixed`` >= 0) R = E_local * N is known here (``known_R``). ``cap``: the rows
         (``max_recv_tokens``, or the call's receive budget, ``drop``: rows past it dropped).
         With the C++ host ops (NOTES item 75) the allocations, the views and the library call
-        are one C++ call, with the same arguments; an FP8 pair (``PairRows``) takes this path."""
+        are one C++ call, with the same arguments (an FP8 pair, ``PairRows``: the Python path)."""
         steps = bindings.STEP_LAYOUT | bindings.STEP_FILL | bindings.STEP_TRANSFER
         if self.ce_stage:
             steps |= bindings.STEP_STAGE_COPY
@@ -632,11 +632,8 @@ class CudaBackend:
         counts allocated in C++), the host reads R as the Python path below does (with the
         copy-engine staging queued meanwhile), then ``dispatch_rows`` allocates the R rows and
         queues fill and transfer. The same library calls, arguments and read as that path."""
-        b = self.buf
-        rc, scratch, counts, rows_dev, _ = ops.dispatch_layout(
-            self._layout_addr, self.ctx, stream, self.scratch_bytes, x, topk_idx, topk_weights,
-            b.num_experts, b.num_local_experts, 1 << 62, -1, True, bindings.NO_ROWS_PER_EXPERT, False)
-        self._check(rc)
+        scratch, counts, rows_dev = self._ops_layout(ops, x, topk_idx, topk_weights, stream, 1 << 62, True,
+                                                     bindings.NO_ROWS_PER_EXPERT)
         self._layout_read.record(torch.cuda.current_stream(self.device))
         if self.ce_stage:   # after the read's event: copies during the read
             self._stage_copy(x, T, stream)
@@ -645,11 +642,8 @@ class CudaBackend:
         if report[4] not in DATA_ERRORS:  # protocol errors: nothing more to launch
             self._raise_if_error(report[4:])
         R = report[0]
-        blocks, producers, _ = self._roles(T)
-        rc, tokens, probs, src_rank, src_token = ops.dispatch_rows(
-            self._launch_addr, self.ctx, stream, bindings.STEP_FILL | bindings.STEP_TRANSFER, scratch, x,
-            b.num_experts, R, blocks, producers, self.ce_mode, bindings.NO_ROWS_PER_EXPERT, False)
-        self._check(rc)
+        tokens, probs, src_rank, src_token = self._ops_rows(
+            ops, x, T, stream, bindings.STEP_FILL | bindings.STEP_TRANSFER, scratch, R)
         if report[4] in DATA_ERRORS:   # launched like the peers' (they wait for it), then raise
             self._raise_if_error(report[4:])
         return tokens, probs, self._handle_of(T, R, R, src_rank, src_token, counts, rows_dev, None, scratch)
@@ -658,26 +652,38 @@ class CudaBackend:
         """:meth:`_dispatch_fixed` (``rows_per_expert`` on an eager Buffer) with the C++ host ops:
         layout, then rows and launch, then the read of the layout's errors only (none under
         CUDA-graph capture), as there."""
-        b = self.buf
         read = not torch.cuda.is_current_stream_capturing()
-        rc, scratch, counts, rows_dev, _ = ops.dispatch_layout(
-            self._layout_addr, self.ctx, stream, self.scratch_bytes, x, topk_idx, topk_weights,
-            b.num_experts, b.num_local_experts, R, -1, read, n, False)
-        self._check(rc)
+        scratch, counts, rows_dev = self._ops_layout(ops, x, topk_idx, topk_weights, stream, R, read, n)
         if read:
             self._layout_read.record(torch.cuda.current_stream(self.device))
         steps = bindings.STEP_FILL | bindings.STEP_TRANSFER
         if self.ce_stage:
             steps |= bindings.STEP_STAGE_COPY
-        blocks, producers, _ = self._roles(T)
-        rc, tokens, probs, src_rank, src_token = ops.dispatch_rows(
-            self._launch_addr, self.ctx, stream, steps, scratch, x, b.num_experts, R, blocks, producers,
-            self.ce_mode, bindings.NO_ROWS_PER_EXPERT, False)
-        self._check(rc)
+        tokens, probs, src_rank, src_token = self._ops_rows(ops, x, T, stream, steps, scratch, R)
         if read:
             self._layout_read.synchronize()
             self._raise_if_error(self.host_report[4:])
         return tokens, probs, self._handle_of(T, R, R, src_rank, src_token, counts, rows_dev, None, scratch)
+
+    def _ops_layout(self, ops, x, topk_idx, topk_weights, stream, cap, report, fixed):
+        """The C++ ``dispatch_layout`` (``_layout``'s call, no speculative verdict, no budget):
+        ``(scratch, counts, num_rows_device)``."""
+        b = self.buf
+        rc, scratch, counts, rows_dev, _ = ops.dispatch_layout(
+            self._layout_addr, self.ctx, stream, self.scratch_bytes, x, topk_idx, topk_weights,
+            b.num_experts, b.num_local_experts, cap, -1, report, fixed, False)
+        self._check(rc)
+        return scratch, counts, rows_dev
+
+    def _ops_rows(self, ops, x, T, stream, steps, scratch, R):
+        """The C++ ``dispatch_rows``: R rows' outputs and ``steps`` queued, as ``_launch`` without
+        routing or counts: ``(tokens, probs, src_rank, src_token)``."""
+        blocks, producers, _ = self._roles(T)
+        rc, tokens, probs, src_rank, src_token = ops.dispatch_rows(
+            self._launch_addr, self.ctx, stream, steps, scratch, x, self.buf.num_experts, R, blocks,
+            producers, self.ce_mode, bindings.NO_ROWS_PER_EXPERT, False)
+        self._check(rc)
+        return tokens, probs, src_rank, src_token
 
     def _layout(self, stream, scratch, idx, w, T, tpe, cap, spec_cap, report, fixed, x,
                 drop=False) -> None:
