@@ -1,9 +1,11 @@
 """The optional C++ host ops: a static-shape dispatch's and a forward combine's host side in one
-C++ call each (``csrc/host_ops/host_ops.cpp``; benchmarks/NOTES.md item 75).
+C++ call each, an eager dispatch's in two around its host read of R (``csrc/host_ops/host_ops.cpp``;
+benchmarks/NOTES.md items 75-76).
 
 The CUDA library (``library.py``) has a plain C ABI and no torch dependency. These ops are a
 small torch extension beside it: they allocate a call's outputs with ``at::empty`` and call
-the library's ``mok_dispatch_launch`` / ``mok_combine`` through the addresses ctypes resolved,
+the library's ``mok_dispatch_launch`` / ``mok_dispatch_layout`` / ``mok_combine`` through the
+addresses ctypes resolved,
 which saves the Python path's tensor and ctypes overhead (~1-2 us an operation). They decide
 nothing: the backend passes every argument, and keeps the Python path, which is used when:
 
@@ -12,8 +14,9 @@ nothing: the backend passes every argument, and keeps the Python path, which is 
   a C++ compiler; ``python -m megatron_mok.cuda.host_ops`` builds it by hand), or was built for
   another torch (its C++ ABI) or another C ABI of the library: then a warning says so once;
 - ``MOK_HOST_OPS=0`` is set (read when a backend is created);
-- the call is not one of the two (eager, cached, speculative and FP8-pair dispatches, the
-  backward's combine with prob gradients).
+- the call is not one of theirs: cached dispatches, FP8 pairs read in place, the eager
+  alternative schedules (stage-first, fill-first, speculative, side-stream staging), the
+  backward's combine with prob gradients.
 
 A build lies in ``megatron_mok/_lib/host_ops/torch-<version>/`` with Python's extension
 suffix, so a checkout used by several torch or Python versions keeps one build for each and
@@ -97,8 +100,8 @@ def build(verbose: bool = True, strict: bool = True, force: bool = True) -> Opti
     with the reason printed. A compile error raises ``CalledProcessError``, or with
     ``strict=False`` (``setup.py``: an install must not fail for an optional part) is printed
     and gives None; ``tests/test_host_ops.py`` builds with ``strict`` on, so CI catches it.
-    ``force=False`` (``setup.py``: ``scripts/setup.sh`` runs again and again) keeps a build that
-    is newer than its source and the C ABI header."""
+    ``force=False`` (``--if-stale``: what ``scripts/setup.sh``, run again and again, and
+    ``setup.py`` ask) keeps a build that is newer than its source and the C ABI header."""
     def say(msg):
         if verbose:
             print(f"[megatron_mok] {msg}", flush=True)
