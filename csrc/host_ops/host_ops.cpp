@@ -40,6 +40,27 @@ constexpr int kAbiVersion = MOK_ABI_VERSION;
 // The backend's _ptr: an empty tensor's address is passed as null.
 void* ptr_or_null(const at::Tensor& t) { return t.numel() ? t.data_ptr() : nullptr; }
 
+// The library's row_bytes: one row of x ([T, H]).
+int row_bytes_of(const at::Tensor& x) { return static_cast<int>(x.size(1) * x.element_size()); }
+
+// A dispatch's per-row outputs for `cap` rows on x's device (CudaBackend._rows_like and
+// _row_outputs): token rows [cap, H] of x's dtype, probs [cap] f32, and the sources, two [cap]
+// i64 rows (rank, token) of one [2, cap] tensor.
+struct RowOutputs {
+  at::Tensor tokens, probs, src;
+  explicit RowOutputs(const at::Tensor& x, int64_t cap) {
+    const auto on_dev = at::TensorOptions().device(x.device());
+    tokens = at::empty({cap, x.size(1)}, on_dev.dtype(x.scalar_type()));
+    probs = at::empty({cap}, on_dev.dtype(at::kFloat));
+    src = at::empty({2, cap}, on_dev.dtype(at::kLong));
+  }
+  // The backend's _row_ptrs: null for no rows.
+  int64_t* src_rank() const { return src.size(1) ? src.data_ptr<int64_t>() : nullptr; }
+  int64_t* src_token() const { return src.size(1) ? src.data_ptr<int64_t>() + src.size(1) : nullptr; }
+  float* probs_ptr() const { return static_cast<float*>(ptr_or_null(probs)); }
+};
+
+
 // A static-shape dispatch (CudaBackend._dispatch_static's Python path, which stays the
 // reference): allocates every output for `cap` rows on x's device, queues `steps` through
 // mok_dispatch_launch (one library call) and returns
@@ -56,18 +77,12 @@ py::tuple dispatch_static(uintptr_t fn, uintptr_t ctx, uintptr_t stream, int ste
                           int64_t rows_per_expert, bool drop_over_cap) {
   HANDLE_TH_ERRORS
   TORCH_CHECK(x.dim() == 2, "x must be [T, H]");
-  const auto dev = x.device();
-  const auto on_dev = at::TensorOptions().device(dev);
+  const auto on_dev = at::TensorOptions().device(x.device());
   at::Tensor scratch = at::empty({scratch_bytes}, on_dev.dtype(at::kByte));
   at::Tensor tpe = at::empty({num_local_experts + 2}, on_dev.dtype(at::kLong));
-  at::Tensor tokens = at::empty({cap, x.size(1)}, on_dev.dtype(x.scalar_type()));
-  at::Tensor probs = at::empty({cap}, on_dev.dtype(at::kFloat));
-  at::Tensor src = at::empty({2, cap}, on_dev.dtype(at::kLong));
+  const RowOutputs rows(x, cap);
   const at::Tensor idx = topk_idx.contiguous();
   const at::Tensor w = topk_weights.contiguous();
-  int64_t* src_rank = cap ? src.data_ptr<int64_t>() : nullptr;
-  int64_t* src_token = cap ? src_rank + cap : nullptr;
-  const int row_bytes = static_cast<int>(x.size(1) * x.element_size());
   int rc;
   {
     // ctypes drops the GIL around a foreign call; so does this (loopback ranks are threads).
@@ -76,28 +91,27 @@ py::tuple dispatch_static(uintptr_t fn, uintptr_t ctx, uintptr_t stream, int ste
         reinterpret_cast<MokContext*>(ctx), reinterpret_cast<void*>(stream), steps,
         scratch.data_ptr(), ptr_or_null(idx), idx.scalar_type() == at::kLong ? 1 : 0,
         static_cast<const float*>(ptr_or_null(w)), static_cast<int>(x.size(0)), num_experts,
-        tpe.data_ptr<int64_t>(), src_rank, src_token, static_cast<float*>(ptr_or_null(probs)),
-        /*pad=*/1, ptr_or_null(x), /*x2=*/nullptr, ptr_or_null(tokens), cap, num_blocks,
-        num_producers, transfer_mode, rows_per_expert, row_bytes, /*two_sources=*/0,
-        drop_over_cap ? 1 : 0);
+        tpe.data_ptr<int64_t>(), rows.src_rank(), rows.src_token(), rows.probs_ptr(), /*pad=*/1,
+        ptr_or_null(x), /*x2=*/nullptr, ptr_or_null(rows.tokens), cap, num_blocks, num_producers,
+        transfer_mode, rows_per_expert, row_bytes_of(x), /*two_sources=*/0, drop_over_cap ? 1 : 0);
   }
   const int64_t E = num_local_experts;
-  py::object received = drop_over_cap ? py::cast(tpe.narrow(0, E + 1, 1)) : py::none();
-  return py::make_tuple(rc, tokens, probs, src.select(0, 0), src.select(0, 1), tpe.narrow(0, 0, E),
-                        tpe.narrow(0, E, 1), received, scratch);
+  return py::make_tuple(rc, rows.tokens, rows.probs, rows.src.select(0, 0), rows.src.select(0, 1),
+                        tpe.narrow(0, 0, E), tpe.narrow(0, E, 1),
+                        drop_over_cap ? py::cast(tpe.narrow(0, E + 1, 1)) : py::none(), scratch);
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
 // An eager dispatch's first half (CudaBackend._dispatch_eager_ops; the Python path is
 // CudaBackend._layout): scratch [scratch_bytes] u8 and the counts [E + 2] i64 allocated on x's
-// device, mok_dispatch_layout queued. Returns (rc, scratch, tokens_per_expert [E],
-// num_rows_device [1], rows_received [1] or None (drop_over_cap only)), the views the handle
-// keeps. The host then reads R (Python), and dispatch_rows queues the rest.
+// device, mok_dispatch_layout queued (an eager call: no receive budget, drop_over_cap 0).
+// Returns (rc, scratch, tokens_per_expert [E], num_rows_device [1]), the views the handle keeps.
+// The host then reads R (Python), and dispatch_rows queues the rest.
 py::tuple dispatch_layout(uintptr_t fn, uintptr_t ctx, uintptr_t stream, int64_t scratch_bytes,
                           const at::Tensor& x, const at::Tensor& topk_idx,
                           const at::Tensor& topk_weights, int num_experts, int num_local_experts,
-                          int64_t cap, int64_t spec_cap, bool write_report, int64_t rows_per_expert,
-                          bool drop_over_cap) {
+                          int64_t cap, int64_t spec_cap, bool write_report,
+                          int64_t rows_per_expert) {
   HANDLE_TH_ERRORS
   TORCH_CHECK(x.dim() == 2, "x must be [T, H]");
   const auto on_dev = at::TensorOptions().device(x.device());
@@ -105,7 +119,6 @@ py::tuple dispatch_layout(uintptr_t fn, uintptr_t ctx, uintptr_t stream, int64_t
   at::Tensor tpe = at::empty({num_local_experts + 2}, on_dev.dtype(at::kLong));
   const at::Tensor idx = topk_idx.contiguous();
   const at::Tensor w = topk_weights.contiguous();
-  const int row_bytes = static_cast<int>(x.size(1) * x.element_size());
   int rc;
   {
     py::gil_scoped_release no_gil;
@@ -113,12 +126,11 @@ py::tuple dispatch_layout(uintptr_t fn, uintptr_t ctx, uintptr_t stream, int64_t
         reinterpret_cast<MokContext*>(ctx), reinterpret_cast<void*>(stream), scratch.data_ptr(),
         ptr_or_null(idx), idx.scalar_type() == at::kLong ? 1 : 0,
         static_cast<const float*>(ptr_or_null(w)), static_cast<int>(x.size(0)), num_experts,
-        tpe.data_ptr<int64_t>(), cap, spec_cap, write_report ? 1 : 0, rows_per_expert, row_bytes,
-        /*two_sources=*/0, drop_over_cap ? 1 : 0);
+        tpe.data_ptr<int64_t>(), cap, spec_cap, write_report ? 1 : 0, rows_per_expert,
+        row_bytes_of(x), /*two_sources=*/0, /*drop_over_cap=*/0);
   }
   const int64_t E = num_local_experts;
-  py::object received = drop_over_cap ? py::cast(tpe.narrow(0, E + 1, 1)) : py::none();
-  return py::make_tuple(rc, scratch, tpe.narrow(0, 0, E), tpe.narrow(0, E, 1), received);
+  return py::make_tuple(rc, scratch, tpe.narrow(0, 0, E), tpe.narrow(0, E, 1));
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
@@ -133,25 +145,19 @@ py::tuple dispatch_rows(uintptr_t fn, uintptr_t ctx, uintptr_t stream, int steps
                         int64_t rows_per_expert, bool drop_over_cap) {
   HANDLE_TH_ERRORS
   TORCH_CHECK(x.dim() == 2, "x must be [T, H]");
-  const auto on_dev = at::TensorOptions().device(x.device());
-  at::Tensor tokens = at::empty({cap, x.size(1)}, on_dev.dtype(x.scalar_type()));
-  at::Tensor probs = at::empty({cap}, on_dev.dtype(at::kFloat));
-  at::Tensor src = at::empty({2, cap}, on_dev.dtype(at::kLong));
-  int64_t* src_rank = cap ? src.data_ptr<int64_t>() : nullptr;
-  int64_t* src_token = cap ? src_rank + cap : nullptr;
-  const int row_bytes = static_cast<int>(x.size(1) * x.element_size());
+  const RowOutputs rows(x, cap);
   int rc;
   {
     py::gil_scoped_release no_gil;
     rc = reinterpret_cast<DispatchLaunchFn>(fn)(
         reinterpret_cast<MokContext*>(ctx), reinterpret_cast<void*>(stream), steps,
         ptr_or_null(scratch), /*topk_idx=*/nullptr, /*idx_is_64=*/0, /*topk_weights=*/nullptr,
-        static_cast<int>(x.size(0)), num_experts, /*tokens_per_expert=*/nullptr, src_rank,
-        src_token, static_cast<float*>(ptr_or_null(probs)), /*pad=*/1, ptr_or_null(x),
-        /*x2=*/nullptr, ptr_or_null(tokens), cap, num_blocks, num_producers, transfer_mode,
-        rows_per_expert, row_bytes, /*two_sources=*/0, drop_over_cap ? 1 : 0);
+        static_cast<int>(x.size(0)), num_experts, /*tokens_per_expert=*/nullptr, rows.src_rank(),
+        rows.src_token(), rows.probs_ptr(), /*pad=*/1, ptr_or_null(x), /*x2=*/nullptr,
+        ptr_or_null(rows.tokens), cap, num_blocks, num_producers, transfer_mode, rows_per_expert,
+        row_bytes_of(x), /*two_sources=*/0, drop_over_cap ? 1 : 0);
   }
-  return py::make_tuple(rc, tokens, probs, src.select(0, 0), src.select(0, 1));
+  return py::make_tuple(rc, rows.tokens, rows.probs, rows.src.select(0, 0), rows.src.select(0, 1));
   END_HANDLE_TH_ERRORS_PYBIND
 }
 

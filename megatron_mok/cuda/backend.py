@@ -669,9 +669,9 @@ class CudaBackend:
         """The C++ ``dispatch_layout`` (``_layout``'s call, no speculative verdict, no budget):
         ``(scratch, counts, num_rows_device)``."""
         b = self.buf
-        rc, scratch, counts, rows_dev, _ = ops.dispatch_layout(
+        rc, scratch, counts, rows_dev = ops.dispatch_layout(
             self._layout_addr, self.ctx, stream, self.scratch_bytes, x, topk_idx, topk_weights,
-            b.num_experts, b.num_local_experts, cap, -1, report, fixed, False)
+            b.num_experts, b.num_local_experts, cap, -1, report, fixed)
         self._check(rc)
         return scratch, counts, rows_dev
 
