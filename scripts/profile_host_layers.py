@@ -79,7 +79,8 @@ def library_args(backend, name: str, call):
 
 
 def layer_calls(mok, torch, common, phc, dev, T):
-    """name -> call of every layer at T tokens, and the Buffers to destroy afterwards."""
+    """``(calls, buffers, rows, host_ops)``: name -> call of every layer at T tokens, the Buffers
+    to destroy afterwards, the rows of a call, and whether the C++ host ops are on."""
     from megatron_mok import validation
     from megatron_mok.autograd.functions import CombineFunction, DispatchFunction
 
@@ -143,8 +144,7 @@ def layer_calls(mok, torch, common, phc, dev, T):
         calls[f"dispatch_library{suffix}"] = (lambda be=be, a=d_args, keep=keep: be._check(be.lib.mok_dispatch_launch(*a)))
         calls[f"combine_library{suffix}"] = (lambda be=be, a=c_args, keep=keep: be._check(be.lib.mok_combine(*a)))
     # Whether the C++ host ops are in use (else the *_py layers are the same path as the others).
-    calls["_host_ops"] = host_ops_state(impl)
-    return calls, list(bufs.values()), rows
+    return calls, list(bufs.values()), rows, host_ops_state(impl)
 
 
 def host_ops_state(impl) -> str:
@@ -202,8 +202,7 @@ def main(argv=None):
     print("process probes (us): " + ", ".join(f"{k} {v}" for k, v in probes.items()), flush=True)
     cases = []
     for T in (int(v) for v in a.tokens.split(",")):
-        calls, bufs, rows = layer_calls(mok, torch, common, phc, dev, T)
-        ops_state = calls.pop("_host_ops")
+        calls, bufs, rows, ops_state = layer_calls(mok, torch, common, phc, dev, T)
         print(f"T={T}: C++ host ops {ops_state}", flush=True)
         for fn in calls.values():
             for _ in range(a.warmup):

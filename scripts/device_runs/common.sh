@@ -103,7 +103,7 @@ host_ops_build() {  # the C++ host ops (NOTES item 75) for this machine's torch,
   if [ "$path" -nt csrc/host_ops/host_ops.cpp ]; then echo "[host_ops] present: $path"; return 0; fi
   local t0=$SECONDS
   python3 -m megatron_mok.cuda.host_ops > $R/host_ops_build.log 2>&1
-  echo "[host_ops build] rc=$? $((SECONDS - t0)) s"; grep -E "error|built" $R/host_ops_build.log | head -20
+  echo "[host_ops build] rc=$? $((SECONDS - t0)) s"; grep -E "error|ready" $R/host_ops_build.log | head -20
 }
 
 run_parts() {  # run_parts "PARTS" FUZZ_S: each part through the calling script's part() function
