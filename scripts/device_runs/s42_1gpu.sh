@@ -2,7 +2,8 @@
 # Session 42's one-GPU calls (benchmarks/NOTES.md, item 75: the C++ host ops).
 #
 #   bash scripts/device_runs/s42_1gpu.sh COMMIT "PARTS" [FUZZ_S]
-#     PARTS: any of hostops layers eager replay lagging overflow sample sample_py regress megatron mdispatcher
+#     PARTS: any of hostops layers eager replay lagging overflow sample sample_py regress megatron
+#            mdispatcher mrest
 #
 # Every call first builds the C++ host ops for this machine's torch (common.sh host_ops_build),
 # so every part below runs with them on (the default once built) unless it says otherwise.
@@ -24,6 +25,9 @@
 #           its peers' kernels to time out; the stream is now made before the workspace) three times.
 # mdispatcher tests/megatron/test_megatron_dispatcher.py's GPU tests on 0.19.2 (the dispatcher's
 #           eager calls now go through the op).
+# mrest     the GPU tests of tests/megatron's full-graph, features and recompute files on 0.19.2
+#           (CUDA-graph capture of the drop-and-pad dispatch through the op among them; not run in
+#           session 42), under MREST_LIMIT_S (default 480).
 # megatron  the Megatron T_max twins (common.sh; megatron-core 0.19.2 from the carried .whl).
 # Then the fuzzer for FUZZ_S seconds (default 30; 0: none), op on.
 # Carry: megatron_mok/_lib/libmok_cuda.so (not the whole _lib: that would replace the device's
@@ -72,6 +76,12 @@ overflow)
   for i in 1 2 3; do
     run_pytest overflow$i 150 -m "gpu and not multigpu" tests/test_cuda_loopback.py -k "static_overflow"
   done ;;
+mrest)
+  [ -d /tmp/site/megatron ] || install_wheels .whl /tmp/site
+  PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
+    run_pytest mrest ${MREST_LIMIT_S:-480} -m "gpu or multigpu" --durations=8 \
+    tests/megatron/test_megatron_full_graph.py tests/megatron/test_megatron_features.py \
+    tests/megatron/test_megatron_recompute.py ;;
 mdispatcher)
   [ -d /tmp/site/megatron ] || install_wheels .whl /tmp/site
   PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
