@@ -42,11 +42,11 @@ LAYOUT_PTRS = {2: "scratch", 3: "idx", 5: "w", 8: "tpe"}
 
 @pytest.fixture(scope="module")
 def ops():
-    """The extension for this torch, built here if missing (a compile error fails the test:
-    CI must not land a broken source); skipped only where no C++ compiler exists."""
-    if not host_ops.module_path().exists():
-        if host_ops.build(verbose=False) is None:
-            pytest.skip("the C++ host ops cannot be built here (no C++ compiler or torch headers)")
+    """The extension for this torch, built here if missing or older than its sources (a compile
+    error fails the test: CI must not land a broken source); skipped only where no C++
+    compiler exists."""
+    if host_ops.build(verbose=False, force=False) is None:
+        pytest.skip("the C++ host ops cannot be built here (no C++ compiler or torch headers)")
     module = host_ops._import(host_ops.module_path())
     assert module.abi_version == bindings.ABI_VERSION, "rebuild: python -m megatron_mok.cuda.host_ops"
     return module
