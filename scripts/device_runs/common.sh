@@ -96,14 +96,12 @@ stop_chains() {  # stop_chains REPEATS: the 4-process stop twins REPEATS times w
   grep -L "^2 passed" $R/chains_*.log | head
 }
 
-host_ops_build() {  # the C++ host ops (NOTES item 75) for this machine's torch, unless built after its source:
-    # the build is keyed by torch version, so a build carried from the CPU machine is not it
-  local path
-  path=$(python3 -c "from megatron_mok.cuda import host_ops; print(host_ops.module_path())")
-  if [ "$path" -nt csrc/host_ops/host_ops.cpp ]; then echo "[host_ops] present: $path"; return 0; fi
+host_ops_build() {  # the C++ host ops (NOTES item 75) for this machine's torch, unless a build newer
+    # than its source and mok_api.h is there (the CLI's --if-stale): the build is keyed by torch
+    # version, so a build carried from the CPU machine is not it
   local t0=$SECONDS
-  python3 -m megatron_mok.cuda.host_ops > $R/host_ops_build.log 2>&1
-  echo "[host_ops build] rc=$? $((SECONDS - t0)) s"; grep -E "error|ready" $R/host_ops_build.log | head -20
+  python3 -m megatron_mok.cuda.host_ops --if-stale > $R/host_ops_build.log 2>&1
+  echo "[host_ops build] rc=$? $((SECONDS - t0)) s"; grep -E "error|ready|up to date" $R/host_ops_build.log | head -20
 }
 
 run_parts() {  # run_parts "PARTS" FUZZ_S: each part through the calling script's part() function
