@@ -73,11 +73,15 @@ cuda_mutants() {  # cuda_mutants LIBS ONLY FUZZ_S: scripts/mutation_audit_cuda.p
   echo "[mutants] rc=$?"; tail -8 $R/audit.log
 }
 
+mcore_pytest() {  # mcore_pytest NAME LIMIT_S PYTEST ARGS...: run_pytest on megatron-core from the
+    # carried .whl (installed into /tmp/site once), multi-rank tests as processes sharing the GPU
+  [ -d /tmp/site/megatron ] || install_wheels .whl /tmp/site
+  PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 run_pytest "$@"
+}
+
 megatron_t_max_twins() {  # the Megatron T_max twins (CPU reference; 2 processes on the GPU),
     # megatron-core from the carried .whl (sessions 37-38)
-  [ -d /tmp/site/megatron ] || install_wheels .whl /tmp/site
-  PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
-    run_pytest megatron_t_max 240 tests/megatron/test_megatron_eval.py -k "over_t_max"
+  mcore_pytest megatron_t_max 240 tests/megatron/test_megatron_eval.py -k "over_t_max"
 }
 
 stop_tests() {  # the CUDA stop tests (loopback ranks, processes sharing the GPU), the C ABI and

@@ -77,15 +77,11 @@ overflow)
     run_pytest overflow$i 150 -m "gpu and not multigpu" tests/test_cuda_loopback.py -k "static_overflow"
   done ;;
 mrest)
-  [ -d /tmp/site/megatron ] || install_wheels .whl /tmp/site
-  PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
-    run_pytest mrest ${MREST_LIMIT_S:-480} -m "gpu or multigpu" --durations=8 \
+  mcore_pytest mrest ${MREST_LIMIT_S:-480} -m "gpu or multigpu" --durations=8 \
     tests/megatron/test_megatron_full_graph.py tests/megatron/test_megatron_features.py \
     tests/megatron/test_megatron_recompute.py ;;
 mdispatcher)
-  [ -d /tmp/site/megatron ] || install_wheels .whl /tmp/site
-  PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=4 MOK_TEST_SHARED_GPU=1 \
-    run_pytest mdispatcher ${MDISPATCHER_LIMIT_S:-240} -m "gpu or multigpu" --durations=8 \
+  mcore_pytest mdispatcher ${MDISPATCHER_LIMIT_S:-240} -m "gpu or multigpu" --durations=8 \
     tests/megatron/test_megatron_dispatcher.py ;;
 *) echo "unknown part $1"; exit 2 ;;
 esac
