@@ -29,6 +29,7 @@ import importlib.machinery
 import importlib.util
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -123,13 +124,12 @@ def build(verbose: bool = True, strict: bool = True, force: bool = True) -> Opti
         say(f"the C++ host ops are up to date ({out})")
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = build_command(out)
-    if not (Path(cmd[0]).exists() or _which(cmd[0])):
+    tmp = out.with_name(out.name + ".tmp")
+    cmd = build_command(tmp)
+    if not (Path(cmd[0]).exists() or shutil.which(cmd[0])):
         say(f"no C++ compiler ({cmd[0]}): the C++ host ops are not built (the Python path is used)")
         return None
     say("building the C++ host ops: " + " ".join(shlex.quote(c) for c in cmd[:2]) + " ... -o " + str(out))
-    tmp = out.with_name(out.name + ".tmp")
-    cmd[cmd.index(str(out))] = str(tmp)
     try:
         subprocess.run(cmd, check=True)
     except subprocess.CalledProcessError as e:
@@ -139,11 +139,6 @@ def build(verbose: bool = True, strict: bool = True, force: bool = True) -> Opti
         return None
     os.replace(tmp, out)   # a reader never sees a half-written module
     return out
-
-
-def _which(name: str) -> Optional[str]:
-    import shutil
-    return shutil.which(name)
 
 
 def _import(path: Path):
