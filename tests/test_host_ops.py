@@ -155,16 +155,22 @@ def _pointer_targets(args, names, tensors):
     return {names[i]: (None if not args[i] else by_ptr.get(args[i], "other")) for i in names}
 
 
-def _dispatch_both(ops, *, T, idx_dtype=torch.int64, x_dtype=torch.bfloat16, max_recv=40, budget=None,
-                   rows_per_expert=None, ce_stage=False, small=False, contiguous=True, seed=0):
+def _inputs(T, idx_dtype, x_dtype, contiguous, seed):
+    """``(x, topk_idx, topk_weights)`` of T tokens, unrouted (-1) slots included."""
     g = torch.Generator().manual_seed(seed)
-    buf = small_buffer(max_recv_tokens=max_recv)
     width = H if x_dtype != torch.uint8 else 48     # packed FP8 rows: a plain uint8 tensor
     x = (torch.randn(T, width, generator=g) * 4).to(x_dtype)
     idx = torch.randint(-1, E, (T, K), generator=g).to(idx_dtype)
     w = torch.rand(T, K, generator=g)
     if not contiguous:    # the same values, column-major: both paths pass a contiguous copy
         idx, w = idx.t().contiguous().t(), w.t().contiguous().t()
+    return x, idx, w
+
+
+def _dispatch_both(ops, *, T, idx_dtype=torch.int64, x_dtype=torch.bfloat16, max_recv=40, budget=None,
+                   rows_per_expert=None, ce_stage=False, small=False, contiguous=True, seed=0):
+    buf = small_buffer(max_recv_tokens=max_recv)
+    x, idx, w = _inputs(T, idx_dtype, x_dtype, contiguous, seed)
     out = {}
     for name, module in (("python", None), ("op", ops)):
         lib = StandInLibrary(E)
@@ -249,14 +255,8 @@ def no_cuda_streams(monkeypatch):
 
 def _eager_both(ops, *, T, idx_dtype=torch.int64, x_dtype=torch.bfloat16, rows_per_expert=None,
                 ce_stage=False, small=False, contiguous=True, report_error=0, seed=1):
-    g = torch.Generator().manual_seed(seed)
     buf = small_buffer()          # eager: no max_recv_tokens
-    width = H if x_dtype != torch.uint8 else 48
-    x = (torch.randn(T, width, generator=g) * 4).to(x_dtype)
-    idx = torch.randint(-1, E, (T, K), generator=g).to(idx_dtype)
-    w = torch.rand(T, K, generator=g)
-    if not contiguous:
-        idx, w = idx.t().contiguous().t(), w.t().contiguous().t()
+    x, idx, w = _inputs(T, idx_dtype, x_dtype, contiguous, seed)
     out = {}
     for name, module in (("python", None), ("op", ops)):
         lib = StandInLibrary(E, report_error=report_error)
