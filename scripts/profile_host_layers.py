@@ -30,6 +30,15 @@ called on its own, outermost first:
   Function (item 73), so ``buffer_nograd`` minus ``backend`` is the Buffer's own cost there,
   and ``function_nograd`` minus ``backend`` what the Function cost such calls before.
 
+The backward's two calls (item 77), at the backend layer, with the op and without (``_py``):
+``cached_backend`` (``CudaBackend.dispatch_cached`` of a gradient of y: the combine's backward)
+and ``gradcombine_backend`` (``CudaBackend.combine`` with prob gradients: the dispatch's
+backward). And a training step's pair at the Buffer level, ``roundtrip_buffer`` /
+``roundtrip_buffer_py``: ``Buffer.dispatch``, ``Buffer.combine``, then ``torch.autograd.grad``
+of ``(y, probs)`` into ``(x, topk_weights)`` (the two backward calls and autograd's own work),
+so ``roundtrip_buffer_py`` minus ``roundtrip_buffer`` is what the ops save one layer's
+dispatch and combine, forward and backward.
+
 Each figure is the median host time to return (a stream sync after each call, outside the
 timed part); the difference between two layers is what the outer one adds. The library-only
 calls reuse one set of outputs (each call is a whole dispatch: layout, fill, transfer).
@@ -135,6 +144,23 @@ def layer_calls(mok, torch, common, phc, dev, T):
         "combine_buffer_nograd": nograd(lambda: buf.combine(tokens, handle)),
         "combine_function_nograd": nograd(lambda: CombineFunction.apply(impl, handle, tokens)),
     }
+    # The backward's calls (item 77): a gradient of y [T, H], the prob gradients [rows].
+    grad_y = torch.randn(T, x.shape[1], device=dev).to(x.dtype)
+    grad_probs = torch.rand(tokens.shape[0], device=dev)
+
+    def roundtrip():
+        r = buf.dispatch(x, idx, w)
+        y = buf.combine(r.tokens, r.handle)
+        return torch.autograd.grad((y, r.probs), (x, w), (grad_y, grad_probs))
+
+    calls.update({
+        "cached_backend": lambda: impl.dispatch_cached(grad_y, handle),
+        "cached_backend_py": python_path(lambda: impl.dispatch_cached(grad_y, handle)),
+        "gradcombine_backend": lambda: impl.combine(tokens, handle, grad_probs=grad_probs),
+        "gradcombine_backend_py": python_path(lambda: impl.combine(tokens, handle, grad_probs=grad_probs)),
+        "roundtrip_buffer": roundtrip,
+        "roundtrip_buffer_py": python_path(roundtrip),
+    })
     for name, b in bufs.items():
         be = b._get_backend("cuda")
         d_args, r = library_args(be, "mok_dispatch_launch", lambda b=b: b.dispatch(x, idx, w))
@@ -223,6 +249,10 @@ def main(argv=None):
                                  ("backend_py", "backend")):
                 case[f"adds_{op}_{outer}_over_{inner}_us"] = phc.paired_change_us(
                     blocks, f"{op}_{inner}", f"{op}_{outer}")
+        for op, outer, inner in (("cached", "backend_py", "backend"), ("gradcombine", "backend_py", "backend"),
+                                 ("roundtrip", "buffer_py", "buffer")):
+            case[f"adds_{op}_{outer}_over_{inner}_us"] = phc.paired_change_us(
+                blocks, f"{op}_{inner}", f"{op}_{outer}")
         if a.profile:
             profile_calls(calls, a.profile, sync, os.path.join(a.out, f"profile_{T}.txt"))
         for b in bufs:

@@ -670,11 +670,13 @@ def test_one_call_dispatch_matches_separate_launches_bitwise():
 
 
 def _host_ops_vs_python_path(rank, world_size):
-    """Items 75-76 on the GPU: static dispatches (``max_recv_tokens``, with ``rows_per_expert``,
-    a receive budget that drops rows), eager ones (with and without ``rows_per_expert``) and
-    combines queued by the C++ host ops and by the Python path (``host_ops = None``) on the
-    same Buffer give bitwise the same outputs, handles, combines and gradients (training: ``x`` and ``topk_weights`` require gradients), for 0, 1
-    and an odd number of tokens, unrouted slots and every token to one expert."""
+    """Items 75-77 on the GPU: static dispatches (``max_recv_tokens``, with ``rows_per_expert``,
+    a receive budget that drops rows), eager ones (with and without ``rows_per_expert``),
+    cached dispatches and combines queued by the C++ host ops and by the Python path
+    (``host_ops = None``) on the same Buffer give bitwise the same outputs, handles, combines
+    and gradients (training: ``x`` and ``topk_weights`` require gradients, so the backward's
+    cached dispatch and prob-gradient combine run too), for 0, 1 and an odd number of tokens,
+    unrouted slots and every token to one expert."""
     from megatron_mok.cuda import host_ops
 
     case = contract_cases(world_size)["mixed"]
@@ -705,14 +707,17 @@ def _host_ops_vs_python_path(rank, world_size):
                     impl.host_ops = module
                     x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
                     r = buf.dispatch(x, idx, w, **call)
+                    # A cached dispatch along the handle (item 77; its backward: a combine).
+                    c = buf.dispatch(x * 0.5, handle=r.handle).tokens
                     y = buf.combine(r.tokens * 2, r.handle)
-                    (y.float().square().sum() + (r.probs * 3).sum()).backward()
+                    (y.float().square().sum() + (r.probs * 3).sum() + (c.float() * 1.25).sum()).backward()
                     with torch.no_grad():
                         y2 = buf.combine(r.tokens, r.handle)
+                        c2 = buf.dispatch(x * 3, handle=r.handle).tokens
                     buf.check_errors()
                     h = r.handle
                     got = [r.tokens, r.probs, r.src_rank, r.src_token, r.tokens_per_expert, h.num_rows_device,
-                           y, y2, x.grad, w.grad]
+                           y, y2, c, c2, x.grad, w.grad]
                     if h.rows_received is not None:
                         got += [h.rows_received, h.over_budget]
                     outs.append([None if t is None else t.detach().clone() for t in got])

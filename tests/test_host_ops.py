@@ -92,9 +92,10 @@ class StandInLibrary:
             scratch_bytes = (ctypes.c_uint8 * SCRATCH_BYTES).from_address(scratch)
             scratch_bytes[:] = [(v + steps * 7 + mode) % 251 for v in scratch_bytes]
         for r in range(cap):
-            (ctypes.c_int64).from_address(src_rank + 8 * r).value = r % 3 - 1
-            (ctypes.c_int64).from_address(src_token + 8 * r).value = ids[r % len(ids)] if ids else -1
-            (ctypes.c_float).from_address(probs + 4 * r).value = weights[r % len(weights)] if weights else 0.0
+            if src_rank:     # (a cached dispatch has no per-row outputs)
+                (ctypes.c_int64).from_address(src_rank + 8 * r).value = r % 3 - 1
+                (ctypes.c_int64).from_address(src_token + 8 * r).value = ids[r % len(ids)] if ids else -1
+                (ctypes.c_float).from_address(probs + 4 * r).value = weights[r % len(weights)] if weights else 0.0
             row = rows[(r % T) * row_bytes:(r % T + 1) * row_bytes] if T else bytes([r % 256]) * row_bytes
             ctypes.memmove(out + r * row_bytes, row, row_bytes)
         return self.rc
@@ -124,6 +125,10 @@ class StandInLibrary:
         for t in range(T):
             row = src[(t % cap) * hidden * elem:(t % cap + 1) * hidden * elem] if cap else bytes(hidden * elem)
             ctypes.memmove(y + t * hidden * elem, bytes((b + mark) % 256 for b in row), hidden * elem)
+        if grad_w:   # each (token, k) from the prob gradients (R of them; one zero for none)
+            probs = _read(grad_probs, max(cap, 1), ctypes.c_float)
+            for i in range(T * K):
+                ctypes.c_float.from_address(grad_w + 4 * i).value = probs[(i * 7) % len(probs)] + i + mark
         return self.rc
 
 
@@ -410,9 +415,9 @@ def test_library_errors_raise_on_both_paths(ops):
             be.combine(torch.zeros(16, H, dtype=torch.bfloat16), h)
 
 
-def test_prob_gradient_combines_and_fp8_pairs_keep_the_python_path(ops):
-    """The backward's combine (with prob gradients) and an FP8 pair read in place are not the
-    op's calls: the op must not see them."""
+def test_fp8_pairs_keep_the_python_path(ops):
+    """An FP8 pair read in place (routed or cached dispatch) is not the op's call: the op must not
+    see it (its two sources are the Python path's)."""
     from megatron_mok.fp8 import PairRows
 
     class Refusing:
@@ -423,17 +428,105 @@ def test_prob_gradient_combines_and_fp8_pairs_keep_the_python_path(ops):
 
     buf = small_buffer(max_recv_tokens=16)
     lib = StandInLibrary(E)
-    x, idx, w = torch.randn(3, H).to(torch.bfloat16), torch.randint(0, E, (3, K)), torch.rand(3, K)
-    ok = bare_backend(buf, lib, ops)
-    tokens, probs, h = ok.dispatch(x, idx, w)
+    idx, w = torch.randint(0, E, (3, K)), torch.rand(3, K)
     be = bare_backend(buf, lib, Refusing())
-    y, grad_w = be.combine(tokens, h, grad_probs=torch.ones_like(probs))
-    assert grad_w is not None and y.shape == (3, H)
-    fp8 = torch.zeros(3, 32, dtype=torch.uint8)
-    scales = torch.zeros(3, 4, dtype=torch.float32)
-    pair = PairRows(fp8, scales, 16)
-    be.dispatch(pair, idx, w)
+    pair = PairRows(torch.zeros(3, 32, dtype=torch.uint8), torch.zeros(3, 4, dtype=torch.float32), 16)
+    _, _, h = be.dispatch(pair, idx, w)
     assert lib.calls[-1][1][23] == 1     # two_sources: the Python path's call
+    be.dispatch_cached(pair, h)
+    assert lib.calls[-1][1][2] == bindings.STEP_TRANSFER and lib.calls[-1][1][23] == 1
+
+
+CACHED_CASES = [dict(T=0), dict(T=1), dict(T=7), dict(T=5, ce_stage=True), dict(T=3, small=True),
+                dict(T=5, x_dtype=torch.float32), dict(T=5, x_dtype=torch.uint8), dict(T=6, budget=2),
+                dict(T=4, eager=True), dict(T=4, eager=True, ce_stage=True)]
+
+
+@pytest.mark.parametrize("case", CACHED_CASES, ids=lambda c: "-".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()))
+def test_cached_dispatch_op_is_the_python_path(ops, no_cuda_streams, case):
+    """Item 77: a cached dispatch (the combine's backward) along a static or eager handle, through
+    ``dispatch_cached`` and through the Python path: one ``mok_dispatch_launch`` each (the
+    transfer, after the copy-engine staging when on) with the same arguments, pointer for
+    pointer, and bitwise the same rows."""
+    case = dict(case)
+    T, eager = case.pop("T"), case.pop("eager", False)
+    ce_stage, small = case.pop("ce_stage", False), case.pop("small", False)
+    x_dtype, budget = case.pop("x_dtype", torch.bfloat16), case.pop("budget", None)
+    assert not case
+    buf = small_buffer() if eager else small_buffer(max_recv_tokens=40)
+    x, idx, w = _inputs(T, torch.int64, x_dtype, True, seed=T + 5)
+    x2 = (x.float() * 2 + 1).to(x_dtype) if x_dtype != torch.uint8 else x.flip(0).contiguous()
+    res = {}
+    for name, module in (("python", None), ("op", ops)):
+        lib = StandInLibrary(E)
+        be = bare_backend(buf, lib, module, ce_stage=ce_stage, small=small)
+        _, _, h = be.dispatch(x, idx, w, recv_budget=budget)
+        before = len(lib.calls)
+        scratch_before = h.state.scratch.clone()
+        out = be.dispatch_cached(x2, h)
+        (kind, args), = lib.calls[before:]
+        assert kind == "launch"
+        named = _named_calls([(kind, args)], {"scratch": h.state.scratch, "x": x2, "out": out})[0][1]
+        res[name] = (out, named, h, scratch_before)
+    (op_out, op_args, ho, so), (py_out, py_args, hp, sp) = res["op"], res["python"]
+    assert op_args == py_args, (op_args, py_args)
+    steps = bindings.STEP_TRANSFER | (bindings.STEP_STAGE_COPY if ce_stage else 0)
+    assert op_args[2] == steps and op_args[3] == "scratch" and op_args[7] == T
+    assert [op_args[i] for i in (4, 6, 9, 10, 11, 12, 15)] == [None] * 7      # no routing, counts, rows
+    assert op_args[14] == ("x" if T else None) and op_args[16] == ("out" if ho.num_out_rows else None)
+    assert op_args[17] == ho.num_out_rows and op_args[20] == (bindings.TRANSFER_CE_STAGED if ce_stage else 0)
+    _same_tensor(py_out, op_out, "tokens")
+    _same_tensor(sp, so, "scratch before")
+    _same_tensor(hp.state.scratch, ho.state.scratch, "scratch after")
+    assert op_out.shape == (ho.num_out_rows, x.shape[1]) and op_out.dtype == x.dtype
+
+
+GRAD_COMBINE_CASES = [dict(T=0), dict(T=1), dict(T=7, small=True), dict(T=8), dict(T=5, probs_dtype=torch.bfloat16),
+                      dict(T=6, strided=True), dict(T=6, budget=0), dict(T=4, eager=True)]
+
+
+@pytest.mark.parametrize("case", GRAD_COMBINE_CASES, ids=lambda c: "-".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()))
+def test_prob_gradient_combine_op_is_the_python_path(ops, no_cuda_streams, case):
+    """Item 77: the dispatch's backward (a combine with prob gradients) through the C++
+    ``combine`` and the Python path: the same ``mok_combine`` arguments (the gradients converted
+    to contiguous float32 alike, a copy only where needed; an empty one replaced by one zero:
+    both pass a pointer to a zero, never null) and bitwise the same ``y`` and ``grad_w``.
+    Also ``combine_prob_grads`` (the FP8 dispatch's backward), which calls it."""
+    case = dict(case)
+    T, eager, small = case.pop("T"), case.pop("eager", False), case.pop("small", False)
+    probs_dtype, strided = case.pop("probs_dtype", torch.float32), case.pop("strided", False)
+    budget = case.pop("budget", None)
+    assert not case
+    buf = small_buffer() if eager else small_buffer(max_recv_tokens=24)
+    x, idx, w = _inputs(T, torch.int64, torch.bfloat16, True, seed=T + 11)
+    res = {}
+    for name, module in (("python", None), ("op", ops)):
+        lib = StandInLibrary(E)
+        be = bare_backend(buf, lib, module, small=small)
+        tokens, probs, h = be.dispatch(x, idx, w, recv_budget=budget)
+        expert_out = (tokens.float() * 3 - 1).to(torch.bfloat16)
+        R = h.num_out_rows
+        gp = torch.linspace(-1, 1, 2 * R + 1)[:2 * R].view(R, 2)
+        gp = (gp[:, 0] if strided else gp.reshape(-1)[:R].contiguous()).to(probs_dtype)
+        before = len(lib.calls)
+        y, grad_w = be.combine(expert_out, h, grad_probs=gp)
+        only_w = be.combine_prob_grads(h, gp)
+        calls = lib.calls[before:]
+        assert [k for k, _ in calls] == ["combine", "combine"]
+        tensors = {"scratch": h.state.scratch, "expert_out": expert_out, "y": y, "grad_w": grad_w,
+                   "grad_probs": gp}
+        res[name] = (y, grad_w, only_w, [_named_calls([c], tensors)[0][1] for c in calls])
+    (yp, wp, op_, ap), (yo, wo, oo, ao) = res["python"], res["op"]
+    # The second call's rows (combine_prob_grads' zeros) and its grad_w are its own: "other".
+    assert ap == ao, (ap, ao)
+    first = ao[0]
+    direct = probs_dtype == torch.float32 and not strided and R > 0
+    assert first[4] == ("grad_probs" if direct else "other")     # a converted copy, or the one zero
+    assert first[7] == ("grad_w" if T else None) and first[6] == ("y" if T else None)
+    _same_tensor(yp, yo, "y")
+    _same_tensor(wp, wo, "grad_w")
+    _same_tensor(op_, oo, "combine_prob_grads")
+    assert wo.shape == (T, K) and wo.dtype == torch.float32
 
 
 def test_loader_refuses_builds_for_another_torch_or_abi(ops, tmp_path, monkeypatch):

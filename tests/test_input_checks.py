@@ -171,9 +171,6 @@ def _bare_backend(device, buf=None):
         def mok_dispatch_launch(self, *a):        # x is argument 14
             return self._rows("mok_dispatch_launch", a[14])
 
-        def mok_dispatch_transfer(self, *a):      # x is argument 3
-            return self._rows("mok_dispatch_transfer", a[3])
-
         def mok_combine(self, *a):                # expert_out is argument 3
             return self._rows("mok_combine", a[3])
 
@@ -226,7 +223,7 @@ def test_misaligned_rows_are_copied_before_the_library_sees_them(offset):
     b.dispatch_cached(xm, handle)
     b.combine(xm, handle)
     names = [c[0] for c in b.calls]
-    assert names == ["mok_dispatch_launch", "mok_dispatch_transfer", "mok_combine"], names
+    assert names == ["mok_dispatch_launch", "mok_dispatch_launch", "mok_combine"], names
     for name, ptr, data in b.calls:
         assert ptr % 16 == 0, f"{name} got a pointer {ptr % 16} bytes past a 16-byte boundary"
         assert data == x0.view(torch.uint8).numpy().tobytes(), f"{name}: not the rows' bytes"

@@ -1,6 +1,6 @@
-// megatron_mok/_host_ops: the host side of a static-shape dispatch and of a forward combine as
-// one C++ call each, and an eager dispatch's as two (before and after its host read of R)
-// (benchmarks/NOTES.md items 75, 76). Optional: built by setup.py against the torch
+// megatron_mok/_host_ops: the host side of a static-shape dispatch, a cached dispatch and a
+// combine (forward, or the backward's with prob gradients) as one C++ call each, and an eager
+// dispatch's as two (before and after its host read of R) (benchmarks/NOTES.md items 75-77). Optional: built by setup.py against the torch
 // it will run with (megatron_mok/cuda/host_ops.py builds and loads it); without it the CUDA
 // backend does the same in Python.
 //
@@ -43,6 +43,11 @@ void* ptr_or_null(const at::Tensor& t) { return t.numel() ? t.data_ptr() : nullp
 // The library's row_bytes: one row of x ([T, H]).
 int row_bytes_of(const at::Tensor& x) { return static_cast<int>(x.size(1) * x.element_size()); }
 
+// Token rows [cap, H] of x's dtype on x's device (CudaBackend._rows_like).
+at::Tensor token_rows(const at::Tensor& x, int64_t cap) {
+  return at::empty({cap, x.size(1)}, at::TensorOptions().device(x.device()).dtype(x.scalar_type()));
+}
+
 // A dispatch's per-row outputs for `cap` rows on x's device (CudaBackend._rows_like and
 // _row_outputs): token rows [cap, H] of x's dtype, probs [cap] f32, and the sources, two [cap]
 // i64 rows (rank, token) of one [2, cap] tensor.
@@ -50,7 +55,7 @@ struct RowOutputs {
   at::Tensor tokens, probs, src;
   explicit RowOutputs(const at::Tensor& x, int64_t cap) {
     const auto on_dev = at::TensorOptions().device(x.device());
-    tokens = at::empty({cap, x.size(1)}, on_dev.dtype(x.scalar_type()));
+    tokens = token_rows(x, cap);
     probs = at::empty({cap}, on_dev.dtype(at::kFloat));
     src = at::empty({2, cap}, on_dev.dtype(at::kLong));
   }
@@ -161,37 +166,78 @@ py::tuple dispatch_rows(uintptr_t fn, uintptr_t ctx, uintptr_t stream, int steps
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
-// A forward combine without prob gradients (CudaBackend.combine's Python path, grad_probs
-// None): y [T, hidden] of `y_dtype` on expert_out's device, then mok_combine. Returns (rc, y).
+// A cached dispatch (CudaBackend.dispatch_cached's Python path; the combine's backward in
+// training): token rows [cap, H] of x's dtype allocated, then `steps` (the transfer, after the
+// copy-engine staging when on) queued by mok_dispatch_launch on the handle's `scratch`, without
+// routing, counts or per-row outputs (the forward's layout and fill have them). `num_tokens`:
+// the handle's (x's rows). Returns (rc, tokens).
+py::tuple dispatch_cached(uintptr_t fn, uintptr_t ctx, uintptr_t stream, int steps,
+                          const at::Tensor& scratch, const at::Tensor& x, int64_t num_tokens,
+                          int num_experts, int64_t cap, int num_blocks, int num_producers,
+                          int transfer_mode, int64_t rows_per_expert) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(x.dim() == 2, "x must be [T, H]");
+  at::Tensor tokens = token_rows(x, cap);
+  int rc;
+  {
+    py::gil_scoped_release no_gil;
+    rc = reinterpret_cast<DispatchLaunchFn>(fn)(
+        reinterpret_cast<MokContext*>(ctx), reinterpret_cast<void*>(stream), steps,
+        scratch.data_ptr(), /*topk_idx=*/nullptr, /*idx_is_64=*/0, /*topk_weights=*/nullptr,
+        static_cast<int>(num_tokens), num_experts, /*tokens_per_expert=*/nullptr,
+        /*src_rank=*/nullptr, /*src_token=*/nullptr, /*probs=*/nullptr, /*pad=*/1, ptr_or_null(x),
+        /*x2=*/nullptr, ptr_or_null(tokens), cap, num_blocks, num_producers, transfer_mode,
+        rows_per_expert, row_bytes_of(x), /*two_sources=*/0, /*drop_over_cap=*/0);
+  }
+  return py::make_tuple(rc, tokens);
+  END_HANDLE_TH_ERRORS_PYBIND
+}
+
+// A combine (CudaBackend.combine's Python path): y [T, hidden] of `y_dtype` on expert_out's
+// device; with `grad_probs` ([R] prob gradients: the dispatch's backward) also grad_w [T, topk]
+// f32, and the gradients as float32 and contiguous (a copy only where they are not), an empty
+// one replaced by one zero (a rank with no rows must still pass a pointer: null means "no prob
+// gradients", and its peers would then read stale side values; the fuzzer's s36-2 case). Then
+// mok_combine. Returns (rc, y, grad_w or None).
 py::tuple combine(uintptr_t fn, uintptr_t ctx, uintptr_t stream, uintptr_t scratch,
                   const at::Tensor& expert_out, int64_t num_tokens, at::ScalarType y_dtype,
                   int64_t row_cap, int dtype_code, int partial_code, int num_blocks,
-                  int num_producers) {
+                  int num_producers, const std::optional<at::Tensor>& grad_probs, int64_t topk) {
   HANDLE_TH_ERRORS
   TORCH_CHECK(expert_out.dim() == 2, "expert_out must be [R, H]");
   const int64_t hidden = expert_out.size(1);
   at::Tensor y = at::empty({num_tokens, hidden}, expert_out.options().dtype(y_dtype));
+  at::Tensor grad_w, probs;
+  if (grad_probs.has_value()) {
+    const auto f32 = expert_out.options().dtype(at::kFloat);
+    grad_w = at::empty({num_tokens, topk}, f32);
+    probs = grad_probs->to(at::kFloat).contiguous();
+    if (probs.numel() == 0) probs = at::zeros({1}, f32);
+  }
   int rc;
   {
     py::gil_scoped_release no_gil;
     rc = reinterpret_cast<CombineFn>(fn)(
         reinterpret_cast<MokContext*>(ctx), reinterpret_cast<void*>(stream),
-        reinterpret_cast<void*>(scratch), ptr_or_null(expert_out), /*grad_probs=*/nullptr,
-        static_cast<int>(num_tokens), ptr_or_null(y), /*grad_w=*/nullptr, row_cap, dtype_code,
-        partial_code, num_blocks, num_producers, static_cast<int>(hidden));
+        reinterpret_cast<void*>(scratch), ptr_or_null(expert_out),
+        probs.defined() ? static_cast<const float*>(probs.data_ptr()) : nullptr,
+        static_cast<int>(num_tokens), ptr_or_null(y),
+        grad_w.defined() ? static_cast<float*>(ptr_or_null(grad_w)) : nullptr, row_cap,
+        dtype_code, partial_code, num_blocks, num_producers, static_cast<int>(hidden));
   }
-  return py::make_tuple(rc, y);
+  return py::make_tuple(rc, y, grad_w.defined() ? py::cast(grad_w) : py::none());
   END_HANDLE_TH_ERRORS_PYBIND
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "megatron_mok host ops: a static dispatch's and a combine's host side in C++";
+  m.doc() = "megatron_mok host ops: the host side of MoK's dispatches and combines in C++";
   m.attr("abi_version") = kAbiVersion;
   m.attr("torch_version") = MOK_TORCH_VERSION;
   m.def("dispatch_static", &dispatch_static);
   m.def("dispatch_layout", &dispatch_layout);
   m.def("dispatch_rows", &dispatch_rows);
+  m.def("dispatch_cached", &dispatch_cached);
   m.def("combine", &combine);
 }

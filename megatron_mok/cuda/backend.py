@@ -878,15 +878,25 @@ class CudaBackend:
             *self._tensors(x), scratch)
 
     def dispatch_cached(self, x, handle: DispatchHandle):
+        """``x [T, H]`` -> rows ``[num_out_rows, H]`` along ``handle`` (the combine's backward):
+        the transfer, after the copy-engine staging when on, queued by one library call on the
+        handle's layout (its rows past R padded with zeros, as the forward's). With the C++ host
+        ops (NOTES item 77) the allocation and the call are one C++ call with the same arguments
+        (an FP8 pair, ``PairRows``: the Python path)."""
         self._alive()
         x = self._rows(x, "x")
-        out = self._rows_like(x, handle.num_out_rows)
-        if self.ce_stage:   # staging and transfer in one library call
-            self._launch(bindings.STEP_STAGE_COPY | bindings.STEP_TRANSFER, self._stream(),
-                         handle.state.scratch, x, handle.num_tokens, None, None, None, None, None,
-                         out, handle.num_out_rows, bindings.TRANSFER_CE_STAGED)
-        else:
-            self._transfer(x, handle.num_tokens, handle.state.scratch, out, handle.num_out_rows)
+        T, cap, scratch = handle.num_tokens, handle.num_out_rows, handle.state.scratch
+        steps = bindings.STEP_TRANSFER | (bindings.STEP_STAGE_COPY if self.ce_stage else 0)
+        ops = self.host_ops
+        if ops is not None and not isinstance(x, PairRows):
+            blocks, producers, _ = self._roles(T)
+            rc, out = ops.dispatch_cached(self._launch_addr, self.ctx, self._stream(), steps, scratch, x, T,
+                                          self.buf.num_experts, cap, blocks, producers, self.ce_mode,
+                                          bindings.NO_ROWS_PER_EXPERT)
+            self._check(rc)
+            return out
+        out = self._rows_like(x, cap)
+        self._launch(steps, self._stream(), scratch, x, T, None, None, None, None, None, out, cap, self.ce_mode)
         return out
 
     # ----------------------------------------------------------------------------- combine
@@ -896,14 +906,16 @@ class CudaBackend:
         b = self.buf
         T = handle.num_tokens
         ops = self.host_ops
-        if ops is not None and grad_probs is None:
-            # One C++ call allocates y and calls mok_combine with the arguments below (NOTES item 75).
+        if ops is not None:
+            # One C++ call allocates y (and grad_w), converts grad_probs as below and calls
+            # mok_combine with the arguments below (NOTES items 75, 77).
             blocks, _, producers = self._roles(T)
-            rc, y = ops.combine(self._combine_addr, self.ctx, self._stream(), self._ptr(handle.state.scratch),
-                                expert_out, T, b.dtype, handle.num_out_rows, DTYPE_CODES[b.dtype],
-                                DTYPE_CODES[b.combine_partial_dtype], blocks, producers)
+            rc, y, grad_w = ops.combine(self._combine_addr, self.ctx, self._stream(), self._ptr(handle.state.scratch),
+                                        expert_out, T, b.dtype, handle.num_out_rows, DTYPE_CODES[b.dtype],
+                                        DTYPE_CODES[b.combine_partial_dtype], blocks, producers, grad_probs,
+                                        b.topk)
             self._check(rc)
-            return y, None
+            return y, grad_w
         y = torch.empty(T, expert_out.shape[1], dtype=b.dtype, device=expert_out.device)
         grad_w = None
         if grad_probs is not None:

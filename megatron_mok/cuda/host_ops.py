@@ -1,6 +1,6 @@
-"""The optional C++ host ops: a static-shape dispatch's and a forward combine's host side in one
-C++ call each, an eager dispatch's in two around its host read of R (``csrc/host_ops/host_ops.cpp``;
-benchmarks/NOTES.md items 75-76).
+"""The optional C++ host ops: a static-shape dispatch's, a cached dispatch's and a combine's host
+side in one C++ call each, an eager dispatch's in two around its host read of R
+(``csrc/host_ops/host_ops.cpp``; benchmarks/NOTES.md items 75-77).
 
 The CUDA library (``library.py``) has a plain C ABI and no torch dependency. These ops are a
 small torch extension beside it: they allocate a call's outputs with ``at::empty`` and call
@@ -14,9 +14,8 @@ nothing: the backend passes every argument, and keeps the Python path, which is 
   a C++ compiler; ``python -m megatron_mok.cuda.host_ops`` builds it by hand), or was built for
   another torch (its C++ ABI) or another C ABI of the library: then a warning says so once;
 - ``MOK_HOST_OPS=0`` is set (read when a backend is created);
-- the call is not one of theirs: cached dispatches, FP8 pairs read in place, the eager
-  alternative schedules (stage-first, fill-first, speculative, side-stream staging), the
-  backward's combine with prob gradients.
+- the call is not one of theirs: FP8 pairs read in place (their dispatches, routed or cached),
+  the eager alternative schedules (stage-first, fill-first, speculative, side-stream staging).
 
 A build lies in ``megatron_mok/_lib/host_ops/torch-<version>/`` with Python's extension
 suffix, so a checkout used by several torch or Python versions keeps one build for each and

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 42's one-GPU calls (benchmarks/NOTES.md, item 75: the C++ host ops).
+# Session 42's one-GPU calls (benchmarks/NOTES.md, item 75: the C++ host ops), also session 43's
+# (item 77: the backward's calls through them).
 #
 #   bash scripts/device_runs/s42_1gpu.sh COMMIT "PARTS" [FUZZ_S]
 #     PARTS: any of hostops layers eager replay lagging overflow sample sample_py regress megatron
@@ -11,7 +12,9 @@
 #           the one-call / separate-launches and no-gradient bitwise tests (their static calls
 #           now go through the op).
 # layers    profile_host_layers.py, twice (two processes): every layer with the op, and the
-#           backend and Buffer layers with the op off (``*_py``), paired in blocks.
+#           backend and Buffer layers with the op off (``*_py``), paired in blocks; since session
+#           43 also the backward's cached dispatch and prob-gradient combine, and a whole
+#           dispatch + combine + backward (item 77).
 # eager     item 76: profile_host_calls.py --ab, eager Buffers with the op off and on
 #           (MOK_HOST_OPS=0 / 1) in one process, alternating blocks, twice (two processes).
 # replay    s42-2's fuzzer failure (case seed 144314762776580: a static rows_per_expert call on
@@ -44,7 +47,7 @@ layers)
   for i in 1 2; do
     timeout 200 python3 scripts/profile_host_layers.py --out $R/layers$i --tokens 128,512 --commit $C \
       > $R/layers$i.log 2>&1
-    echo "[layers $i] rc=$?"; grep -vE "^wrote" $R/layers$i.log | grep -E "host ops|probes|_py|buffer_us|backend_us|library_us|^T=" | head -40
+    echo "[layers $i] rc=$?"; grep -vE "^wrote" $R/layers$i.log | grep -E "host ops|probes|_py|buffer_us|backend_us|library_us|^T=" | head -60
   done ;;
 eager)
   for i in 1 2; do
