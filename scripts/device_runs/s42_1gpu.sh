@@ -4,7 +4,7 @@
 #
 #   bash scripts/device_runs/s42_1gpu.sh COMMIT "PARTS" [FUZZ_S]
 #     PARTS: any of hostops layers eager replay lagging overflow sample sample_py regress megatron
-#            mdispatcher mrest
+#            mdispatcher mrest rpe_overflow backward77
 #
 # Every call first builds the C++ host ops for this machine's torch (common.sh host_ops_build),
 # so every part below runs with them on (the default once built) unless it says otherwise.
@@ -86,6 +86,15 @@ mrest)
 mdispatcher)
   mcore_pytest mdispatcher ${MDISPATCHER_LIMIT_S:-240} -m "gpu or multigpu" --durations=8 \
     tests/megatron/test_megatron_dispatcher.py ;;
+rpe_overflow)   # s43-3: the W = 3 loopback rows_per_expert overflow test ran past its 120 s selection
+  run_pytest rpe_overflow 60 -m "gpu and not multigpu" --durations=6 tests/test_cuda_loopback.py \
+    tests/test_cuda_backend.py -k "rows_per_expert_overflow" ;;
+backward77)     # item 77's regression selections in one part, under shorter limits than regress's
+  run_pytest narrow_fp8 90 -m "gpu and not multigpu" tests/test_fp8_dispatch.py tests/test_cuda_loopback.py \
+    tests/test_cuda_backend.py -k "prob_grads_only or narrow_rows or (fp8 and (cuda or loopback))"
+  cuda_sample 120
+  run_pytest errors 80 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \
+    -k "(missing_peer or overflow or bad_expert or lagging or past_its_waits or hang or timeout) and not rows_per_expert_overflow" ;;
 *) echo "unknown part $1"; exit 2 ;;
 esac
 }
