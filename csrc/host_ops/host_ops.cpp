@@ -1,8 +1,8 @@
 // megatron_mok/_host_ops: the host side of a static-shape dispatch, a cached dispatch and a
 // combine (forward, or the backward's with prob gradients) as one C++ call each, and an eager
-// dispatch's as two (before and after its host read of R) (benchmarks/NOTES.md items 75-77). Optional: built by setup.py against the torch
-// it will run with (megatron_mok/cuda/host_ops.py builds and loads it); without it the CUDA
-// backend does the same in Python.
+// dispatch's as two (before and after its host read of R) (benchmarks/NOTES.md items 75-77).
+// Optional: built against the torch it will run with (megatron_mok/cuda/host_ops.py builds and
+// loads it; scripts/setup.sh runs it); without it the CUDA backend does the same in Python.
 //
 // Why C++: a 128-token static dispatch's Python between the Buffer and the library call is ~27
 // us of ~1-2 us operations (five torch.empty, four views, the ctypes conversion of 25

@@ -815,7 +815,9 @@ class CudaBackend:
             self._ptr(probs), cap, int(pad)))
 
     def _transfer(self, x, T, scratch, out, cap, pad: bool = True, staged: bool = False):
-        """Both halves of the transfer as one kernel (cached and static-shape dispatches).
+        """Both halves of the transfer as one kernel, by its own library call: the schedules that
+        launch their steps one call each (fill-first, side-stream staging, ``separate_launches``,
+        speculative). A cached dispatch queues its transfer by ``_launch`` instead.
         ``pad=False``: rows [R, cap) are left unwritten (mode flag 4). With copy-engine staging
         the copy goes first on the stream (mode flag 8), unless the caller queued it already
         (``staged``)."""
