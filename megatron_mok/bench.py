@@ -47,7 +47,7 @@ def make_tokens(seed: int, rank: int, tokens: int, hidden: int, dtype, device):
 def expected_rows(seed, args, rank, world, dtype, device):
     """Rows this rank must receive, built directly from every rank's inputs."""
     e_local = args.experts // world
-    keys, rows = [], []
+    keys = []
     for s in range(world):
         idx, _ = make_routing(seed, s, args.tokens, args.experts, args.topk, "cpu")
         for t in range(args.tokens):

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import megatron_mok as mok
-from megatron_mok import buffer as buffer_mod
 from megatron_mok.cuda import library
 
 

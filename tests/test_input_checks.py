@@ -13,7 +13,6 @@ import ctypes
 import pytest
 import torch
 
-import megatron_mok as mok
 from harness import small_buffer
 from megatron_mok import buffer as buffer_mod
 from megatron_mok.cuda import backend as cuda_backend

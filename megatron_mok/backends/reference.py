@@ -243,7 +243,6 @@ class ReferenceBackend:
         """Every rank found the fingerprints differ in the same exchange: all gather the
         arguments themselves (one bounded gather, every rank makes it), and all raise the same
         ``ValueError`` naming what differs on which ranks; the Buffer refuses from then on."""
-        b = self.buf
         mine = torch.tensor([v for _, v, _ in self.layout], dtype=torch.int64, device=device)
         every = self._gather(mine, "the comparison of the ranks' Buffer arguments").tolist()
         problem = layout_error(self.layout, every) or (

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 from feature_workers import CPU_TOL, GPU_TOL, _build_pair, _inputs, _nonzero
 from mok_megatron_workers import (_assert_bitwise, _compare, _device, _run_layer, _setup)

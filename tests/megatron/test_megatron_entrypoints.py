@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from conftest import have_megatron_training, megatron_lm_path
+from conftest import megatron_lm_path
 
 pytestmark = pytest.mark.megatron
 
