@@ -234,3 +234,47 @@ def test_world_ids_leave_no_multigpu_test_out(tmp_path):
     plain = {i for i in every if not i.endswith("]")}
     assert plain and plain <= chosen[2] and not plain & chosen[4]
 
+
+
+def _run_parts(out_dir, parts: str, kill_in: str = ""):
+    """common.sh's ``run_parts`` as a device script runs it (a ``part`` function writing one log
+    per part into ``$R``); part ``kill_in`` kills the whole shell (a device call past its limit).
+    Its working folder goes under ``out_dir``'s sibling ``tmp`` (``TMPDIR``), not /tmp."""
+    tmp = os.path.join(os.path.dirname(str(out_dir)), "tmp")
+    os.makedirs(tmp, exist_ok=True)
+    script = ('OUT="$1"; C=test; . scripts/device_runs/common.sh >/dev/null 2>&1; '
+              'part() { echo "$1 ran" > "$R/$1.log"; [ "$1" = "$2" ] && kill -9 $$; true; }; '
+              'run_parts "$3" 0')
+    return subprocess.run(["bash", "-c", script.replace('"$2" ]', f'"{kill_in}" ]'), "run_parts",
+                           str(out_dir), kill_in, parts], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TMPDIR": tmp})
+
+
+def _archive(out_dir) -> dict:
+    import tarfile
+    with tarfile.open(os.path.join(out_dir, "r.tgz")) as t:
+        return {m.name: t.extractfile(m).read().decode() for m in t.getmembers() if m.isfile()}
+
+
+def test_run_parts_leaves_one_archive_of_every_part(tmp_path):
+    """A device call brings back at most 8 files of $OUT: ``run_parts`` keeps its folder outside
+    $OUT and leaves there only ``r.tgz`` with every part's files (s43-3 lost most of its parts)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = _run_parts(out, "a b c")
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(out)) == ["r.tgz"]
+    assert os.listdir(tmp_path / "tmp") == [], "its working folder was left behind"
+    files = _archive(out)
+    assert {"r/a.log", "r/b.log", "r/c.log", "r/gpu.txt"} <= set(files), files
+    assert files["r/b.log"] == "b ran\n"
+
+
+def test_run_parts_archive_keeps_the_parts_finished_before_a_kill(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    r = _run_parts(out, "a b c", kill_in="b")
+    assert r.returncode != 0
+    assert sorted(os.listdir(out)) == ["r.tgz"], os.listdir(out)
+    files = _archive(out)
+    assert "r/a.log" in files and "r/c.log" not in files, files

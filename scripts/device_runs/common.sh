@@ -108,14 +108,25 @@ host_ops_build() {  # the C++ host ops (NOTES item 75) for this machine's torch,
   echo "[host_ops build] rc=$? $((SECONDS - t0)) s"; grep -E "error|ready|up to date" $R/host_ops_build.log | head -20
 }
 
+snapshot() {  # snapshot: $R so far as $OUT/r.tgz (replaced whole: a kill mid-write leaves the last one)
+  tar czf "$OUT/r.tgz.new" -C "$(dirname "$R")" r && mv -f "$OUT/r.tgz.new" "$OUT/r.tgz"
+}
+
 run_parts() {  # run_parts "PARTS" FUZZ_S: each part through the calling script's part() function
-    # (timed; an unknown part: part() exits 2), then the fuzzer for FUZZ_S seconds, then $OUT/r.tgz
-  local p t0
+    # (timed; an unknown part: part() exits 2), then the fuzzer for FUZZ_S seconds; $OUT/r.tgz
+    # after each. The folder moves out of $OUT first: a device call that outlives its limit
+    # brings back at most 8 files of $OUT (device/README.md), and s43-3 lost most of its parts
+    # that way; now $OUT holds only the archive of every part finished before the kill.
+  local p t0 run
+  run=$(mktemp -d "${TMPDIR:-/tmp}/mok_run.XXXXXX") && mv "$R" "$run/r" && R=$run/r
+  snapshot
   for p in $1; do
     t0=$SECONDS
     part "$p"
     echo "[$p] $((SECONDS - t0)) s"
+    snapshot
   done
   fuzz $2 fuzz
-  (cd "$OUT" && tar czf r.tgz r && rm -rf r)
+  snapshot
+  rm -rf "$run"
 }
