@@ -235,7 +235,6 @@ def test_world_ids_leave_no_multigpu_test_out(tmp_path):
     assert plain and plain <= chosen[2] and not plain & chosen[4]
 
 
-
 def _run_parts(out_dir, parts: str, kill_in: str = ""):
     """common.sh's ``run_parts`` as a device script runs it (a ``part`` function writing one log
     per part into ``$R``); part ``kill_in`` kills the whole shell (a device call past its limit).
@@ -243,11 +242,11 @@ def _run_parts(out_dir, parts: str, kill_in: str = ""):
     tmp = os.path.join(os.path.dirname(str(out_dir)), "tmp")
     os.makedirs(tmp, exist_ok=True)
     script = ('OUT="$1"; C=test; . scripts/device_runs/common.sh >/dev/null 2>&1; '
-              'part() { echo "$1 ran" > "$R/$1.log"; [ "$1" = "$2" ] && kill -9 $$; true; }; '
-              'run_parts "$3" 0')
-    return subprocess.run(["bash", "-c", script.replace('"$2" ]', f'"{kill_in}" ]'), "run_parts",
-                           str(out_dir), kill_in, parts], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "TMPDIR": tmp})
+              'part() { echo "$1 ran" > "$R/$1.log"; [ "$1" = "$KILL_IN" ] && kill -9 $$; true; }; '
+              'run_parts "$2" 0')
+    return subprocess.run(["bash", "-c", script, "run_parts", str(out_dir), parts], cwd=REPO,
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TMPDIR": tmp, "KILL_IN": kill_in})
 
 
 def _archive(out_dir) -> dict:
