@@ -37,7 +37,11 @@ backward). And a training step's pair at the Buffer level, ``roundtrip_buffer`` 
 ``roundtrip_buffer_py``: ``Buffer.dispatch``, ``Buffer.combine``, then ``torch.autograd.grad``
 of ``(y, probs)`` into ``(x, topk_weights)`` (the two backward calls and autograd's own work),
 so ``roundtrip_buffer_py`` minus ``roundtrip_buffer`` is what the ops save one layer's
-dispatch and combine, forward and backward.
+dispatch and combine, forward and backward; ``forward_buffer`` / ``forward_buffer_py`` are the
+same pair without the backward (its graph recorded, then dropped), so ``roundtrip`` minus
+``forward`` is the backward's host time (``backward_us_*``, paired by block) and the ops' saving
+splits into forward and backward. (s43-3, s43-5: the step saved ~1.9x what its layers save
+when timed one by one; this says on which side the rest lies.)
 
 Each figure is the median host time to return (a stream sync after each call, outside the
 timed part); the difference between two layers is what the outer one adds. The library-only
@@ -148,10 +152,12 @@ def layer_calls(mok, torch, common, phc, dev, T):
     grad_y = torch.randn(T, x.shape[1], device=dev).to(x.dtype)
     grad_probs = torch.rand(tokens.shape[0], device=dev)
 
-    def roundtrip():
+    def forward():
         r = buf.dispatch(x, idx, w)
-        y = buf.combine(r.tokens, r.handle)
-        return torch.autograd.grad((y, r.probs), (x, w), (grad_y, grad_probs))
+        return buf.combine(r.tokens, r.handle), r.probs
+
+    def roundtrip():
+        return torch.autograd.grad(forward(), (x, w), (grad_y, grad_probs))
 
     calls.update({
         "cached_backend": lambda: impl.dispatch_cached(grad_y, handle),
@@ -160,6 +166,8 @@ def layer_calls(mok, torch, common, phc, dev, T):
         "gradcombine_backend_py": python_path(lambda: impl.combine(tokens, handle, grad_probs=grad_probs)),
         "roundtrip_buffer": roundtrip,
         "roundtrip_buffer_py": python_path(roundtrip),
+        "forward_buffer": forward,
+        "forward_buffer_py": python_path(forward),
     })
     for name, b in bufs.items():
         be = b._get_backend("cuda")
@@ -250,9 +258,12 @@ def main(argv=None):
                 case[f"adds_{op}_{outer}_over_{inner}_us"] = phc.paired_change_us(
                     blocks, f"{op}_{inner}", f"{op}_{outer}")
         for op, outer, inner in (("cached", "backend_py", "backend"), ("gradcombine", "backend_py", "backend"),
-                                 ("roundtrip", "buffer_py", "buffer")):
+                                 ("roundtrip", "buffer_py", "buffer"), ("forward", "buffer_py", "buffer")):
             case[f"adds_{op}_{outer}_over_{inner}_us"] = phc.paired_change_us(
                 blocks, f"{op}_{inner}", f"{op}_{outer}")
+        for variant in ("buffer", "buffer_py"):     # the backward alone: the step minus its forward
+            case[f"backward_us_{variant}"] = phc.paired_change_us(
+                blocks, f"forward_{variant}", f"roundtrip_{variant}")
         if a.profile:
             profile_calls(calls, a.profile, sync, os.path.join(a.out, f"profile_{T}.txt"))
         for b in bufs:

@@ -47,7 +47,7 @@ layers)   # LAYERS_N: the processes' numbers (default "1 2": two)
   for i in ${LAYERS_N:-1 2}; do
     timeout 200 python3 scripts/profile_host_layers.py --out $R/layers$i --tokens 128,512 --commit $C \
       > $R/layers$i.log 2>&1
-    echo "[layers $i] rc=$?"; grep -vE "^wrote" $R/layers$i.log | grep -E "host ops|probes|_py|buffer_us|backend_us|library_us|^T=" | head -60
+    echo "[layers $i] rc=$?"; grep -vE "^wrote" $R/layers$i.log | grep -E "host ops|probes|_py|buffer_us|backend_us|library_us|backward_us|^T=" | head -70
   done ;;
 eager)
   for i in 1 2; do
