@@ -200,6 +200,12 @@ def _same_tensor(a, b, what):
                        b.view(torch.uint8) if b.dtype == torch.bfloat16 else b), what
 
 
+
+def _case_id(case: dict) -> str:
+    """A parametrized case's test id: its keywords, dtypes by name."""
+    return "-".join(f"{k}={getattr(v, '__name__', v)}" for k, v in case.items())
+
+
 CASES = [
     dict(T=0), dict(T=1), dict(T=7), dict(T=8, idx_dtype=torch.int32), dict(T=5, contiguous=False),
     dict(T=6, budget=3), dict(T=6, budget=0), dict(T=4, rows_per_expert=5, max_recv=20),
@@ -208,7 +214,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()))
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_static_dispatch_op_is_the_python_path(ops, case):
     both = _dispatch_both(ops, **case)
     py, op = both["python"], both["op"]
@@ -284,7 +290,7 @@ def _named_calls(calls, tensors):
     return named
 
 
-@pytest.mark.parametrize("case", EAGER_CASES, ids=lambda c: "-".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()))
+@pytest.mark.parametrize("case", EAGER_CASES, ids=_case_id)
 def test_eager_dispatch_ops_are_the_python_path(ops, no_cuda_streams, case):
     """Item 76: the eager dispatch (layout, the host read of R, fill and transfer) and the eager
     ``rows_per_expert`` dispatch through ``dispatch_layout`` + ``dispatch_rows``: the same
@@ -442,17 +448,17 @@ CACHED_CASES = [dict(T=0), dict(T=1), dict(T=7), dict(T=5, ce_stage=True), dict(
                 dict(T=4, eager=True), dict(T=4, eager=True, ce_stage=True)]
 
 
-@pytest.mark.parametrize("case", CACHED_CASES, ids=lambda c: "-".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()))
+@pytest.mark.parametrize("case", CACHED_CASES, ids=_case_id)
 def test_cached_dispatch_op_is_the_python_path(ops, no_cuda_streams, case):
     """Item 77: a cached dispatch (the combine's backward) along a static or eager handle, through
     ``dispatch_cached`` and through the Python path: one ``mok_dispatch_launch`` each (the
     transfer, after the copy-engine staging when on) with the same arguments, pointer for
     pointer, and bitwise the same rows."""
-    case = dict(case)
-    T, eager = case.pop("T"), case.pop("eager", False)
-    ce_stage, small = case.pop("ce_stage", False), case.pop("small", False)
-    x_dtype, budget = case.pop("x_dtype", torch.bfloat16), case.pop("budget", None)
-    assert not case
+    _check_cached_dispatch(ops, **case)
+
+
+def _check_cached_dispatch(ops, *, T, eager=False, ce_stage=False, small=False, x_dtype=torch.bfloat16,
+                           budget=None):
     buf = small_buffer() if eager else small_buffer(max_recv_tokens=40)
     x, idx, w = _inputs(T, torch.int64, x_dtype, True, seed=T + 5)
     x2 = (x.float() * 2 + 1).to(x_dtype) if x_dtype != torch.uint8 else x.flip(0).contiguous()
@@ -485,18 +491,18 @@ GRAD_COMBINE_CASES = [dict(T=0), dict(T=1), dict(T=7, small=True), dict(T=8), di
                       dict(T=6, strided=True), dict(T=6, budget=0), dict(T=4, eager=True)]
 
 
-@pytest.mark.parametrize("case", GRAD_COMBINE_CASES, ids=lambda c: "-".join(f"{k}={getattr(v, '__name__', v)}" for k, v in c.items()))
+@pytest.mark.parametrize("case", GRAD_COMBINE_CASES, ids=_case_id)
 def test_prob_gradient_combine_op_is_the_python_path(ops, no_cuda_streams, case):
     """Item 77: the dispatch's backward (a combine with prob gradients) through the C++
     ``combine`` and the Python path: the same ``mok_combine`` arguments (the gradients converted
     to contiguous float32 alike, a copy only where needed; an empty one replaced by one zero:
     both pass a pointer to a zero, never null) and bitwise the same ``y`` and ``grad_w``.
     Also ``combine_prob_grads`` (the FP8 dispatch's backward), which calls it."""
-    case = dict(case)
-    T, eager, small = case.pop("T"), case.pop("eager", False), case.pop("small", False)
-    probs_dtype, strided = case.pop("probs_dtype", torch.float32), case.pop("strided", False)
-    budget = case.pop("budget", None)
-    assert not case
+    _check_prob_gradient_combine(ops, **case)
+
+
+def _check_prob_gradient_combine(ops, *, T, eager=False, small=False, probs_dtype=torch.float32,
+                                 strided=False, budget=None):
     buf = small_buffer() if eager else small_buffer(max_recv_tokens=24)
     x, idx, w = _inputs(T, torch.int64, torch.bfloat16, True, seed=T + 11)
     res = {}
