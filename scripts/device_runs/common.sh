@@ -55,13 +55,22 @@ cuda_sample() {  # cuda_sample LIMIT_S: the CUDA sample of the mutation audit (o
   run_pytest sample $1 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py -k "$sample"
 }
 
+narrow_fp8_selection() {  # narrow_fp8_selection LIMIT_S: the narrow-combine and FP8 one-GPU tests
+  run_pytest narrow_fp8 $1 -m "gpu and not multigpu" tests/test_fp8_dispatch.py tests/test_cuda_loopback.py \
+    tests/test_cuda_backend.py -k "prob_grads_only or narrow_rows or (fp8 and (cuda or loopback))"
+}
+
+ERRORS_K="missing_peer or overflow or bad_expert or lagging or past_its_waits or hang or timeout"
+errors_selection() {  # errors_selection LIMIT_S [K]: the error-path one-GPU tests (-k K, default $ERRORS_K)
+  run_pytest errors $1 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \
+    -k "${2:-$ERRORS_K}"
+}
+
 regress_selections() {  # the one-GPU regression selections (sessions 35-36): the CUDA sample of the
     # mutation audit, the narrow / FP8 tests, the error paths, the alternative schedules
   cuda_sample 120
-  run_pytest narrow_fp8 90 -m "gpu and not multigpu" tests/test_fp8_dispatch.py tests/test_cuda_loopback.py \
-    tests/test_cuda_backend.py -k "prob_grads_only or narrow_rows or (fp8 and (cuda or loopback))"
-  run_pytest errors 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \
-    -k "missing_peer or overflow or bad_expert or lagging or past_its_waits or hang or timeout"
+  narrow_fp8_selection 90
+  errors_selection 120
   run_pytest schedules 180 -m "gpu and not multigpu" tests/test_cuda_loopback.py \
     -k "alternative_schedules or combine_split or streamed_produce or speculative"
 }

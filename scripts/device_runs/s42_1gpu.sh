@@ -73,8 +73,7 @@ lagging)
   for i in 1 2 3; do
     run_pytest lagging$i 120 -m "gpu and not multigpu" tests/test_cuda_loopback.py -k lagging_reader
   done
-  run_pytest errors 120 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \
-    -k "missing_peer or overflow or bad_expert or lagging or past_its_waits or hang or timeout" ;;
+  errors_selection 120 ;;
 overflow)
   for i in 1 2 3; do
     run_pytest overflow$i 150 -m "gpu and not multigpu" tests/test_cuda_loopback.py -k "static_overflow"
@@ -90,11 +89,9 @@ rpe_overflow)   # s43-3: the W = 3 loopback rows_per_expert overflow test ran pa
   run_pytest rpe_overflow 60 -m "gpu and not multigpu" --durations=6 tests/test_cuda_loopback.py \
     tests/test_cuda_backend.py -k "rows_per_expert_overflow" ;;
 backward77)     # item 77's regression selections in one part, under shorter limits than regress's
-  run_pytest narrow_fp8 90 -m "gpu and not multigpu" tests/test_fp8_dispatch.py tests/test_cuda_loopback.py \
-    tests/test_cuda_backend.py -k "prob_grads_only or narrow_rows or (fp8 and (cuda or loopback))"
+  narrow_fp8_selection 90
   cuda_sample 120
-  run_pytest errors 80 -m "gpu and not multigpu" tests/test_cuda_backend.py tests/test_cuda_loopback.py \
-    -k "(missing_peer or overflow or bad_expert or lagging or past_its_waits or hang or timeout) and not rows_per_expert_overflow" ;;
+  errors_selection 80 "($ERRORS_K) and not rows_per_expert_overflow" ;;
 *) echo "unknown part $1"; exit 2 ;;
 esac
 }
