@@ -64,6 +64,15 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Results of the ``*_kept`` layers, freed by the sync after each call (outside the timed part).
 KEPT: list = []
 
+# (op, outer, inner): what layer ``{op}_{outer}`` adds over ``{op}_{inner}`` (``adds_*`` figures).
+ADDS = [(op, outer, inner) for op in ("dispatch", "combine")
+        for outer, inner in (("buffer", "function"), ("function", "backend"), ("backend", "library"),
+                             ("library", "library_nopdl"), ("buffer_nograd", "backend"),
+                             ("function_nograd", "backend"), ("buffer", "buffer_nograd"),
+                             ("buffer", "buffer_kept"), ("buffer_py", "buffer"), ("backend_py", "backend"))]
+ADDS += [("cached", "backend_py", "backend"), ("gradcombine", "backend_py", "backend"),
+         ("roundtrip", "buffer_py", "buffer"), ("forward", "buffer_py", "buffer")]
+
 
 def library_args(backend, name: str, call):
     """``(args, result)``: ``call()`` run once, and the arguments ``backend`` passed to its
@@ -249,16 +258,7 @@ def main(argv=None):
         for n, c in timed.items():
             case[f"host_{n}_us"] = phc.median_us(c["host"])
         # What each layer adds, paired by block (the drift taken out).
-        for op in ("dispatch", "combine"):
-            for outer, inner in (("buffer", "function"), ("function", "backend"), ("backend", "library"),
-                                 ("library", "library_nopdl"), ("buffer_nograd", "backend"),
-                                 ("function_nograd", "backend"), ("buffer", "buffer_nograd"),
-                                 ("buffer", "buffer_kept"), ("buffer_py", "buffer"),
-                                 ("backend_py", "backend")):
-                case[f"adds_{op}_{outer}_over_{inner}_us"] = phc.paired_change_us(
-                    blocks, f"{op}_{inner}", f"{op}_{outer}")
-        for op, outer, inner in (("cached", "backend_py", "backend"), ("gradcombine", "backend_py", "backend"),
-                                 ("roundtrip", "buffer_py", "buffer"), ("forward", "buffer_py", "buffer")):
+        for op, outer, inner in ADDS:
             case[f"adds_{op}_{outer}_over_{inner}_us"] = phc.paired_change_us(
                 blocks, f"{op}_{inner}", f"{op}_{outer}")
         for variant in ("buffer", "buffer_py"):     # the backward alone: the step minus its forward
