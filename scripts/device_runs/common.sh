@@ -71,7 +71,11 @@ regress_selections() {  # the one-GPU regression selections (sessions 35-36): th
   cuda_sample 120
   narrow_fp8_selection 90
   errors_selection 120
-  run_pytest schedules 180 -m "gpu and not multigpu" tests/test_cuda_loopback.py \
+  schedules_selection 180
+}
+
+schedules_selection() {  # schedules_selection LIMIT_S: the alternative-schedule loopback tests
+  run_pytest schedules $1 -m "gpu and not multigpu" tests/test_cuda_loopback.py \
     -k "alternative_schedules or combine_split or streamed_produce or speculative"
 }
 

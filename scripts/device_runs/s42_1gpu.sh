@@ -4,7 +4,7 @@
 #
 #   bash scripts/device_runs/s42_1gpu.sh COMMIT "PARTS" [FUZZ_S]
 #     PARTS: any of hostops layers eager replay lagging overflow sample sample_py regress megatron
-#            mdispatcher mrest rpe_overflow backward77
+#            mdispatcher mrest rpe_overflow backward77 schedules
 #
 # Every call first builds the C++ host ops for this machine's torch (common.sh host_ops_build),
 # so every part below runs with them on (the default once built) unless it says otherwise.
@@ -22,6 +22,7 @@
 # sample    the CUDA sample of the regression selections (the mutation audit's), op on.
 # sample_py the same with MOK_HOST_OPS=0 (the Python path, whose allocations moved).
 # regress   the one-GPU regression selections (common.sh), op on.
+# schedules regress's alternative-schedule selection alone (session 44).
 # lagging   the lagging-reader test (its stall now hooks the op's dispatch_rows) three times, and
 #           the error-path selection.
 # overflow  the loopback static-overflow tests (s42-4: a rank's side-stream creation waited for
@@ -67,6 +68,8 @@ sample_py)
   MOK_HOST_OPS=0 cuda_sample 150 ;;
 regress)
   regress_selections ;;
+schedules)   # regress's last selection alone (the part of it s43-3 lost)
+  schedules_selection 180 ;;
 megatron)
   megatron_t_max_twins ;;
 lagging)
