@@ -309,5 +309,18 @@ def _watch(threads: List[threading.Thread], deadline: float, every_s: float = 0.
                 since[r] = (where, now, False)
             elif where is not None and not prev[2] and now - prev[1] >= STALL_S:
                 stalls.append(f"rank {r} stuck for {now - prev[1]:.0f}+ s at:\n{where}")
+                _log_stall(stalls[-1])
                 since[r] = (where, prev[1], True)
     return stalls
+
+
+def _log_stall(line: str) -> None:
+    """Append a stall to the file named by ``MOK_LOOPBACK_STALL_LOG`` as soon as it is seen.
+
+    The report :func:`run` raises is lost when something outside kills the run first (a
+    test selection's time limit: s43-3 saw a loopback test stall ~90 s and then be
+    interrupted, with nothing to say where its ranks were); this file keeps it."""
+    path = os.environ.get("MOK_LOOPBACK_STALL_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"[{time.strftime('%H:%M:%S')} pid {os.getpid()}] {line}\n")

@@ -586,6 +586,31 @@ def test_loopback_failure_report_names_host_stalls(monkeypatch):
         run_loopback(_sleeps_then_fails, 2, device="cpu", timeout=60)
 
 
+def test_loopback_stall_log_written_while_the_run_is_still_going(monkeypatch, tmp_path):
+    # The stall reaches the file before the run ends (a run killed from outside loses the
+    # report it would raise): the stalled rank reads it, woken once the watcher wrote it.
+    import threading
+
+    from megatron_mok import loopback
+
+    log = tmp_path / "stalls.txt"
+    monkeypatch.setattr(loopback, "STALL_S", 0.6)
+    monkeypatch.setenv("MOK_LOOPBACK_STALL_LOG", str(log))
+    written = threading.Event()
+    log_stall = loopback._log_stall
+    monkeypatch.setattr(loopback, "_log_stall", lambda line: (log_stall(line), written.set()))
+    seen = []
+
+    def waits_for_its_own_stall(rank, world_size):
+        if rank == 1:
+            written.wait(20)                    # one place: the watcher sees it stay here
+            seen.append(log.read_text() if log.exists() else "")
+        return rank
+
+    assert run_loopback(waits_for_its_own_stall, 2, device="cpu", timeout=60) == [0, 1]
+    assert "rank 1 stuck for" in seen[0] and "waits_for_its_own_stall" in seen[0], seen
+
+
 def test_loopback_refuses_layouts_that_cannot_all_be_resident():
     from megatron_mok import loopback
 

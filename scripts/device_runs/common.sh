@@ -37,6 +37,8 @@ fuzz() {  # fuzz SECONDS NAME: the fuzzer (world sizes up to 4, a seed from the 
 
 run_pytest() {  # run_pytest NAME LIMIT_S PYTEST ARGS...: into $R/NAME.log and .xml
     local name=$1 limit=$2; shift 2
+    # MOK_LOOPBACK_STALL_LOG: a loopback rank's host stall of 5+ s, written when seen (s43-3)
+    MOK_LOOPBACK_STALL_LOG=$R/$name.stalls \
     timeout -s INT -k 30 $limit python3 -m pytest -q -rfE -p no:cacheprovider "$@" \
       --junitxml=$R/$name.xml > $R/$name.log 2>&1
     echo "[$name] rc=$?"; tail -2 $R/$name.log; grep -E "^FAILED|^ERROR" $R/$name.log | cut -c1-300 | head -20
