@@ -41,7 +41,11 @@ dispatch and combine, forward and backward; ``forward_buffer`` / ``forward_buffe
 same pair without the backward (its graph recorded, then dropped), so ``roundtrip`` minus
 ``forward`` is the backward's host time (``backward_us_*``, paired by block) and the ops' saving
 splits into forward and backward. (s43-3, s43-5: the step saved ~1.9x what its layers save
-when timed one by one; this says on which side the rest lies.)
+when timed one by one; s44-1: the rest lies in the backward, and grows with the tokens.)
+
+Then every layer once more, each call made while the GPU still has ``--busy-ms`` of queued
+work (``busy_device_probe``): ``busy_host_<layer>_us``, and ``waits_for_device`` lists the
+layers whose calls took more than half of it (they wait for the device somewhere inside).
 
 Each figure is the median host time to return (a stream sync after each call, outside the
 timed part); the difference between two layers is what the outer one adds. The library-only
@@ -195,6 +199,35 @@ def host_ops_state(impl) -> str:
     return "on" if impl.host_ops is not None else f"off ({host_ops.why_not()})"
 
 
+def busy_device_probe(torch, calls, sync, busy_ms=2.0, reps=7):
+    """name -> median host time (us) of each call made while the GPU still has ``busy_ms`` of
+    queued work (a ``torch.cuda._sleep`` kernel on the call's stream, queued right before it).
+    A call that returns in microseconds never waits for the device; one that takes ~``busy_ms``
+    or more does (a host read, a device-wide or stream sync somewhere inside it). The step's
+    backward saved far more than its layers (item 77, s44-1: -115 us at 512 tokens against
+    -24), growing with the tokens: this tells whether the Python path waits for the GPU there."""
+    import statistics
+    import time
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    cycles = int(1_000_000 * busy_ms / max(start.elapsed_time(end), 1e-3))
+    out = {}
+    for name, fn in calls.items():
+        took = []
+        for _ in range(reps):
+            sync()
+            torch.cuda._sleep(cycles)
+            t0 = time.perf_counter()
+            fn()
+            took.append(time.perf_counter() - t0)
+        sync()
+        out[name] = round(statistics.median(took) * 1e6, 1)
+    return out
+
+
 def profile_calls(calls, n, sync, path):
     """``n`` calls of ``dispatch_buffer`` then of ``combine_buffer`` under cProfile (a stream sync
     after each, as in the timed blocks), functions by own time, then cumulative, into ``path``."""
@@ -227,6 +260,8 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=2000, help="calls per layer, over all blocks")
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--busy-ms", type=float, default=2.0,
+                    help="GPU work queued before each call of the device-wait probe")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also N Buffer calls of each op under cProfile per token count")
     a = ap.parse_args(argv)
@@ -264,6 +299,13 @@ def main(argv=None):
         for variant in ("buffer", "buffer_py"):     # the backward alone: the step minus its forward
             case[f"backward_us_{variant}"] = phc.paired_change_us(
                 blocks, f"forward_{variant}", f"roundtrip_{variant}")
+        busy = busy_device_probe(torch, calls, sync, a.busy_ms)
+        case["busy_ms"] = a.busy_ms
+        case.update({f"busy_host_{n}_us": v for n, v in busy.items()})
+        waits = sorted(n for n, v in busy.items() if v > 500 * a.busy_ms)
+        case["waits_for_device"] = waits
+        print(f"T={T}: calls that waited for {a.busy_ms} ms of queued GPU work: "
+              f"{', '.join(waits) or 'none'}", flush=True)
         if a.profile:
             profile_calls(calls, a.profile, sync, os.path.join(a.out, f"profile_{T}.txt"))
         for b in bufs:

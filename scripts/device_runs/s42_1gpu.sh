@@ -4,7 +4,7 @@
 #
 #   bash scripts/device_runs/s42_1gpu.sh COMMIT "PARTS" [FUZZ_S]
 #     PARTS: any of hostops layers eager replay lagging overflow sample sample_py regress megatron
-#            mdispatcher mrest rpe_overflow backward77 schedules
+#            mdispatcher mrest rpe_overflow backward77 schedules stall_hunt
 #
 # Every call first builds the C++ host ops for this machine's torch (common.sh host_ops_build),
 # so every part below runs with them on (the default once built) unless it says otherwise.
@@ -23,6 +23,9 @@
 # sample_py the same with MOK_HOST_OPS=0 (the Python path, whose allocations moved).
 # regress   the one-GPU regression selections (common.sh), op on.
 # schedules regress's alternative-schedule selection alone (session 44).
+# stall_hunt s43-3's stalled loopback test, hunted (session 44): the errors selection three times,
+#           then the test's worker repeated by scripts/repeat_loopback.py (REPEAT_S seconds each
+#           for its own seed and for fresh seeds).
 # lagging   the lagging-reader test (its stall now hooks the op's dispatch_rows) three times, and
 #           the error-path selection.
 # overflow  the loopback static-overflow tests (s42-4: a rank's side-stream creation waited for
@@ -48,7 +51,8 @@ layers)   # LAYERS_N: the processes' numbers (default "1 2": two)
   for i in ${LAYERS_N:-1 2}; do
     timeout 200 python3 scripts/profile_host_layers.py --out $R/layers$i --tokens 128,512 --commit $C \
       > $R/layers$i.log 2>&1
-    echo "[layers $i] rc=$?"; grep -vE "^wrote" $R/layers$i.log | grep -E "host ops|probes|_py|buffer_us|backend_us|library_us|backward_us|^T=" | head -70
+    echo "[layers $i] rc=$?"; grep -vE "^wrote|busy_host_(dispatch|combine)" $R/layers$i.log \
+      | grep -E "host ops|probes|_py|buffer_us|backend_us|library_us|backward_us|waited|^T=" | head -110
   done ;;
 eager)
   for i in 1 2; do
@@ -91,6 +95,17 @@ mdispatcher)
 rpe_overflow)   # s43-3: the W = 3 loopback rows_per_expert overflow test ran past its 120 s selection
   run_pytest rpe_overflow 60 -m "gpu and not multigpu" --durations=6 tests/test_cuda_loopback.py \
     tests/test_cuda_backend.py -k "rows_per_expert_overflow" ;;
+stall_hunt)     # session 44: s43-3's stall of the W = 3 rows_per_expert overflow test, hunted: the
+  # errors selection it stalled in, three times, then the test's worker alone, repeated
+  # (scripts/repeat_loopback.py; its seed, then fresh seeds); a stall of 5+ s lands in *.stalls
+  for i in 1 2 3; do errors_selection 100; mv $R/errors.log $R/errors$i.log; done
+  for seeds in fixed fresh; do
+    MOK_LOOPBACK_STALL_LOG=$R/repeat_$seeds.stalls timeout -k 10 ${REPEAT_LIMIT_S:-90} python3 \
+      scripts/repeat_loopback.py tests/test_cuda_backend.py:_rows_overflow --world 3 --args '[78]' \
+      $([ $seeds = fresh ] && echo --fresh-seeds) --seconds ${REPEAT_S:-60} --timeout-s 150 \
+      --out $R/repeat_$seeds.json > $R/repeat_$seeds.log 2>&1
+    echo "[repeat $seeds] rc=$?"; grep -vE "^\[[0-9]+ runs\]" $R/repeat_$seeds.log | tail -6 | cut -c1-600
+  done ;;
 backward77)     # item 77's regression selections in one part, under shorter limits than regress's
   narrow_fp8_selection 90
   cuda_sample 120
