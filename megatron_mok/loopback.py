@@ -32,7 +32,8 @@ this rank: a deadlock until the spin-waits time out (CUDA programming guide, "La
 Loading", concurrent execution). No device-wide synchronisation (``torch.cuda.synchronize``,
 ``empty_cache``) while peers may have kernels waiting on this rank (synchronise the current
 stream instead); CUDA-graph captures one rank at a time (:meth:`LoopbackRank.barrier` between
-them), no replay before all captured; :func:`settle` before host-synchronising torch work.
+them), no replay before all captured; :func:`settle` before host-synchronising torch work
+(:func:`run` makes torch's common host reads do it: :func:`settle_host_reads`).
 
 The kernels are written for one rank per GPU, where a kernel that spins waiting for a peer
 holds only its own GPU. Here every rank's spinning kernels share one GPU, so they must all
@@ -195,6 +196,72 @@ def settle(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+# Tensor methods that read a CUDA tensor on the host (a pageable device-to-host copy behind the
+# stream's kernels), settled first in loopback rank threads: see settle_host_reads.
+_HOST_READS = ("tolist", "item", "cpu", "numpy", "nonzero", "equal", "allclose",
+               "__bool__", "__int__", "__float__", "__index__")
+_guards_installed = False
+
+
+def _needs_settle(t) -> bool:
+    return (isinstance(t, torch.Tensor) and t.is_cuda and current() is not None
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def _settle_for(t) -> None:
+    torch.cuda.current_stream(t.device).synchronize()
+
+
+def _is_cpu_device(v) -> bool:
+    return (isinstance(v, str) and v.split(":")[0] == "cpu") or (
+        isinstance(v, torch.device) and v.type == "cpu")
+
+
+def _settling(name: str, fn: Callable, reads: Callable[..., bool]) -> Callable:
+    def read(*args, **kwargs):
+        if reads(*args, **kwargs):
+            t = args[0]
+            if _needs_settle(t):
+                _settle_for(t)
+        return fn(*args, **kwargs)
+    read.__name__ = read.__qualname__ = name
+    read.__doc__ = fn.__doc__
+    read.__wrapped__ = fn
+    return read
+
+
+def settle_host_reads() -> None:
+    """Make torch's common host reads of a CUDA tensor :func:`settle` first in loopback rank
+    threads (installed once, by the first :func:`run`; every other thread is left as it was).
+
+    A host read (``.tolist()``, ``.item()``, ``.cpu()``, ``torch.equal``, ``bool(t)``, a
+    boolean-mask index, ...) queued behind this rank's communication kernels waits for them
+    inside a pageable device-to-host copy, and while it waits, peer threads' CUDA calls (an
+    event record, a launch) stall behind it: if those calls are what this rank's kernels wait
+    for, nothing moves until the kernels' timeouts (seen in s43-3 and s44-2: a worker's
+    ``tokens_per_expert.tolist()`` right after an eager dispatch, while a slower peer was still
+    inside its dispatch; 60 s, then timeout errors). Synchronising the stream first does not
+    hold up peers' calls. Reads these wrappers do not cover (``torch.unique``, a
+    ``repeat_interleave`` without its output size, ...) still need :func:`settle` by hand.
+    Under CUDA-graph capture nothing is synchronised (no host read may be captured)."""
+    global _guards_installed
+    if _guards_installed:
+        return
+    always = lambda *a, **k: True                                           # noqa: E731
+    for name in _HOST_READS:
+        if hasattr(torch.Tensor, name):
+            setattr(torch.Tensor, name, _settling(name, getattr(torch.Tensor, name), always))
+    torch.equal = _settling("equal", torch.equal, always)
+    torch.allclose = _settling("allclose", torch.allclose, always)
+    to_cpu = lambda t, *a, **k: any(map(_is_cpu_device, a + tuple(k.values())))  # noqa: E731
+    torch.Tensor.to = _settling("to", torch.Tensor.to, to_cpu)
+    masked = lambda t, index, *a: any(                                       # noqa: E731
+        isinstance(i, torch.Tensor) and i.dtype == torch.bool
+        for i in (index if isinstance(index, tuple) else (index,)))
+    torch.Tensor.__getitem__ = _settling("__getitem__", torch.Tensor.__getitem__, masked)
+    _guards_installed = True
+
+
 def is_loopback(group) -> bool:
     return bool(getattr(group, "is_mok_loopback", False))
 
@@ -246,6 +313,7 @@ def run(fn: Callable, world_size: int, *args, device="cuda", timeout_s: float = 
             device = torch.device("cuda", torch.cuda.current_device())
         from .cuda import library
         library.is_available()          # load it once here, not from every rank thread at once
+    settle_host_reads()                 # (they act on CUDA tensors only)
     hub = LoopbackHub(world_size, device, timeout_s)
     results: List[Any] = [None] * world_size
     errors: dict = {}

@@ -611,6 +611,90 @@ def test_loopback_stall_log_written_while_the_run_is_still_going(monkeypatch, tm
     assert "rank 1 stuck for" in seen[0] and "waits_for_its_own_stall" in seen[0], seen
 
 
+def _host_reads(rank, world_size):
+    """Every host read the loopback guards cover, then ops that read nothing."""
+    import torch
+    from megatron_mok import loopback
+    t = torch.arange(6, dtype=torch.float32) + rank
+    one = t[:1]
+    reads = {"tolist": lambda: t.tolist(), "item": lambda: one.item(), "cpu": lambda: t.cpu(),
+             "numpy": lambda: t.numpy(), "nonzero": lambda: t.nonzero(),
+             "equal": lambda: t.equal(t), "torch.equal": lambda: torch.equal(t, t),
+             "allclose": lambda: t.allclose(t), "torch.allclose": lambda: torch.allclose(t, t),
+             "bool": lambda: bool(one), "int": lambda: int(one), "float": lambda: float(one),
+             "index": lambda: [0, 1][one.long()], "to cpu": lambda: t.to("cpu"),
+             "to device cpu": lambda: t.to(device=torch.device("cpu")),
+             "mask index": lambda: t[t > 2], "mask in tuple": lambda: t.view(2, 3)[(t.view(2, 3)[:, 0] > 0,)]}
+    quiet = {"add": lambda: t + 1, "slice": lambda: t[1:3], "long index": lambda: t[torch.tensor([0, 2])],
+             "to dtype": lambda: t.to(torch.float64), "view": lambda: t.view(2, 3)}
+    import threading
+    mine = lambda: loopback._SETTLED.count(threading.get_ident())      # noqa: E731  (this rank's)
+    out = {}
+    for name, fn in list(reads.items()) + list(quiet.items()):
+        before = mine()
+        fn()
+        out[name] = mine() - before
+    return out
+
+
+def test_loopback_host_reads_settle_first_in_rank_threads_only(monkeypatch):
+    # s43-3 / s44-2: a worker's tokens_per_expert.tolist() (a pageable copy behind its stream's
+    # kernels) held up a slower peer's CUDA calls that those kernels waited for: a stall until
+    # the timeouts. Loopback runs now settle the stream before torch's host reads. On CPU,
+    # every tensor stands in for a CUDA one (_needs_settle patched) and settling is counted.
+    import threading
+
+    import torch
+    from megatron_mok import loopback
+
+    loopback.settle_host_reads()
+    monkeypatch.setattr(loopback, "_SETTLED", [], raising=False)
+    monkeypatch.setattr(loopback, "_needs_settle",
+                        lambda t: isinstance(t, torch.Tensor) and loopback.current() is not None)
+    monkeypatch.setattr(loopback, "_settle_for", lambda t: loopback._SETTLED.append(threading.get_ident()))
+    for rank, out in enumerate(loopback.run(_host_reads, 2, device="cpu", timeout_s=60)):
+        settled = {k for k, v in out.items() if v}
+        assert settled == {k for k in out if k not in ("add", "slice", "long index", "to dtype", "view")}, \
+            (rank, out)
+    assert _host_reads(0, 1) == dict.fromkeys(_host_reads(0, 1), 0)      # not a loopback thread
+    loopback.settle_host_reads()                                       # once: not wrapped twice
+    assert not hasattr(torch.Tensor.tolist.__wrapped__, "__wrapped__")
+    assert torch.Tensor.tolist.__name__ == "tolist" and torch.equal.__wrapped__ is not None
+
+
+def test_loopback_run_installs_the_host_read_guards(monkeypatch):
+    from megatron_mok import loopback
+
+    calls = []
+    monkeypatch.setattr(loopback, "settle_host_reads", lambda: calls.append(1))
+    assert loopback.run(lambda rank, world_size: rank, 2, device="cpu") == [0, 1] and calls == [1]
+    import torch
+    assert not loopback._needs_settle(torch.zeros(2))                  # a CPU tensor: never
+
+
+def _reads_behind_a_busy_stream(rank, world_size):
+    """A CUDA host read with 50 ms of work queued on this rank's stream: settled first."""
+    import torch
+    from megatron_mok import loopback
+    t = torch.ones(4, device="cuda")
+    torch.cuda._sleep(100_000_000)
+    before = len(loopback._SETTLED)
+    t.tolist()
+    return len(loopback._SETTLED) - before, loopback._needs_settle(t)
+
+
+@gpu
+def test_loopback_host_reads_settle_on_the_gpu(monkeypatch):
+    from megatron_mok import loopback
+
+    settle_for = loopback._settle_for
+    monkeypatch.setattr(loopback, "_SETTLED", [], raising=False)
+    monkeypatch.setattr(loopback, "_settle_for", lambda t: (loopback._SETTLED.append(1), settle_for(t)))
+    out = run_loopback(_reads_behind_a_busy_stream, 1, timeout=60)
+    assert out == [(1, True)], out
+    assert not loopback._needs_settle(__import__("torch").ones(1, device="cuda"))   # not a rank thread
+
+
 def test_loopback_refuses_layouts_that_cannot_all_be_resident():
     from megatron_mok import loopback
 

@@ -23,7 +23,8 @@
 # sample_py the same with MOK_HOST_OPS=0 (the Python path, whose allocations moved).
 # regress   the one-GPU regression selections (common.sh), op on.
 # schedules regress's alternative-schedule selection alone (session 44).
-# stall_hunt s43-3's stalled loopback test, hunted (session 44): the errors selection three times,
+# stall_hunt s43-3's stalled loopback test, hunted (session 44): the host-read guard's GPU test
+#           (loopback.settle_host_reads), the errors selection STALL_ERRORS_N times (default 3),
 #           then the test's worker repeated by scripts/repeat_loopback.py (REPEAT_S seconds each
 #           for its own seed and for fresh seeds).
 # lagging   the lagging-reader test (its stall now hooks the op's dispatch_rows) three times, and
@@ -98,9 +99,10 @@ rpe_overflow)   # s43-3: the W = 3 loopback rows_per_expert overflow test ran pa
 stall_hunt)     # session 44: s43-3's stall of the W = 3 rows_per_expert overflow test, hunted: the
   # errors selection it stalled in, three times, then the test's worker alone, repeated
   # (scripts/repeat_loopback.py; its seed, then fresh seeds); a stall of 5+ s lands in *.stalls
-  for i in 1 2 3; do errors_selection 100; mv $R/errors.log $R/errors$i.log; done
+  run_pytest host_reads 60 -m "gpu and not multigpu" tests/test_cuda_loopback.py -k "host_read"
+  for i in $(seq ${STALL_ERRORS_N:-3}); do errors_selection 100; mv $R/errors.log $R/errors$i.log; done
   for seeds in fixed fresh; do
-    MOK_LOOPBACK_STALL_LOG=$R/repeat_$seeds.stalls timeout -k 10 ${REPEAT_LIMIT_S:-90} python3 \
+    MOK_LOOPBACK_STALL_LOG=$R/repeat_$seeds.stalls timeout -k 10 ${REPEAT_LIMIT_S:-$((${REPEAT_S:-60} + 80))} python3 \
       scripts/repeat_loopback.py tests/test_cuda_backend.py:_rows_overflow --world 3 --args '[78]' \
       $([ $seeds = fresh ] && echo --fresh-seeds) --seconds ${REPEAT_S:-60} --timeout-s 150 \
       --out $R/repeat_$seeds.json > $R/repeat_$seeds.log 2>&1
