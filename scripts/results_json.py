@@ -4,7 +4,8 @@
 
 Every ``*.json`` under SRC_DIR is embedded under its path (``small/small_batch.json`` ->
 key ``small/small_batch``); every ``*.log`` contributes its last ``--tail`` lines (the
-pytest summary, the tables the tools print); ``gpu.txt`` (``nvidia-smi --query-gpu=name
+pytest summary, the tables the tools print), every ``*.stalls`` (loopback host stalls,
+``MOK_LOOPBACK_STALL_LOG``) likewise; ``gpu.txt`` (``nvidia-smi --query-gpu=name
 ...``) gives the GPU model and count. The date is today's (UTC) unless --date gives the run's. Why a tool: a device run
 leaves a folder of per-tool outputs; the results index wants one file per run that names
 its date, commit, GPU model/count and exact command (METHOD.md), and a hand-assembled file
@@ -42,9 +43,9 @@ def collect(src, tail):
             if ext == ".json":
                 with open(os.path.join(root, f)) as fh:
                     out[key] = json.load(fh)
-            elif ext == ".log":
+            elif ext in (".log", ".stalls"):
                 with open(os.path.join(root, f), errors="replace") as fh:
-                    out[key + "_log_tail"] = fh.read().splitlines()[-tail:]
+                    out[key + ext.replace(".", "_") + "_tail"] = fh.read().splitlines()[-tail:]
     return dict(sorted(out.items()))
 
 

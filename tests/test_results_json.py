@@ -18,6 +18,7 @@ def _folder(tmp_path, gpus=("NVIDIA H200", "NVIDIA H200")):
                                  + "".join(f"{g}, 1980 MHz, 1980 MHz\n" for g in gpus))
     (src / "small" / "small_batch.json").write_text(json.dumps({"cases": [{"tokens": 128}]}))
     (src / "tests.log").write_text("".join(f"line {i}\n" for i in range(50)) + "172 passed in 219 s\n")
+    (src / "errors.stalls").write_text("[20:30:04 pid 1] rank 0 stuck for 5+ s at:\n  File x\n")
     return src
 
 
@@ -34,6 +35,7 @@ def test_one_file_with_date_commit_gpu_command_and_every_part(tmp_path):
     assert len(doc["date"]) == 10 and doc["date"][4] == "-"
     assert doc["small/small_batch"] == {"cases": [{"tokens": 128}]}
     assert doc["tests_log_tail"] == ["line 48", "line 49", "172 passed in 219 s"]
+    assert doc["errors_stalls_tail"] == ["[20:30:04 pid 1] rank 0 stuck for 5+ s at:", "  File x"]
 
 
 def test_mixed_or_missing_gpu_files_are_named_as_they_are(tmp_path):
