@@ -65,6 +65,9 @@ CB = "megatron_mok/cuda/backend.py"
 BUD = "megatron_mok/megatron/budget.py"
 
 # pytest targets, most likely killer first (-x stops at the first failure)
+LOOP = "megatron_mok/loopback.py"
+LOOPT = "tests/test_cuda_loopback.py"
+LOOPT_READS = f"{LOOPT}::test_loopback_host_reads_settle_first_in_rank_threads_only"
 CONTRACT = "tests/test_contract.py"
 AUTOGRAD = "tests/test_autograd.py"
 ALIGN = "tests/test_expert_alignment.py"
@@ -715,6 +718,17 @@ MUTANTS: List[Mutant] = [
     M("buf_budget_on_cached_dispatch", BUF,
       "            if rows_per_expert is not None or recv_budget is not None:\n",
       "            if rows_per_expert is not None:\n", [BUDGET]),
+    # -------------------------------------------------- loopback host reads, stall log (item 78)
+    M("loopback_reads_not_installed", LOOP, "    settle_host_reads()                 # (they act",
+      "    pass                 # (they act", [f"{LOOPT}::test_loopback_run_installs_the_host_read_guards"]),
+    M("loopback_mask_index_unguarded", LOOP, "isinstance(i, torch.Tensor) and i.dtype == torch.bool",
+      "isinstance(i, torch.Tensor) and i.dtype == torch.uint8", [LOOPT_READS]),
+    M("loopback_to_settles_always", LOOP, "any(map(_is_cpu_device, a + tuple(k.values())))", "True",
+      [LOOPT_READS]),
+    M("loopback_reads_wrapped_twice", LOOP, "    if _guards_installed:\n        return\n",
+      "    if False:\n        return\n", [LOOPT_READS]),
+    M("loopback_stall_not_logged", LOOP, "                _log_stall(stalls[-1])\n", "",
+      [f"{LOOPT}::test_loopback_stall_log_written_while_the_run_is_still_going"]),
 ]
 
 
