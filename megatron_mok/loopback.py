@@ -220,7 +220,7 @@ def _is_cpu_device(v) -> bool:
 def _settling(name: str, fn: Callable, reads: Callable[..., bool]) -> Callable:
     def read(*args, **kwargs):
         if reads(*args, **kwargs):
-            t = args[0]
+            t = args[0] if args else next(iter(kwargs.values()), None)   # torch.equal(input=...)
             if _needs_settle(t):
                 _settle_for(t)
         return fn(*args, **kwargs)

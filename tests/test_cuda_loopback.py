@@ -620,6 +620,7 @@ def _host_reads(rank, world_size):
     reads = {"tolist": lambda: t.tolist(), "item": lambda: one.item(), "cpu": lambda: t.cpu(),
              "numpy": lambda: t.numpy(), "nonzero": lambda: t.nonzero(),
              "equal": lambda: t.equal(t), "torch.equal": lambda: torch.equal(t, t),
+             "torch.equal by keyword": lambda: torch.equal(input=t, other=t),
              "allclose": lambda: t.allclose(t), "torch.allclose": lambda: torch.allclose(t, t),
              "bool": lambda: bool(one), "int": lambda: int(one), "float": lambda: float(one),
              "index": lambda: [0, 1][one.long()], "to cpu": lambda: t.to("cpu"),

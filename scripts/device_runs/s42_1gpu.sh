@@ -97,7 +97,7 @@ rpe_overflow)   # s43-3: the W = 3 loopback rows_per_expert overflow test ran pa
   run_pytest rpe_overflow 60 -m "gpu and not multigpu" --durations=6 tests/test_cuda_loopback.py \
     tests/test_cuda_backend.py -k "rows_per_expert_overflow" ;;
 stall_hunt)     # session 44: s43-3's stall of the W = 3 rows_per_expert overflow test, hunted: the
-  # errors selection it stalled in, three times, then the test's worker alone, repeated
+  # errors selection it stalled in (STALL_ERRORS_N times), then the test's worker alone, repeated
   # (scripts/repeat_loopback.py; its seed, then fresh seeds); a stall of 5+ s lands in *.stalls
   run_pytest host_reads 60 -m "gpu and not multigpu" tests/test_cuda_loopback.py -k "host_read"
   for i in $(seq ${STALL_ERRORS_N:-3}); do errors_selection 100; mv $R/errors.log $R/errors$i.log; done
