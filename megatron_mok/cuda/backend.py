@@ -178,7 +178,8 @@ class CudaBackend:
         # The side stream, also made before the workspace, for the same reason: a loopback
         # rank's stream creation (cudaStreamCreateWithFlags) waited, in s42-4, until peers that
         # had passed the workspace's rendezvous and queued their dispatch kernels (which wait for
-        # this rank) timed out, 20 s later.
+        # this rank) timed out, 20 s later. (What held it up: those peers' unsettled host reads,
+        # pageable copies behind their kernels; loopback.settle_host_reads, NOTES item 78.)
         self._own_side = None
         if is_loopback(buf.group):       # never the stream of another rank (loopback.OwnStream)
             self._own_side = OwnStream(dev)
