@@ -209,7 +209,7 @@ def _needs_settle(t) -> bool:
 
 
 def _settle_for(t) -> None:
-    torch.cuda.current_stream(t.device).synchronize()
+    settle(t.device)
 
 
 def _is_cpu_device(v) -> bool:
