@@ -199,14 +199,13 @@ def host_ops_state(impl) -> str:
     return "on" if impl.host_ops is not None else f"off ({host_ops.why_not()})"
 
 
-def busy_device_probe(torch, calls, sync, busy_ms=2.0, reps=7):
+def busy_device_probe(torch, phc, calls, sync, busy_ms=2.0, reps=7):
     """name -> median host time (us) of each call made while the GPU still has ``busy_ms`` of
     queued work (a ``torch.cuda._sleep`` kernel on the call's stream, queued right before it).
     A call that returns in microseconds never waits for the device; one that takes ~``busy_ms``
     or more does (a host read, a device-wide or stream sync somewhere inside it). The step's
     backward saved far more than its layers (item 77, s44-1: -115 us at 512 tokens against
     -24), growing with the tokens: this tells whether the Python path waits for the GPU there."""
-    import statistics
     import time
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -224,7 +223,7 @@ def busy_device_probe(torch, calls, sync, busy_ms=2.0, reps=7):
             fn()
             took.append(time.perf_counter() - t0)
         sync()
-        out[name] = round(statistics.median(took) * 1e6, 1)
+        out[name] = phc.median_us(took)
     return out
 
 
@@ -299,7 +298,7 @@ def main(argv=None):
         for variant in ("buffer", "buffer_py"):     # the backward alone: the step minus its forward
             case[f"backward_us_{variant}"] = phc.paired_change_us(
                 blocks, f"forward_{variant}", f"roundtrip_{variant}")
-        busy = busy_device_probe(torch, calls, sync, a.busy_ms)
+        busy = busy_device_probe(torch, phc, calls, sync, a.busy_ms)
         case["busy_ms"] = a.busy_ms
         case.update({f"busy_host_{n}_us": v for n, v in busy.items()})
         waits = sorted(n for n, v in busy.items() if v > 500 * a.busy_ms)
