@@ -215,9 +215,7 @@ class PeerMemory:
         self.tensor = allocate_on_every_rank(lambda: symm_mem.empty(nbytes, dtype=torch.uint8, device=device),
                                              nbytes, group, world_size, timeout_s)
         self._handle = symm_mem.rendezvous(self.tensor, group.group_name)
-        if getattr(self._handle, "multicast_ptr", 0):
-            # Not used by any kernel; said here so that nobody starts relying on it.
-            pass
+        # Only buffer_ptrs is used: never the handle's multicast_ptr (no NVLink multicast).
         self.peer_ptrs = [int(p) for p in self._handle.buffer_ptrs]
         if len(self.peer_ptrs) != world_size:
             raise RuntimeError(f"symmetric memory returned {len(self.peer_ptrs)} peer pointers "
