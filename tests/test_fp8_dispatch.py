@@ -242,6 +242,25 @@ def test_quantize_matches_the_per_token_block_definition():
     assert fp8.dequantize(q, s).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("shape,block,pattern", [((4, 8, 16), 8, r"x must be \[T, H\], got \(4, 8, 16\)"),
+                                                 ((4, 96), 64, "hidden 96 is not a multiple of the scale block 64"),
+                                                 ((4, 96), 0, "hidden 96 is not a multiple of the scale block 0"),
+                                                 ((4, 96), -32, "hidden 96 is not a multiple of the scale block -32")])
+def test_quantize_refuses_a_shape_it_cannot_block(shape, block, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        fp8.quantize(torch.randn(*shape), block)
+
+
+def test_dequantize_refuses_scales_that_do_not_divide_the_row():
+    q, s = fp8.quantize(torch.randn(3, 96), 32)          # 3 scale columns
+    with pytest.raises(ValueError, match="hidden 96 is not a multiple of the 5 scale columns"):
+        fp8.dequantize(q, torch.ones(3, 5))
+    with pytest.raises(ValueError, match="hidden 96 is not a multiple of the 0 scale columns"):
+        fp8.dequantize(q, torch.ones(3, 0))
+    # the pair quantize made is accepted
+    assert torch.equal(fp8.dequantize(q, s, torch.float32), (q.float().view(3, 3, 32) * s.unsqueeze(2)).view(3, 96))
+
+
 @pytest.mark.parametrize("H,S,scale_dtype,P", [(7168, 56, torch.float32, 7392), (640, 5, torch.float32, 672),
                                                (32, 1, torch.uint8, 48), (4096, 128, torch.uint8, 4224),
                                                (24, 3, torch.uint8, 32), (40, 3, torch.float32, 64)])

@@ -79,6 +79,16 @@ def test_bad_rows_per_expert_is_refused(bad):
         buf.dispatch(x, idx, w, rows_per_expert=bad)
 
 
+def test_rows_per_expert_past_32_bit_row_indices_is_refused():
+    spec, x, idx, w = _case()
+    buf = _buffer(spec, torch.float32, "reference")
+    e_local = buf.num_local_experts
+    too_many = -(-2 ** 31 // e_local)                    # E_local x N >= 2^31
+    with pytest.raises(ValueError, match=rf"rows_per_expert={too_many} makes {e_local * too_many} rows "
+                                         rf"\(E_local={e_local} x N\), more than the layout's 32-bit"):
+        buf.dispatch(x, idx, w, rows_per_expert=too_many)
+
+
 def test_rows_per_expert_must_respect_alignment_and_static_capacity():
     spec, x, idx, w = _case()
     aligned = _buffer(spec, torch.float32, "reference", expert_alignment=16)
