@@ -103,3 +103,40 @@ def test_paged_stash_runner_reruns_dropless_one_gpu():
     r = reports[0]
     assert r["tight"]["attempts"] == 2 and r["generous"]["attempts"] == 1, r
     assert any(r["tight"]["flags"][0]) and not any(r["tight"]["flags"][1]), r
+
+
+# The budget's helpers on their own (in-process, CPU): the layer tests above reach them only
+# through workers, and never with a bad factor or experts that return too many rows.
+
+@pytest.mark.parametrize("T,K,factor,align,want", [
+    (10, 3, 1.5, 16, 48),          # int(45.0) = 45, up to 48
+    (7, 2, 1.1, 4, 16),            # int(15.400000000000002) = 15, up to 16
+    (64, 8, 1.0, 16, 512),         # already a multiple
+    (0, 8, 2.0, 16, 0),            # no tokens: no rows
+    (5, 1, 0.1, 1, 0),             # int(0.5) = 0
+])
+def test_rank_budget_is_int_then_rounded_up(T, K, factor, align, want):
+    from megatron_mok.megatron.budget import rank_budget
+    assert rank_budget(T, K, factor, align) == want
+
+
+@pytest.mark.parametrize("factor", [0, -1.0, float("nan"), float("inf"), True, "1.5"])
+def test_rank_budget_refuses_a_bad_factor(factor):
+    from megatron_mok.megatron.budget import rank_budget
+    from megatron_mok.megatron.config import MokConfigError
+    with pytest.raises(MokConfigError, match="moe_expert_rank_capacity_factor must be"):
+        rank_budget(10, 2, factor, 1)
+
+
+def test_pad_rows_adds_zero_rows_and_drops_their_gradient():
+    import torch
+    from megatron_mok.megatron.budget import pad_rows
+    rows = torch.randn(3, 4, requires_grad=True)
+    assert pad_rows(rows, 3) is rows
+    out = pad_rows(rows, 5)
+    assert out.shape == (5, 4) and torch.equal(out[:3], rows) and not out[3:].any()
+    grad = torch.randn(5, 4)
+    out.backward(grad)
+    assert torch.equal(rows.grad, grad[:3])
+    with pytest.raises(ValueError, match=r"the experts returned 3 rows, more than the budget's 2"):
+        pad_rows(rows, 2)
