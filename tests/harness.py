@@ -115,6 +115,8 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, env: Dict[
         dist.init_process_group("gloo" if backend == "shared" else backend, store=store, rank=rank,
                                 world_size=world_size,
                                 timeout=timedelta(seconds=DEFAULT_TIMEOUT_S), **kwargs)
+        if backend != "nccl":
+            _reduce_scatter_on_old_gloo()
     except BaseException:
         result_q.put((-1, rank, "err", "process-group init failed:\n" + traceback.format_exc()))
         return
@@ -146,6 +148,37 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, env: Dict[
         dist.destroy_process_group()
     except Exception:
         pass
+
+
+def _reduce_scatter_on_old_gloo() -> None:
+    """Let ``torch.distributed.reduce_scatter`` work on a gloo group of a torch whose gloo lacks it
+    (torch 2.6: "ProcessGroupGloo does not support reduce_scatter"). Megatron's own dispatchers
+    call it with expert / sequence parallelism (``_reduce_scatter_along_first_dim``), and the
+    tests compare ``mok`` against them; megatron_mok itself never calls it. Where the real call
+    works (newer torch, NCCL) it is what runs; otherwise each rank's chunk is all-reduced in
+    turn and the rank keeps its own (synchronous calls only, as Megatron makes them)."""
+    import torch.distributed as dist
+
+    real = dist.reduce_scatter
+    if getattr(real, "_mok_old_gloo", False):
+        return
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        try:
+            return real(output, input_list, op=op, group=group, async_op=async_op)
+        except RuntimeError as e:
+            if "does not support reduce_scatter" not in str(e) or async_op:
+                raise
+        me = dist.get_rank(group)
+        for r, chunk in enumerate(input_list):
+            total = chunk.clone()
+            dist.all_reduce(total, op=op, group=group)
+            if r == me:
+                output.copy_(total)
+        return None
+
+    reduce_scatter._mok_old_gloo = True
+    dist.reduce_scatter = reduce_scatter
 
 
 def _release_cached_gpu_memory() -> None:
