@@ -108,7 +108,8 @@ start=$(date +%s)
 # nvcc's own folder instead (a CUDA 13-only header) is caught rather than compiled unseen.
 LOG="$CACHE/build-$VERSION.log"
 if ! make -C csrc -s -B OUT="$BUILD" NVCC="$NVCC" EXTRA="-I$TREE -Xcompiler -H" > "$LOG" 2>&1; then
-    grep -v '^\.\+ ' "$LOG" | grep -v '^Multiple include guards' | tail -n 40 >&2
+    # the compiler's messages, without -H's header list and include-guard hints
+    grep -E -A3 'error|warning' "$LOG" | grep -v -E '^\.+ |^/[^ ]*$|^Multiple include guards' | tail -n 40 >&2 || true
     echo "[cuda12] FAILED: csrc/ does not compile against CUDA $VERSION's headers: guard the newer API or raise setup.py's MIN_NVCC" >&2
     exit 1
 fi
