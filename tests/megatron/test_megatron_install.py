@@ -1341,3 +1341,75 @@ def test_buffer_waits_as_long_as_the_ep_group(fresh_buffers, monkeypatch):
     D.reset_buffers()
     monkeypatch.setattr(D, "group_timeout_seconds", lambda g: None)   # unreadable: Buffer default
     assert _first_buffer(_dispatcher()).timeout_s is None
+
+
+# Misuse of the dispatcher's hooks (in-process, CPU; found untested by a coverage run, NOTES
+# item 79): each is a clear error, not a wrong answer or a crash further down.
+
+def test_dispatch_preprocess_refuses_a_routing_map_it_cannot_read(fresh_buffers):
+    d = _dispatcher()
+    x = torch.randn(5, 1, 16)
+    probs = torch.rand(5, 8)
+    with pytest.raises(ValueError, match=r"routing_map must be a \[T, E\] bool tensor, got \(5, 8\) torch.int64"):
+        d.dispatch_preprocess(x, torch.ones(5, 8, dtype=torch.int64), probs)
+    with pytest.raises(ValueError, match=r"routing_map must be a \[T, E\] bool tensor, got \(5, 8, 1\)"):
+        d.dispatch_preprocess(x, torch.ones(5, 8, 1, dtype=torch.bool), probs)
+    with pytest.raises(ValueError, match=r"probs \(5, 7\) must match routing_map \(5, 8\)"):
+        d.dispatch_preprocess(x, torch.ones(5, 8, dtype=torch.bool), probs[:, :7])
+
+
+def test_hooks_called_out_of_order_are_errors(fresh_buffers):
+    d = _dispatcher()
+    x = torch.randn(5, 1, 16)
+    with pytest.raises(RuntimeError, match="token_dispatch needs the top-k ids of these tokens"):
+        d.token_dispatch(x.view(5, 16), torch.rand(5, 2))
+    with pytest.raises(RuntimeError, match="token_combine called without a preceding token_dispatch"):
+        d.token_combine(torch.randn(10, 16))
+    rmap = torch.zeros(5, 8, dtype=torch.bool)
+    rmap[:, :2] = True
+    h, w = d.dispatch_preprocess(x, rmap, rmap.float() * 0.5)
+    # the ids kept are those of 5 tokens: 4 tokens are refused too
+    with pytest.raises(RuntimeError, match="token_dispatch needs the top-k ids of these tokens"):
+        d.token_dispatch(h[:4], w[:4])
+    assert d.backend_name is None                      # no Buffer before the first dispatch
+    tokens, p = d.token_dispatch(h, w)
+    assert d.backend_name == "reference"
+    d.token_combine(tokens)
+    with pytest.raises(RuntimeError, match="token_combine called without a preceding token_dispatch"):
+        d.token_combine(tokens)                        # the handle is used once
+
+
+def test_local_experts_other_than_the_ep_ranks_block_are_refused():
+    import types
+    from megatron_mok.megatron.dispatcher import MokTokenDispatcher
+
+    cfg = _cfg()
+    pg = types.SimpleNamespace(ep=None, expt_tp=None, tp_ep=None)
+    with pytest.raises(ValueError, match=r"MoK needs local experts \[0, 1, 2, 3, 4, 5, 6, 7\] on EP rank 0"):
+        MokTokenDispatcher(8, [1, 2, 3, 4, 5, 6, 7, 0], cfg, pg_collection=pg)
+
+
+def test_a_destroyed_shared_buffer_is_replaced(fresh_buffers):
+    d = _dispatcher()
+    x = torch.randn(5, 1, 16)
+    rmap = torch.zeros(5, 8, dtype=torch.bool)
+    rmap[:, 3:5] = True
+    h, w = d.dispatch_preprocess(x, rmap, rmap.float() * 0.5)
+    tokens, _ = d.token_dispatch(h, w)
+    d.token_combine(tokens)
+    first = d.buffer
+    first.destroy()                                    # behind the cache's back
+    h, w = d.dispatch_preprocess(x, rmap, rmap.float() * 0.5)
+    tokens, _ = d.token_dispatch(h, w)
+    assert d.buffer is not first and not d.buffer._destroyed
+    assert torch.equal(d.token_combine(tokens), x.view(5, 16) * 2)
+
+
+def test_routing_map_to_topk_with_fewer_experts_than_topk():
+    from megatron_mok.megatron.dispatcher import routing_map_to_topk
+
+    rmap = torch.tensor([[True, True], [False, True], [False, False]])
+    probs = torch.tensor([[0.25, 0.5], [0.0, 0.75], [0.0, 0.0]])
+    idx, w = routing_map_to_topk(rmap, probs, topk=4)
+    assert idx.tolist() == [[0, 1, -1, -1], [1, -1, -1, -1], [-1, -1, -1, -1]]
+    assert w.tolist() == [[0.25, 0.5, 0.0, 0.0], [0.75, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
