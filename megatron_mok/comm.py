@@ -184,12 +184,3 @@ def status_device(group, hint=None) -> torch.device:
             and dist.get_backend(group) == "nccl"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def pad_rows(t: torch.Tensor, rows: int, fill: Optional[float] = 0) -> torch.Tensor:
-    """Pad ``t`` along dim 0 to ``rows`` rows with ``fill``."""
-    if t.shape[0] == rows:
-        return t
-    out = t.new_full((rows, *t.shape[1:]), fill)
-    out[: t.shape[0]] = t
-    return out
