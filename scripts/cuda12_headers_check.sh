@@ -113,7 +113,11 @@ if ! make -C csrc -s -B OUT="$BUILD" NVCC="$NVCC" EXTRA="-I$TREE -Xcompiler -H" 
     echo "[cuda12] FAILED: csrc/ does not compile against CUDA $VERSION's headers: guard the newer API or raise setup.py's MIN_NVCC" >&2
     exit 1
 fi
-if grep -F -e "$NVCC_INCLUDE" -e "$(readlink -f "$NVCC_INCLUDE")" "$LOG" | grep '^\.\+ ' | head -n 5 >&2; then
+# (collected first: a `grep | head` in the test itself would lose its match to SIGPIPE under
+# pipefail once the list outgrows the pipe)
+LEAKED="$(grep -F -e "$NVCC_INCLUDE" -e "$(readlink -f "$NVCC_INCLUDE")" "$LOG" | grep '^\.\+ ' || true)"
+if [ -n "$LEAKED" ]; then
+    printf '%s\n' "$LEAKED" | sort -u | head -n 5 >&2 || true
     echo "[cuda12] FAILED: the headers above are not in CUDA $VERSION's runtime or CCCL (read from nvcc's own folder)" >&2
     exit 1
 fi

@@ -29,7 +29,9 @@ case " $* " in
     *" --version "*) echo "Cuda compilation tools, release 13.0, V13.0.48"; exit 0 ;;
     *" -c "*) exit "${FAKE_PROBE_RC:-0}" ;;
 esac
-[ -n "${FAKE_H_LINE:-}" ] && echo "$FAKE_H_LINE" >&2
+if [ -n "${FAKE_H_LINE:-}" ]; then
+    for _ in $(seq "${FAKE_H_REPEAT:-1}"); do echo "$FAKE_H_LINE"; done >&2
+fi
 exit "${FAKE_BUILD_RC:-0}"
 """
 
@@ -86,6 +88,9 @@ def test_a_header_read_from_nvccs_own_folder_fails(fake):
     r = _run(env, "12.3", FAKE_H_LINE=f".. {include}/cuda/std/newer_header.h")
     assert r.returncode == 1
     assert "newer_header.h" in r.stderr and "read from nvcc's own folder" in r.stderr
+    # as many such lines as a real build lists (more than a pipe holds) still fail it
+    many = _run(env, "12.3", FAKE_H_LINE=f".. {include}/cuda/std/newer_header.h", FAKE_H_REPEAT="5000")
+    assert many.returncode == 1 and "read from nvcc's own folder" in many.stderr
     # the same -H line for a header of the CUDA 12 tree passes
     tree_line = f".. {env['MOK_CUDA12_CACHE']}/include-12.3/cuda/std/header.h"
     assert _run(env, "12.3", FAKE_H_LINE=tree_line).returncode == 0
