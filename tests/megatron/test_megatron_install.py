@@ -1413,3 +1413,26 @@ def test_routing_map_to_topk_with_fewer_experts_than_topk():
     idx, w = routing_map_to_topk(rmap, probs, topk=4)
     assert idx.tolist() == [[0, 1, -1, -1], [1, -1, -1, -1], [-1, -1, -1, -1]]
     assert w.tolist() == [[0.25, 0.5, 0.0, 0.0], [0.75, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+
+
+def test_extend_literal_covers_the_annotation_forms_a_release_may_use():
+    # Both supported releases annotate moe_token_dispatcher_type as a plain Literal; the other
+    # forms (inside Optional, a string under `from __future__ import annotations`) are what a
+    # later release may write, and must still admit 'mok' (found untested by coverage, item 79).
+    import typing
+    from typing import Literal, Optional
+
+    from megatron_mok.megatron._patch import _extend_literal
+
+    plain = Literal["allgather", "alltoall", "flex"]
+    assert typing.get_args(_extend_literal(plain)) == ("allgather", "alltoall", "flex", "mok")
+    already = Literal["alltoall", "mok"]
+    assert _extend_literal(already) is already
+    opt = _extend_literal(Optional[Literal["alltoall", "flex"]])
+    lit, none = typing.get_args(opt)
+    assert typing.get_args(lit) == ("alltoall", "flex", "mok") and none is type(None)
+    assert _extend_literal("Literal['allgather', 'flex']") == "Literal['allgather', 'flex', 'mok']"
+    assert (_extend_literal("Optional[Literal['allgather']]")
+            == "Optional[Literal['allgather', 'mok']]")
+    assert _extend_literal("Literal['mok', 'flex']") == "Literal['mok', 'flex']"
+    assert _extend_literal(str) is str and _extend_literal("str") == "str"
