@@ -876,16 +876,18 @@ def test_expert_tp_rank_bound_is_inclusive(monkeypatch):
 
 
 # -------------------------------------------------- the dispatcher's hooks, in one process
-def _dispatcher(**cfg_kw):
+def _dispatcher(local_expert_indices=None, **cfg_kw):
     """A ``MokTokenDispatcher`` in this process: no torch.distributed, every group ``None``
-    (size 1), the reference backend on CPU tensors."""
+    (size 1), the reference backend on CPU tensors; its local experts all of them in order
+    unless ``local_expert_indices`` says otherwise."""
     import types
     from megatron_mok.megatron.dispatcher import MokTokenDispatcher
 
     cfg = _cfg(**cfg_kw)
     pg = types.SimpleNamespace(ep=None, expt_tp=None, tp_ep=None)
     E = cfg.num_moe_experts
-    return MokTokenDispatcher(E, list(range(E)), cfg, pg_collection=pg)
+    local = list(range(E)) if local_expert_indices is None else local_expert_indices
+    return MokTokenDispatcher(E, local, cfg, pg_collection=pg)
 
 
 @pytest.fixture
@@ -1380,13 +1382,8 @@ def test_hooks_called_out_of_order_are_errors(fresh_buffers):
 
 
 def test_local_experts_other_than_the_ep_ranks_block_are_refused():
-    import types
-    from megatron_mok.megatron.dispatcher import MokTokenDispatcher
-
-    cfg = _cfg()
-    pg = types.SimpleNamespace(ep=None, expt_tp=None, tp_ep=None)
     with pytest.raises(ValueError, match=r"MoK needs local experts \[0, 1, 2, 3, 4, 5, 6, 7\] on EP rank 0"):
-        MokTokenDispatcher(8, [1, 2, 3, 4, 5, 6, 7, 0], cfg, pg_collection=pg)
+        _dispatcher(local_expert_indices=[1, 2, 3, 4, 5, 6, 7, 0])
 
 
 def test_a_destroyed_shared_buffer_is_replaced(fresh_buffers):
