@@ -6,6 +6,7 @@ forgets them fails CI before it ever reaches a GPU."""
 
 from __future__ import annotations
 
+import ast
 import glob
 import os
 import re
@@ -86,3 +87,68 @@ def test_every_python_launcher_sets_the_variables(path):
     assert PY_SETTERS.search(text), (f"{os.path.relpath(path, REPO)} starts distributed work but neither "
                                      "imports megatron_mok / benchmarks' common nor sets the no-multicast "
                                      "variables")
+
+
+# Device-side multicast has two doors: the PTX instructions (`multimem.ld_reduce`, `multimem.st`,
+# `multimem.red`) and the driver / runtime calls that make a multicast object. Neither may appear
+# in the compiled sources (csrc/ and the benchmarks' microbenchmarks), in any spelling.
+_MULTICAST_IN_SOURCE = re.compile(r"multimem|Multicast|\bmc_ptr|multicast_ptr", re.I)
+
+
+def _compiled_sources():
+    exts = ("cu", "cuh", "h", "hpp", "cpp", "cc")
+    return sorted(f for d in ("csrc", os.path.join("benchmarks", "micro"))
+                  for ext in exts for f in glob.glob(os.path.join(REPO, d, "**", f"*.{ext}"), recursive=True))
+
+
+def test_there_are_compiled_sources_to_check():
+    names = {os.path.relpath(f, REPO) for f in _compiled_sources()}
+    assert {"csrc/kernels/dispatch_transfer.cu", "csrc/host_ops/host_ops.cpp",
+            "benchmarks/micro/sm_ceiling.cu"} <= names, names
+
+
+@pytest.mark.parametrize("path", _compiled_sources(), ids=lambda p: os.path.relpath(p, REPO))
+def test_no_compiled_source_names_multicast(path):
+    hits = [f"{i}: {line.strip()}" for i, line in enumerate(open(path, errors="replace"), 1)
+            if _MULTICAST_IN_SOURCE.search(line)]
+    assert not hits, f"{os.path.relpath(path, REPO)} names NVLink multicast: {hits[:5]}"
+
+
+def test_the_source_check_finds_a_planted_multimem_instruction():
+    planted = 'asm volatile("multimem.ld_reduce.relaxed.sys.global.add.f32 %0, [%1];" : "=f"(v) : "l"(p));'
+    assert _MULTICAST_IN_SOURCE.search(planted)
+    assert _MULTICAST_IN_SOURCE.search("cuMulticastCreate(&handle, &prop);")
+    assert not _MULTICAST_IN_SOURCE.search("ld.acquire.sys.global.u64 %0, [%1];")
+
+
+# The Python side's doors: torch's symmetric-memory multicast ops (`multimem_all_reduce_`,
+# `multimem_one_shot_all_reduce`, ...) and a rendezvous handle's `multicast_ptr`. Names and
+# attributes only (the AST), so comments and messages that say what is never used stay free.
+_MULTICAST_IN_PYTHON = re.compile(r"multimem|multicast_ptr|^mc_ptr$|multicast_create", re.I)
+
+
+def _multicast_uses(text: str):
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        name = (node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name)
+                else None)
+        if name and _MULTICAST_IN_PYTHON.search(name):
+            out.append(f"{node.lineno}: {name}")
+    return out
+
+
+def _python_sources():
+    return sorted(f for d in ("megatron_mok", "benchmarks", "scripts", "examples")
+                  for f in glob.glob(os.path.join(REPO, d, "**", "*.py"), recursive=True))
+
+
+@pytest.mark.parametrize("path", _python_sources(), ids=lambda p: os.path.relpath(p, REPO))
+def test_no_python_source_uses_multicast(path):
+    uses = _multicast_uses(open(path, errors="replace").read())
+    assert not uses, f"{os.path.relpath(path, REPO)} uses NVLink multicast: {uses[:5]}"
+
+
+def test_the_python_check_finds_a_planted_multicast_use():
+    assert _multicast_uses("ptr = handle.multicast_ptr\n") == ["1: multicast_ptr"]
+    assert _multicast_uses("symm_mem.multimem_all_reduce_(t, 'sum', group)\n") == ["1: multimem_all_reduce_"]
+    assert _multicast_uses("# never handle.multicast_ptr\nx = 'multimem'\n") == []
