@@ -23,10 +23,12 @@ nothing is taken from it; the load check below would fail on a symbol left undef
 Checks, in order: the package's SHA256 (from the suite's Packages index, fetched over HTTPS);
 ``nvcc --version`` is the release; csrc/ compiles and links (``make -C csrc``); the library holds
 one sm_<ARCH> cubin per source file; it loads with CUDA 12's libcudart and every C ABI function
-``megatron_mok/cuda/bindings.py`` declares resolves (no GPU is needed to load it). Then it
-prints ptxas's registers / stack / spills per kernel (``--json`` writes them).
+``megatron_mok/cuda/bindings.py`` declares resolves (no GPU is needed to load it); with
+``--pytest PYTHON``, the CPU tests that drive the real library's host side (argument checks,
+workspace layout; ``LIBRARY_TESTS``) pass with this build loaded instead. Then it prints
+ptxas's registers / stack / spills per kernel (``--json`` writes them).
 
-  python3 scripts/nvcc12_build_check.py [--json FILE] [--keep DIR] [--toolkit DIR]
+  python3 scripts/nvcc12_build_check.py [--json FILE] [--keep DIR] [--toolkit DIR] [--pytest PYTHON]
 
 ``--keep DIR`` copies the built library and CUDA 12's libcudart.so.12 there (to run the GPU
 suite with it: MOK_CUDA_LIB=DIR/libmok_cuda.so LD_LIBRARY_PATH=DIR). Downloads and the tool tree
@@ -279,6 +281,35 @@ def load_check(tree: Path, lib: Path) -> tuple[int, int, int]:
     return runtime, abi, n
 
 
+# The CPU tests that drive the real library's host side (its argument checks, the workspace
+# layout, the ABI): run once more with the CUDA 12 build loaded in its place.
+LIBRARY_TESTS = ("tests/test_cuda_library_abi.py", "tests/test_errors.py", "tests/test_input_checks.py",
+                 "tests/test_workspace_allocation.py", "tests/test_gpu_support.py")
+_PREFLIGHT = """
+import sys
+from megatron_mok.cuda import library
+assert library.is_available(), library._load_error
+assert str(library.library_path()) == sys.argv[1], library.library_path()
+"""
+
+
+def library_tests(python: str, tree: Path, lib: Path) -> str:
+    """LIBRARY_TESTS under ``python`` (one with torch and pytest) with ``lib`` as the library
+    (MOK_CUDA_LIB) and CUDA 12's libcudart; returns pytest's summary line."""
+    env = dict(os.environ, MOK_CUDA_LIB=str(lib), LD_LIBRARY_PATH=str(tree / "lib"))
+    pre = subprocess.run([python, "-c", _PREFLIGHT, str(lib)], capture_output=True, text=True,
+                         env=env, cwd=ROOT)
+    if pre.returncode != 0:  # the tests would skip themselves, and pass, without it
+        raise Failed(f"the package does not load {lib} under {python}: {pre.stderr.strip()[-600:]}")
+    r = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *LIBRARY_TESTS],
+                       capture_output=True, text=True, env=env, cwd=ROOT)
+    summary = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
+    if r.returncode != 0:
+        raise Failed(f"the library's CPU tests fail with the CUDA 12 build: {summary}\n"
+                     + "\n".join(l for l in r.stdout.splitlines() if l.startswith(("FAILED", "ERROR")))[:3000])
+    return summary
+
+
 def resource_usage(report: str) -> list:
     """ptxas's card per kernel: [{kernel, registers, stack, spill_stores, spill_loads}]."""
     rows, name = [], None
@@ -314,6 +345,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the outcome and ptxas's card per kernel here")
     ap.add_argument("--keep", help="copy libmok_cuda.so and CUDA 12's libcudart.so.12 here")
     ap.add_argument("--toolkit", help="an assembled tool tree to use instead of downloading one")
+    ap.add_argument("--pytest", metavar="PYTHON", help="then run the library's CPU tests "
+                    "(LIBRARY_TESTS) under this interpreter with the CUDA 12 build loaded")
     args = ap.parse_args(argv)
     cache = Path(os.environ.get("MOK_CUDA12_CACHE", ROOT / ".cuda12"))
     try:
@@ -326,6 +359,7 @@ def main(argv=None) -> int:
         lib = out / "libmok_cuda.so"
         cubins = check_cubins(tree, lib)
         runtime, abi, n = load_check(tree, lib)
+        tests = library_tests(args.pytest, tree, lib) if args.pytest else None
     except CannotCheck as e:
         log(f"the check cannot run here: {e}")
         return 2
@@ -345,10 +379,11 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
             nvcc=release, arch=f"sm_{ARCH}", cudart_version=runtime, abi_version=abi,
-            functions_declared=n, cubins=cubins, seconds=round(time.time() - start, 1),
-            kernels=rows), indent=1) + "\n")
+            functions_declared=n, cubins=cubins, library_tests=tests,
+            seconds=round(time.time() - start, 1), kernels=rows), indent=1) + "\n")
     log(f"OK: csrc/ built by nvcc {release} ({len(cubins)} cubins, {round(time.time() - start)} s); "
-        f"the library loads with CUDART {runtime} and its {n} C ABI functions (ABI {abi}) resolve")
+        f"the library loads with CUDART {runtime} and its {n} C ABI functions (ABI {abi}) resolve"
+        + (f"; its CPU tests with it: {tests}" if tests else ""))
     return 0
 
 

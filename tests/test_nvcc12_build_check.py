@@ -273,3 +273,50 @@ def test_a_compiler_that_is_not_cuda_12s_or_refuses_the_host_compiler_cannot_che
         "crt/host_config.h:143:2: error: #error -- unsupported GNU version! gcc versions later "
         "than 13 are not supported!"))
     assert r.returncode == 2 and "host compiler is newer" in r.stdout
+
+
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+# Stand-in interpreter for --pytest: the preflight (-c) and pytest (-m pytest) exit as the test
+# says; pytest also fails unless the CUDA 12 build is what MOK_CUDA_LIB names, beside its cudart.
+case "$1" in
+    -c) exit "${FAKE_PRE_RC:-0}" ;;
+    -m) case "$MOK_CUDA_LIB:$LD_LIBRARY_PATH" in
+            */build-nvcc-12.4.131/libmok_cuda.so:*/tk/lib*) ;;
+            *) echo "1 failed: MOK_CUDA_LIB=$MOK_CUDA_LIB LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; exit 1 ;;
+        esac
+        [ "${FAKE_PYTEST_RC:-0}" = 0 ] || echo "FAILED tests/test_errors.py::test_x - boom"
+        echo "${FAKE_SUMMARY:-157 passed, 3 skipped in 1.00s}"; exit "${FAKE_PYTEST_RC:-0}" ;;
+esac
+exit 3
+"""
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+    path = tmp_path / "python"
+    path.write_text(FAKE_PYTHON)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_library_tests_pass_with_the_cuda_12_build_loaded(tree, fake_python):
+    tk, _, env = tree
+    r = _run(tk, env, "--pytest", fake_python)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "its CPU tests with it: 157 passed, 3 skipped" in r.stdout
+
+
+def test_failing_library_tests_fail(tree, fake_python):
+    tk, _, env = tree
+    r = _run(tk, env, "--pytest", fake_python, FAKE_PYTEST_RC="1", FAKE_SUMMARY="1 failed, 156 passed")
+    assert r.returncode == 1, r.stdout
+    assert "CPU tests fail with the CUDA 12 build: 1 failed, 156 passed" in r.stdout
+    assert "FAILED tests/test_errors.py::test_x" in r.stdout
+
+
+def test_library_tests_that_would_only_skip_fail(tree, fake_python):
+    # the package cannot load the build (the tests would skip themselves and pass): a failure
+    tk, _, env = tree
+    r = _run(tk, env, "--pytest", fake_python, FAKE_PRE_RC="1")
+    assert r.returncode == 1, r.stdout
+    assert "the package does not load" in r.stdout
