@@ -32,7 +32,8 @@ ptxas's registers / stack / spills per kernel (``--json`` writes them).
 
 ``--keep DIR`` copies the built library and CUDA 12's libcudart.so.12 there (to run the GPU
 suite with it: MOK_CUDA_LIB=DIR/libmok_cuda.so LD_LIBRARY_PATH=DIR). Downloads and the tool tree
-are cached under $MOK_CUDA12_CACHE (default .cuda12/, ignored by git). Exit status: 0 built and
+are cached under $MOK_CUDA12_CACHE (default .cuda12/, ignored by git); $MOK_DEBIAN_MIRROR names
+another Debian mirror, $MOK_CUDA_ARCH another architecture (default 90a, as setup.py's). Exit status: 0 built and
 loaded; 1 the sources failed (compile, link, cubins or load); 2 this machine cannot run the
 check (no registry, no such package); either way it says why.
 """

@@ -157,10 +157,15 @@ def test_the_other_scripts_python_commands_parse():
         ["run_gpu_ab bench", _script_args(os.path.join(REPO, "examples", "run_gpu_ab.sh"),
                                           "benchmarks/bench_layer.py",
                                           {'"$OUT_DIR/bench"': "/tmp/x"})],
+        # the next one-GPU call's eager bench (session 46: the CUDA 12.4 build against nvcc 13's)
+        ["s46 bench12", _script_args(os.path.join(REPO, "scripts", "device_runs", "s46_1gpu.sh"),
+                                     "benchmarks/bench_dispatch_combine.py",
+                                     {"$R/eager_${v}_$i": "/tmp/x", "$C": "abc1234"})],
     ]
-    assert [a[1:3] for _, a in commands] == [["--tokens", "128"], ["--out-dir", "/tmp/x"]], commands
+    assert [a[1:3] for _, a in commands] == [["--tokens", "128"], ["--out-dir", "/tmp/x"],
+                                             ["--nproc", "1"]], commands
     results = _parse_all(commands)
-    assert [r for _, r in results] == ["ok", "ok"], results
+    assert [r for _, r in results] == ["ok", "ok", "ok"], results
 
 
 def test_a_wrong_flag_fails_the_check():
