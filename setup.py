@@ -16,7 +16,8 @@ the same runs in Python.
 Environment switches:
     MOK_SKIP_CUDA_BUILD=1   do not build the CUDA library
     MOK_SKIP_HOST_OPS_BUILD=1  do not build the C++ host ops
-    MOK_CUDA_ARCH=90a       target (sm_90a for H100/H200; the kernels need sm_90)
+    MOK_CUDA_ARCH=90a       target(s): one or a list ("90a 100a": one library, a cubin each; the
+                            kernels need sm_90; 100a, Blackwell, compiles but never ran)
     CUDA_HOME / PATH        where nvcc is looked up
 """
 
@@ -52,6 +53,17 @@ def nvcc_version(nvcc: str):
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
+def _load_module(relpath: str):
+    """A torch-free module of the package, loaded from its file: the package itself imports
+    torch at once, which a build need not have."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_mok_build_" + Path(relpath).stem, ROOT / relpath)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def build_cuda_library() -> None:
     """Builds megatron_mok/_lib/libmok_cuda.so in the source tree (editable installs use it in
     place; regular installs ship it as package data)."""
@@ -67,9 +79,12 @@ def build_cuda_library() -> None:
     if version < MIN_NVCC:
         sys.exit(f"[megatron_mok] nvcc {version[0]}.{version[1]} is too old: the kernels need CUDA >= "
                  f"{MIN_NVCC[0]}.{MIN_NVCC[1]} for sm_90a. Set MOK_SKIP_CUDA_BUILD=1 to install without them.")
-    arch = os.environ.get("MOK_CUDA_ARCH", "90a")
+    try:
+        archs = _load_module("megatron_mok/cuda/arch.py").build_archs(os.environ.get("MOK_CUDA_ARCH"))
+    except ValueError as e:
+        sys.exit(f"[megatron_mok] {e}")
     out = ROOT / "megatron_mok" / "_lib"
-    cmd = ["make", "-C", str(ROOT / "csrc"), f"ARCH={arch}", f"OUT={out}", f"NVCC={nvcc}"]
+    cmd = ["make", "-C", str(ROOT / "csrc"), f"ARCH={' '.join(archs)}", f"OUT={out}", f"NVCC={nvcc}"]
     print("[megatron_mok] building the CUDA library:", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
 
@@ -79,13 +94,7 @@ def build_host_ops() -> None:
     (megatron_mok/_lib/host_ops/torch-<version>/). host_ops.py is loaded from its file: the
     package itself (which imports torch at once) is not imported here. Where torch or a
     compiler is missing it says so and the Python path is used."""
-    import importlib.util
-
-    path = ROOT / "megatron_mok" / "cuda" / "host_ops.py"
-    spec = importlib.util.spec_from_file_location("_mok_host_ops_build", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.build(strict=False, force=False)
+    _load_module("megatron_mok/cuda/host_ops.py").build(strict=False, force=False)
 
 
 class BuildPyWithCuda(build_py):

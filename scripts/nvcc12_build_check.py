@@ -22,7 +22,7 @@ nothing is taken from it; the load check below would fail on a symbol left undef
 
 Checks, in order: the package's SHA256 (from the suite's Packages index, fetched over HTTPS);
 ``nvcc --version`` is the release; csrc/ compiles and links (``make -C csrc``); the library holds
-one sm_<ARCH> cubin per source file; it loads with CUDA 12's libcudart and every C ABI function
+one cubin per source file and architecture; it loads with CUDA 12's libcudart and every C ABI function
 ``megatron_mok/cuda/bindings.py`` declares resolves (no GPU is needed to load it); with
 ``--pytest PYTHON``, the CPU tests that drive the real library's host side (argument checks,
 workspace layout; ``LIBRARY_TESTS``) pass with this build loaded instead. Then it prints
@@ -33,7 +33,7 @@ ptxas's registers / stack / spills per kernel (``--json`` writes them).
 ``--keep DIR`` copies the built library and CUDA 12's libcudart.so.12 there (to run the GPU
 suite with it: MOK_CUDA_LIB=DIR/libmok_cuda.so LD_LIBRARY_PATH=DIR). Downloads and the tool tree
 are cached under $MOK_CUDA12_CACHE (default .cuda12/, ignored by git); $MOK_DEBIAN_MIRROR names
-another Debian mirror, $MOK_CUDA_ARCH another architecture (default 90a, as setup.py's). Exit status: 0 built and
+another Debian mirror, $MOK_CUDA_ARCH other architectures (as setup.py reads it; default 90a). Exit status: 0 built and
 loaded; 1 the sources failed (compile, link, cubins or load); 2 this machine cannot run the
 check (no registry, no such package); either way it says why.
 """
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import io
 import json
 import lzma
@@ -60,7 +61,18 @@ ROOT = Path(__file__).resolve().parent.parent
 MIRROR = os.environ.get("MOK_DEBIAN_MIRROR", "https://deb.debian.org/debian")
 SUITE = "trixie"
 PACKAGE = "nvidia-cuda-toolkit"
-ARCH = os.environ.get("MOK_CUDA_ARCH", "90a")
+
+
+def _archs() -> list:
+    # megatron_mok/cuda/arch.py, loaded from its file (the package imports torch; python3 here
+    # need not have it)
+    spec = importlib.util.spec_from_file_location("_mok_arch", ROOT / "megatron_mok" / "cuda" / "arch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build_archs(os.environ.get("MOK_CUDA_ARCH"))
+
+
+ARCHS = _archs()
 
 # Members of the .deb the tool tree needs: path in the package -> path in the tree.
 _TOOLS = {
@@ -232,7 +244,7 @@ def nvcc_release(tree: Path) -> str:
 
 def build_library(tree: Path, out: Path) -> str:
     """``make -C csrc`` with the tree's nvcc; returns the compiler's report (ptxas included)."""
-    cmd = ["make", "-C", str(ROOT / "csrc"), "-s", "-B", f"ARCH={ARCH}", f"OUT={out}",
+    cmd = ["make", "-C", str(ROOT / "csrc"), "-s", "-B", f"ARCH={' '.join(ARCHS)}", f"OUT={out}",
            f"NVCC={tree / 'bin' / 'nvcc'}", "EXTRA=-cudart shared --resource-usage"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     report = r.stdout + r.stderr
@@ -246,14 +258,14 @@ def build_library(tree: Path, out: Path) -> str:
 
 
 def check_cubins(tree: Path, lib: Path) -> list:
-    """One sm_<ARCH> cubin per csrc source file (the Makefile's SRC); returns them."""
+    """One cubin per csrc source file (the Makefile's SRC) and architecture; returns them."""
     listing = subprocess.run([str(tree / "bin" / "cuobjdump"), "--list-elf", str(lib)],
                              capture_output=True, text=True).stdout
     cubins = re.findall(r"ELF file\s+\d+: (\S+)", listing)
     sources = sorted(p.stem for d in ("api", "layout", "kernels") for p in (ROOT / "csrc" / d).glob("*.cu"))
-    missing = [s for s in sources if f"{s}.sm_{ARCH}.cubin" not in cubins]
+    missing = [f"{s}.sm_{a}" for s in sources for a in ARCHS if f"{s}.sm_{a}.cubin" not in cubins]
     if not sources or missing:
-        raise Failed(f"no sm_{ARCH} cubin for {', '.join(missing) or 'any source'} in {lib} ({cubins})")
+        raise Failed(f"no cubin {', '.join(missing) or 'for any source'} in {lib} ({cubins})")
     return cubins
 
 
@@ -354,7 +366,7 @@ def main(argv=None) -> int:
         tree = Path(args.toolkit) if args.toolkit else build_tree(cache)
         release = nvcc_release(tree)
         out = cache / f"build-nvcc-{release}"
-        log(f"building csrc/ with nvcc {release} (sm_{ARCH})")
+        log(f"building csrc/ with nvcc {release} ({', '.join('sm_' + a for a in ARCHS)})")
         start = time.time()
         report = build_library(tree, out)
         lib = out / "libmok_cuda.so"
@@ -379,7 +391,7 @@ def main(argv=None) -> int:
         shutil.copy2(tree / "lib" / "libcudart.so.12", keep / "libcudart.so.12")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
-            nvcc=release, arch=f"sm_{ARCH}", cudart_version=runtime, abi_version=abi,
+            nvcc=release, archs=[f"sm_{a}" for a in ARCHS], cudart_version=runtime, abi_version=abi,
             functions_declared=n, cubins=cubins, library_tests=tests,
             seconds=round(time.time() - start, 1), kernels=rows), indent=1) + "\n")
     log(f"OK: csrc/ built by nvcc {release} ({len(cubins)} cubins, {round(time.time() - start)} s); "

@@ -254,7 +254,7 @@ def test_a_missing_cubin_fails(tree):
     tk, _, env = tree
     r = _run(tk, env, FAKE_CUBINS=" ".join(_sources()[1:]))
     assert r.returncode == 1, r.stdout
-    assert f"no sm_90a cubin for {_sources()[0]}" in r.stdout
+    assert f"no cubin {_sources()[0]}.sm_90a " in r.stdout
 
 
 def test_a_library_missing_a_c_abi_function_fails(tree):

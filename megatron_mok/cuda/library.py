@@ -95,5 +95,7 @@ def unsupported_gpu_message(device_index: int, why_not: str) -> str:
     major, minor = torch.cuda.get_device_capability(device_index)
     return (f"backend='cuda' cannot run on cuda:{device_index} ({name}, compute capability "
             f"{major}.{minor}): the MoK CUDA library holds no code for it ({why_not}). Its kernels "
-            f"are built for Hopper (sm_90a: H100, H200, GH200; MOK_CUDA_ARCH at build time). On "
-            f"other GPUs use backend='reference' (slow), or Megatron's alltoall / flex dispatcher.")
+            f"are built for the architectures MOK_CUDA_ARCH names at build time (default sm_90a: "
+            f"H100, H200, GH200; MOK_CUDA_ARCH='90a 100a' adds sm_100a: B200, GB200, compiled but "
+            f"never run on one). Otherwise use backend='reference' (slow), or Megatron's alltoall / flex "
+            f"dispatcher.")

@@ -7,7 +7,7 @@
 #          carry megatron_mok/_lib/libmok_cuda.so and .carry/nvcc12 (the 12.4 library, 7 MB, and
 #          its libcudart.so.12; the nvcc 13 build links cudart statically, so the .so.12 on
 #          LD_LIBRARY_PATH is the 12.4 library's alone)
-#     PARTS: any of tests12 chain12 bench12 fuzz12
+#     PARTS: any of tests12 chain12 bench12 fuzz12 fat
 #
 # tests12  with the 12.4 library: the C ABI tests, the CUDA sample of the mutation audit, the
 #          error-path selection (its timeouts and device flags), the narrow-combine and FP8 tests
@@ -16,6 +16,8 @@
 #          prediction: the 12.4 dispatch transfer kernel spills 508/804 B against 332/400 B)
 # bench12  bench_dispatch_combine.py at t128 and dsv3 (eager, W = 1), base then new, twice
 # fuzz12   the fuzzer for FUZZ12_S seconds (default 60) with the 12.4 library
+# fat      a library of MOK_CUDA_ARCH="90a 100a" (built there, ~80 s): mok_kernel_arch says the
+#          H200 runs its sm_90a cubin, then the CUDA sample with it
 # Then the fuzzer for FUZZ_S seconds (default 0) with this tree's library.
 C=${1:?commit}; PARTS=${2:?parts}; FUZZ=${3:-0}
 . "$(dirname "$0")/common.sh"
@@ -45,6 +47,14 @@ bench12)
   done; done ;;
 fuzz12)
   MOK_CUDA_LIB=$BASE_LIB fuzz ${FUZZ12_S:-60} fuzz12 ;;
+fat)
+  t0=$SECONDS
+  make -C csrc -s -B ARCH="90a 100a" OUT=$PWD/build/fat > $R/fat_build.log 2>&1
+  echo "[fat build] rc=$? $((SECONDS - t0)) s"; tail -3 $R/fat_build.log
+  MOK_CUDA_LIB=$PWD/build/fat/libmok_cuda.so python3 -c "
+from megatron_mok.cuda import library
+print('[fat library] arch on GPU 0:', library.kernel_arch(0))"
+  MOK_CUDA_LIB=$PWD/build/fat/libmok_cuda.so cuda_sample 150 ;;
 *) echo "unknown part $1"; exit 2 ;;
 esac
 }
