@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.dist import Distribution
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -104,6 +105,16 @@ class BuildPyWithCuda(build_py):
         super().run()
 
 
+class BinaryDistribution(Distribution):
+    """Not a pure-Python distribution: its wheel carries libmok_cuda.so (x86_64 or aarch64 code)
+    and the host ops (built for one CPython and one torch), so the wheel must be tagged for this
+    interpreter and platform, not py3-none-any (which pip's wheel cache would hand to any
+    Python on any machine). Decided before the build runs, hence always."""
+
+    def has_ext_modules(self):
+        return True
+
+
 setup(
     name="megatron_mok",
     version=read_version(),
@@ -120,5 +131,6 @@ setup(
         "bench": ["numpy", "matplotlib"],
     },
     cmdclass={"build_py": BuildPyWithCuda},
+    distclass=BinaryDistribution,
     entry_points={"console_scripts": ["mok-launch=megatron_mok.launch:main"]},
 )
