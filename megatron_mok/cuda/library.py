@@ -97,5 +97,5 @@ def unsupported_gpu_message(device_index: int, why_not: str) -> str:
             f"{major}.{minor}): the MoK CUDA library holds no code for it ({why_not}). Its kernels "
             f"are built for the architectures MOK_CUDA_ARCH names at build time (default sm_90a: "
             f"H100, H200, GH200; MOK_CUDA_ARCH='90a 100a' adds sm_100a: B200, GB200, compiled but "
-            f"never run on one). Otherwise use backend='reference' (slow), or Megatron's alltoall / flex "
-            f"dispatcher.")
+            f"never run on one). Otherwise use backend='reference' (slow), or Megatron's "
+            f"alltoall / flex dispatcher.")
