@@ -66,20 +66,14 @@ if [ ! -f "$TREE/.complete" ]; then
         exit 2
     fi
     rm -rf "$TREE"
-    # One include tree: the runtime's and CCCL's headers, then (below) nvcc's own.
-    "$PY" - "$WHEELS" "$TREE" <<'PYEOF'
-import glob, os, sys, zipfile
-wheels, tree = sys.argv[1:]
-for path in sorted(glob.glob(os.path.join(wheels, "*.whl"))):
-    with zipfile.ZipFile(path) as z:
-        for name in z.namelist():
-            parts = name.split("/")
-            # nvidia/<component>/include/<header path>
-            if len(parts) > 3 and parts[0] == "nvidia" and parts[2] == "include" and not name.endswith("/"):
-                dest = os.path.join(tree, *parts[3:])
-                os.makedirs(os.path.dirname(dest), exist_ok=True)
-                with z.open(name) as src, open(dest, "wb") as out:
-                    out.write(src.read())
+    # One include tree: the runtime's and CCCL's headers (nvcc12_build_check.add_wheels, the
+    # wheels' include/ folders), then (below) nvcc's own.
+    "$PY" - "$ROOT/scripts" "$WHEELS" "$TREE" <<'PYEOF'
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from nvcc12_build_check import add_wheels
+add_wheels(Path(sys.argv[2]), {"include": Path(sys.argv[3])})
 PYEOF
     # The compiler's own headers (what the nvcc component ships: crt/ and fatbinary_section.h,
     # which the stubs cudafe++ writes include) come from the compiler that reads them.

@@ -20,7 +20,8 @@ shared``; the static one is only in Debian's 934 MB nvidia-cuda-dev), and ``-lcu
 which nvcc adds to every link, resolves to an empty archive (nothing is compiled with -rdc, so
 nothing is taken from it; the load check below would fail on a symbol left undefined).
 
-Checks, in order: the package's SHA256 (from the suite's Packages index, fetched over HTTPS);
+Checks, in order: the package's SHA256 when the tree is assembled (from the suite's Packages index,
+fetched over HTTPS; a cached tree is not hashed again);
 ``nvcc --version`` is the release; csrc/ compiles and links (``make -C csrc``); the library holds
 one cubin per source file and architecture; it loads with CUDA 12's libcudart and every C ABI function
 ``megatron_mok/cuda/bindings.py`` declares resolves (no GPU is needed to load it); with
@@ -71,8 +72,6 @@ def _archs() -> list:
     spec.loader.exec_module(module)
     return module.build_archs(os.environ.get("MOK_CUDA_ARCH"))
 
-
-ARCHS = _archs()
 
 # Members of the .deb the tool tree needs: path in the package -> path in the tree.
 _TOOLS = {
@@ -171,9 +170,14 @@ def fetch(url: str) -> bytes:
         raise CannotCheck(f"cannot fetch {url}: {e}") from None
 
 
-def fetch_package(cache: Path) -> tuple[bytes, dict]:
+def index_entry() -> dict:
+    """The package's entry in the suite's Packages index (version, file, checksum)."""
     index_url = f"{MIRROR}/dists/{SUITE}/non-free/binary-amd64/Packages.xz"
-    entry = parse_packages(lzma.decompress(fetch(index_url)).decode(), PACKAGE)
+    return parse_packages(lzma.decompress(fetch(index_url)).decode(), PACKAGE)
+
+
+def fetch_package(cache: Path, entry: dict) -> bytes:
+    """The .deb ``entry`` names (downloaded once into ``cache``), checked against its SHA256."""
     deb_path = cache / Path(entry["Filename"]).name
     if not deb_path.exists():
         log(f"fetching {PACKAGE} {entry['Version']} from {MIRROR} ({int(entry.get('Size', 0)) >> 20} MB)")
@@ -183,21 +187,22 @@ def fetch_package(cache: Path) -> tuple[bytes, dict]:
     if digest != entry["SHA256"]:
         deb_path.unlink()
         raise CannotCheck(f"{deb_path.name}: SHA256 {digest} is not the index's {entry['SHA256']}")
-    return deb, entry
+    return deb
 
 
 # -- the tool tree -----------------------------------------------------------------------------
 
-def add_wheels(wheels: Path, tree: Path) -> None:
-    """Headers and libraries of the nvidia-*-cu12 wheels into tree/include and tree/lib."""
+def add_wheels(wheels: Path, dests: dict) -> None:
+    """The nvidia-*-cu12 wheels' folders into ``dests`` ({"include": Path, "lib": Path}: which
+    folders, and where each goes). scripts/cuda12_headers_check.sh calls it for the headers."""
     for path in sorted(wheels.glob("*.whl")):
         with zipfile.ZipFile(path) as z:
             for name in z.namelist():
                 parts = name.split("/")
-                # nvidia/<component>/{include,lib}/<path>
-                if (len(parts) > 3 and parts[0] == "nvidia" and parts[2] in ("include", "lib")
+                # nvidia/<component>/<folder>/<path>
+                if (len(parts) > 3 and parts[0] == "nvidia" and parts[2] in dests
                         and not name.endswith("/") and parts[-1] != "__init__.py"):
-                    dest = tree.joinpath(parts[2], *parts[3:])
+                    dest = Path(dests[parts[2]]).joinpath(*parts[3:])
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     dest.write_bytes(z.read(name))
 
@@ -205,13 +210,13 @@ def add_wheels(wheels: Path, tree: Path) -> None:
 def build_tree(cache: Path) -> Path:
     """Downloads (cached) and assembles the CUDA 12 tool tree; returns it."""
     cache.mkdir(parents=True, exist_ok=True)
-    deb, entry = fetch_package(cache)
+    entry = index_entry()
     full, release = upstream_release(entry["Version"])
     tree = cache / f"nvcc-{full}"
     if (tree / ".complete").exists():
         return tree
     shutil.rmtree(tree, ignore_errors=True)
-    extract_tools(deb, tree)
+    extract_tools(fetch_package(cache, entry), tree)
     wheels = cache / f"wheels-nvcc-{full}"
     wheels.mkdir(exist_ok=True)
     log(f"fetching the CUDA {release} nvcc headers, runtime and CCCL (PyPI wheels)")
@@ -221,7 +226,7 @@ def build_tree(cache: Path) -> Path:
            f"nvidia-cuda-cccl-cu12=={release}.*"]
     if subprocess.run(pip).returncode != 0:
         raise CannotCheck(f"could not download the CUDA {release} wheels (nvcc headers {full})")
-    add_wheels(wheels, tree)
+    add_wheels(wheels, {"include": tree / "include", "lib": tree / "lib"})
     (tree / "bin" / "nvcc.profile").write_text(_PROFILE)
     # nvcc links -lcudadevrt always; without -rdc nothing is taken from it (see the docstring).
     subprocess.run(["ar", "rc", str(tree / "lib" / "libcudadevrt.a")], check=True)
@@ -242,9 +247,9 @@ def nvcc_release(tree: Path) -> str:
     return m.group(2)
 
 
-def build_library(tree: Path, out: Path) -> str:
+def build_library(tree: Path, out: Path, archs: list) -> str:
     """``make -C csrc`` with the tree's nvcc; returns the compiler's report (ptxas included)."""
-    cmd = ["make", "-C", str(ROOT / "csrc"), "-s", "-B", f"ARCH={' '.join(ARCHS)}", f"OUT={out}",
+    cmd = ["make", "-C", str(ROOT / "csrc"), "-s", "-B", f"ARCH={' '.join(archs)}", f"OUT={out}",
            f"NVCC={tree / 'bin' / 'nvcc'}", "EXTRA=-cudart shared --resource-usage"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     report = r.stdout + r.stderr
@@ -257,13 +262,13 @@ def build_library(tree: Path, out: Path) -> str:
     return report
 
 
-def check_cubins(tree: Path, lib: Path) -> list:
+def check_cubins(tree: Path, lib: Path, archs: list) -> list:
     """One cubin per csrc source file (the Makefile's SRC) and architecture; returns them."""
     listing = subprocess.run([str(tree / "bin" / "cuobjdump"), "--list-elf", str(lib)],
                              capture_output=True, text=True).stdout
     cubins = re.findall(r"ELF file\s+\d+: (\S+)", listing)
     sources = sorted(p.stem for d in ("api", "layout", "kernels") for p in (ROOT / "csrc" / d).glob("*.cu"))
-    missing = [f"{s}.sm_{a}" for s in sources for a in ARCHS if f"{s}.sm_{a}.cubin" not in cubins]
+    missing = [f"{s}.sm_{a}" for s in sources for a in archs if f"{s}.sm_{a}.cubin" not in cubins]
     if not sources or missing:
         raise Failed(f"no cubin {', '.join(missing) or 'for any source'} in {lib} ({cubins})")
     return cubins
@@ -362,15 +367,16 @@ def main(argv=None) -> int:
                     "(LIBRARY_TESTS) under this interpreter with the CUDA 12 build loaded")
     args = ap.parse_args(argv)
     cache = Path(os.environ.get("MOK_CUDA12_CACHE", ROOT / ".cuda12"))
+    archs = _archs()
     try:
         tree = Path(args.toolkit) if args.toolkit else build_tree(cache)
         release = nvcc_release(tree)
         out = cache / f"build-nvcc-{release}"
-        log(f"building csrc/ with nvcc {release} ({', '.join('sm_' + a for a in ARCHS)})")
+        log(f"building csrc/ with nvcc {release} ({', '.join('sm_' + a for a in archs)})")
         start = time.time()
-        report = build_library(tree, out)
+        report = build_library(tree, out, archs)
         lib = out / "libmok_cuda.so"
-        cubins = check_cubins(tree, lib)
+        cubins = check_cubins(tree, lib, archs)
         runtime, abi, n = load_check(tree, lib)
         tests = library_tests(args.pytest, tree, lib) if args.pytest else None
     except CannotCheck as e:
@@ -391,7 +397,7 @@ def main(argv=None) -> int:
         shutil.copy2(tree / "lib" / "libcudart.so.12", keep / "libcudart.so.12")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
-            nvcc=release, archs=[f"sm_{a}" for a in ARCHS], cudart_version=runtime, abi_version=abi,
+            nvcc=release, archs=[f"sm_{a}" for a in archs], cudart_version=runtime, abi_version=abi,
             functions_declared=n, cubins=cubins, library_tests=tests,
             seconds=round(time.time() - start, 1), kernels=rows), indent=1) + "\n")
     log(f"OK: csrc/ built by nvcc {release} ({len(cubins)} cubins, {round(time.time() - start)} s); "

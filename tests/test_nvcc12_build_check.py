@@ -146,7 +146,8 @@ def mirror(tmp_path, monkeypatch):
 def test_fetches_the_package_the_index_names(mirror):
     deb, cache, publish = mirror
     publish(hashlib.sha256(deb).hexdigest())
-    got, entry = check.fetch_package(cache)
+    entry = check.index_entry()
+    got = check.fetch_package(cache, entry)
     assert got == deb and entry["Version"] == "12.4.131~12.4.1-2"
 
 
@@ -154,14 +155,14 @@ def test_a_package_whose_checksum_is_not_the_indexs_is_refused_and_not_kept(mirr
     deb, cache, publish = mirror
     publish("0" * 64)
     with pytest.raises(check.CannotCheck, match="SHA256"):
-        check.fetch_package(cache)
+        check.fetch_package(cache, check.index_entry())
     assert not list(cache.glob("*.deb"))
 
 
 def test_an_unreachable_mirror_cannot_check(tmp_path, monkeypatch):
     monkeypatch.setattr(check, "MIRROR", (tmp_path / "nowhere").as_uri())
     with pytest.raises(check.CannotCheck, match="cannot fetch"):
-        check.fetch_package(tmp_path)
+        check.index_entry()
 
 
 # -- the verdicts, with a stand-in tool tree -------------------------------------------------
